@@ -1,0 +1,41 @@
+# Set-up and checks for a fresh machine. `make test` and `make demo` create .venv/ themselves.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# CPU build of torch, from local disk on the CI/dev machines; an unpinned `torch` pulls a multi-GB
+# CUDA build. GPU machines install their own torch.
+TORCH_CPU := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test test-fast demo bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+# The main job end to end on a tiny built-in model. Serving (expertd + expert-worker) joins it as
+# those parts land; until then it stops after the pack is built, verified and inspected.
+demo: $(STAMP)
+	rm -rf demo-out && mkdir -p demo-out
+	$(VENV)/bin/expertpack synth --preset tiny -o demo-out/tiny.gguf
+	$(VENV)/bin/expertpack build demo-out/tiny.gguf -o demo-out/tiny.expertpack
+	$(VENV)/bin/expertpack verify demo-out/tiny.expertpack
+	$(VENV)/bin/expertpack inspect demo-out/tiny.expertpack
+	@echo "not yet: serving the pack (expertd + expert-worker + HTTP API) is still being built"
+
+bench: $(STAMP)
+	$(PY) bench/build_throughput.py
+
+clean:
+	rm -rf demo-out bench-out build dist *.egg-info

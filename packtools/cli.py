@@ -1,0 +1,162 @@
+"""`expertpack`: the offline tools (build, verify, inspect, synth). Logs go to stderr, results to
+stdout. Exit status: 0 success, 1 verify found damage, 2 bad input or environment (one-line
+message), 130 interrupted (a build resumes when rerun)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import ExpertpackError
+from .units import GIB
+
+EXIT_DAMAGED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+log = logging.getLogger("expertpack")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
+                        format="expertpack: %(message)s")
+    try:
+        return args.run(args)
+    except ExpertpackError as exc:
+        from .build import BuildInterrupted
+
+        print(f"expertpack {args.command}: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED if isinstance(exc, BuildInterrupted) else EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"expertpack {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="expertpack",
+        description="Offline tools for expert packs: turn a Mixture-of-Experts GGUF into an expert-major "
+                    "pack that expertd streams from the SSD, check it, size it, or make a synthetic model.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser("build", help="GGUF (one file or split set) -> experts.pack + manifest.json + trunk.gguf",
+                       description="Copy every routed expert of SRC into an expert-major pack (one contiguous, "
+                                   "4096-aligned block per layer and expert, bytes verbatim) and everything else "
+                                   "into trunk.gguf. Streams with bounded memory; a killed build resumes when the "
+                                   "same command is run again.")
+    b.add_argument("src", type=Path, metavar="SRC.gguf",
+                   help="a GGUF file, or the first shard (…-00001-of-000NN.gguf) of a llama.cpp split set")
+    b.add_argument("-o", "--out", type=Path, help="output directory (default: SRC without .gguf, plus .expertpack)")
+    b.add_argument("--force", action="store_true", help="replace a finished pack in OUT, or discard a resumable build")
+    b.add_argument("--safety-margin-gib", type=float, default=1.0, metavar="G",
+                   help="refuse to start unless G GiB stay free after the pack and trunk are written (default 1)")
+    b.add_argument("--checkpoint-every-s", type=float, default=30.0, metavar="S",
+                   help="sync and record progress every S seconds: the most work a crash can lose (default 30)")
+    b.add_argument("--threads", type=int, default=None, metavar="N", help="hashing threads (default: CPU count)")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info logs")
+    b.set_defaults(run=_build)
+
+    v = sub.add_parser("verify", help="re-hash every expert block and check the whole pack",
+                       description="Check manifest, layout contract, pack header and size, trunk fingerprint and "
+                                   "tensors, and re-hash every expert block. Names each damaged (layer, expert); "
+                                   "exit status 1 if anything is wrong.")
+    v.add_argument("pack", type=Path, metavar="OUT", help="a pack directory written by `expertpack build`")
+    v.add_argument("--threads", type=int, default=None, metavar="N", help="hashing threads (default: CPU count)")
+    v.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    v.set_defaults(run=_verify)
+
+    i = sub.add_parser("inspect", help="sizes for planning: bytes per expert, per token, cache fit",
+                       description="Describe a pack, or a source GGUF before building it: architecture, expert "
+                                   "roles and types, bytes per expert, pack and trunk sizes, routed bytes a token "
+                                   "reads at 0%% cache hit, and how many experts fit in a VRAM budget.")
+    i.add_argument("target", type=Path, metavar="OUT|SRC.gguf")
+    i.add_argument("--vram-gib", type=float, action="append", metavar="G",
+                   help="VRAM budget to size the expert cache for (repeatable; default 8 16 24 32 80)")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(run=_inspect)
+
+    s = sub.add_parser("synth", help="write a synthetic GGUF of a real architecture at a real model's shapes",
+                       description="Write a GGUF with random (valid, finite) weights in the layout llama.cpp's "
+                                   "converter uses for the preset's architecture, with a small trained tokenizer "
+                                   "in its metadata. For benchmarks and the demo; streams at disk speed.")
+    s.add_argument("--preset", help="model shape to imitate (see --list)")
+    s.add_argument("-o", "--out", type=Path, help="output .gguf path (a split set when --shards > 1)")
+    s.add_argument("--layers", type=int, metavar="N", help="keep only the first N layers (fits real shapes on a small disk)")
+    s.add_argument("--type", dest="expert_type", metavar="T", help="ggml type of the routed experts (default: preset's)")
+    s.add_argument("--trunk-type", metavar="T", help="ggml type of the other matrices (default: preset's)")
+    s.add_argument("--shards", type=int, default=1, metavar="N", help="write a llama.cpp split set of N shards")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--force", action="store_true", help="overwrite existing output files")
+    s.add_argument("--list", action="store_true", help="list presets with their sizes and exit")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(run=_synth)
+    return p
+
+
+def _build(args: argparse.Namespace) -> int:
+    from .build import BuildOptions, build_pack, default_output
+
+    out = args.out or default_output(args.src)
+    options = BuildOptions(
+        force=args.force,
+        safety_margin_bytes=int(args.safety_margin_gib * GIB),
+        checkpoint_every_s=args.checkpoint_every_s,
+        hash_threads=args.threads or BuildOptions().hash_threads,
+        progress=not args.quiet,
+    )
+    manifest = build_pack(args.src, out, options)
+    print(f"{out}  fingerprint {manifest.fingerprint}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify_pack
+
+    report = verify_pack(args.pack, threads=args.threads, progress=not args.quiet)
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    for d in report.damaged:
+        print(f"damaged: layer {d.key.layer} expert {d.key.expert} (expected sha256 {d.expected[:16]}…, "
+              f"found {d.found[:16]}…)")
+    if report.ok:
+        print(f"ok: {report.blocks_checked} expert blocks ({report.bytes_checked:,} B) and the trunk match "
+              f"the manifest")
+        return 0
+    print(f"FAILED: {len(report.damaged)} damaged blocks, {len(report.problems)} other problems")
+    return EXIT_DAMAGED
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect_pack import DEFAULT_VRAM_GIB, render_text, summarize
+
+    report = summarize(args.target).to_dict(args.vram_gib or DEFAULT_VRAM_GIB)
+    print(json.dumps(report, indent=1) if args.json else render_text(report))
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from .synth.presets import PRESETS, describe_presets
+    from .synth.writer import SynthOptions, write_synth
+
+    if args.list:
+        print(describe_presets())
+        return 0
+    if not args.preset or not args.out:
+        raise ExpertpackError("synth needs --preset NAME and -o FILE.gguf (see --list for presets)")
+    if args.preset not in PRESETS:
+        raise ExpertpackError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    paths = write_synth(args.out, SynthOptions(
+        preset=args.preset, n_layer=args.layers, expert_type=args.expert_type, trunk_type=args.trunk_type,
+        shards=args.shards, seed=args.seed, force=args.force, progress=not args.quiet))
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Opens a source GGUF, one file or a llama.cpp split set given its first shard, through gguf-py's
+reader, and describes it as plain data: shards, metadata fields and tensors with absolute file
+offsets. It checks everything that can be checked without reading tensor data (shard count, order,
+identity, tensor ranges inside each file) and never reads tensor bytes itself."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from .errors import SourceError
+
+# llama.cpp's split naming (llama_split_path): <prefix>-00001-of-00003.gguf
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+# Fields gguf-py's reader synthesises from the file header; they are not metadata keys.
+READER_PSEUDO_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    path: Path
+    size_bytes: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataField:
+    """One GGUF key/value with its exact wire type, so it can be written back unchanged."""
+
+    key: str
+    value: Any
+    vtype: GGUFValueType
+    sub_type: GGUFValueType | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SourceTensor:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # ggml ne order: shape[0] is the contiguous (quantized) row
+    nbytes: int
+    shard: int  # index into GGUFSource.shards
+    offset: int  # absolute byte offset of the tensor data in its shard file
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    shards: tuple[Shard, ...]
+    metadata: dict[str, MetadataField]  # first shard's keys, without split.* and reader pseudo-keys
+    tensors: tuple[SourceTensor, ...]  # in (shard, offset) order: the order a sequential read meets them
+    alignment: int
+
+    @property
+    def arch(self) -> str:
+        field = self.metadata.get("general.architecture")
+        if field is None or not isinstance(field.value, str):
+            raise SourceError(f"{self.shards[0].path}: no general.architecture key; not a model GGUF")
+        return field.value
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(s.size_bytes for s in self.shards)
+
+    def value(self, key: str, default: Any = None) -> Any:
+        field = self.metadata.get(key)
+        return default if field is None else field.value
+
+
+def open_source(path: Path | str) -> GGUFSource:
+    """Opens a single GGUF or a whole split set from its first shard; raises SourceError with the
+    offending file named on any inconsistency."""
+    path = Path(path)
+    if not path.is_file():
+        raise SourceError(f"{path}: no such file")
+    first = _read(path)
+    count = _split_count(first, path)
+    if count == 1:
+        paths = [path]
+        readers = [first]
+    else:
+        paths = _shard_paths(path, count)
+        readers = [first] + [_read(p) for p in paths[1:]]
+        _check_split_set(paths, readers, count)
+
+    shards = tuple(_shard(p) for p in paths)
+    tensors: list[SourceTensor] = []
+    seen: dict[str, Path] = {}
+    for index, (shard, reader) in enumerate(zip(shards, readers)):
+        for t in reader.tensors:
+            if t.name in seen:
+                raise SourceError(f"{shard.path}: tensor {t.name} also appears in {seen[t.name]}")
+            seen[t.name] = shard.path
+            tensor = _tensor(t, index, shard)
+            tensors.append(tensor)
+    tensors.sort(key=lambda t: (t.shard, t.offset))
+    _check_no_overlap(tensors, shards)
+    return GGUFSource(
+        shards=shards,
+        metadata=_metadata(first, path),
+        tensors=tuple(tensors),
+        alignment=int(first.alignment),
+    )
+
+
+def _read(path: Path) -> GGUFReader:
+    if path.stat().st_size == 0:
+        raise SourceError(f"{path}: empty file, not a GGUF")
+    try:
+        return GGUFReader(path)
+    except ValueError as exc:
+        if "GGMLQuantizationType" in str(exc):
+            raise SourceError(f"{path}: unknown ggml type ({exc}); this gguf version cannot read it") from exc
+        raise SourceError(f"{path}: not a valid GGUF file ({exc})") from exc
+    except (OSError, IndexError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise SourceError(f"{path}: not a valid or complete GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def _shard(path: Path) -> Shard:
+    st = path.stat()
+    return Shard(path=path.resolve(), size_bytes=st.st_size, mtime_ns=st.st_mtime_ns)
+
+
+def _tensor(t: Any, shard_index: int, shard: Shard) -> SourceTensor:
+    ggml_type = GGMLQuantizationType(int(t.tensor_type))
+    shape = tuple(int(d) for d in t.shape)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if shape[0] % block_size:
+        raise SourceError(
+            f"{shard.path}: tensor {t.name} has rows of {shape[0]} values, not a multiple of "
+            f"{ggml_type.name}'s block of {block_size}"
+        )
+    nbytes = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
+    offset = int(t.data_offset)
+    if offset + nbytes > shard.size_bytes:
+        raise SourceError(
+            f"{shard.path}: truncated: tensor {t.name} needs bytes [{offset}, {offset + nbytes}) "
+            f"but the file has {shard.size_bytes}"
+        )
+    return SourceTensor(t.name, ggml_type, shape, nbytes, shard_index, offset)
+
+
+def _check_no_overlap(tensors: list[SourceTensor], shards: tuple[Shard, ...]) -> None:
+    """Tensor data ranges must be disjoint; the sequential copy relies on it."""
+    for a, b in zip(tensors, tensors[1:]):
+        if a.shard == b.shard and a.offset + a.nbytes > b.offset:
+            raise SourceError(f"{shards[a.shard].path}: tensors {a.name} and {b.name} overlap in the file")
+
+
+def _split_count(reader: GGUFReader, path: Path) -> int:
+    count_field = reader.get_field("split.count")
+    if count_field is None:
+        return 1
+    count = int(count_field.contents())
+    no = int(reader.get_field("split.no").contents()) if reader.get_field("split.no") else 0
+    if count > 1 and no != 0:
+        raise SourceError(f"{path}: this is shard {no + 1} of {count}; pass the first shard (…-00001-of-…)")
+    return count
+
+
+def _shard_paths(first: Path, count: int) -> list[Path]:
+    match = SPLIT_NAME.match(first.name)
+    if match is None:
+        raise SourceError(
+            f"{first}: split.count is {count} but the name does not follow llama.cpp's "
+            f"'<prefix>-00001-of-{count:05d}.gguf' pattern, so the other shards cannot be found"
+        )
+    if int(match["count"]) != count:
+        raise SourceError(f"{first}: name says {int(match['count'])} shards but split.count is {count}")
+    paths = [first.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise SourceError(f"{first}: split set of {count} shards is incomplete; missing {', '.join(missing)}")
+    return paths
+
+
+def _check_split_set(paths: list[Path], readers: list[GGUFReader], count: int) -> None:
+    total = _field_int(readers[0], "split.tensors.count", paths[0])
+    for index, (p, r) in enumerate(zip(paths, readers)):
+        no = _field_int(r, "split.no", p)
+        this_count = _field_int(r, "split.count", p)
+        this_total = _field_int(r, "split.tensors.count", p)
+        if no != index or this_count != count:
+            raise SourceError(f"{p}: says it is shard {no + 1} of {this_count}, expected shard {index + 1} of {count}")
+        if this_total != total:
+            raise SourceError(
+                f"{p}: belongs to a different model (split.tensors.count {this_total}, first shard says {total})"
+            )
+    found = sum(len(r.tensors) for r in readers)
+    if found != total:
+        raise SourceError(f"{paths[0]}: split set holds {found} tensors but its header promises {total}")
+
+
+def _field_int(reader: GGUFReader, key: str, path: Path) -> int:
+    field = reader.get_field(key)
+    if field is None:
+        raise SourceError(f"{path}: missing {key}; not a shard of a llama.cpp split set")
+    return int(field.contents())
+
+
+def _metadata(reader: GGUFReader, path: Path) -> dict[str, MetadataField]:
+    out: dict[str, MetadataField] = {}
+    for key, field in reader.fields.items():
+        if key in READER_PSEUDO_KEYS or key in SPLIT_KEYS:
+            continue
+        types = list(field.types)
+        if types[0] == GGUFValueType.ARRAY:
+            if len(types) != 2:
+                raise SourceError(f"{path}: metadata key {key} is a nested array, which gguf-py cannot round-trip")
+            out[key] = MetadataField(key, field.contents(), GGUFValueType.ARRAY, types[1])
+        else:
+            out[key] = MetadataField(key, field.contents(), types[0])
+    return out
+
+
+def file_identity(shards: tuple[Shard, ...]) -> list[dict[str, Any]]:
+    """What the resume logic compares to decide the source is unchanged since a killed build."""
+    return [{"name": s.path.name, "size_bytes": s.size_bytes, "mtime_ns": s.mtime_ns} for s in shards]
+

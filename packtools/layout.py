@@ -1,0 +1,388 @@
+"""Pack format v1: the one module that knows the on-disk layout of experts.pack and manifest.json.
+
+experts.pack
+    [0, 4096)           header page (HEADER below, zero padded), written last by the builder
+    [data_start, size)  per MoE layer, n_expert blocks of `stride` bytes, expert-major:
+                        offset(layer, e) = layers[layer].offset + e * layers[layer].stride
+    A block holds every per-expert tensor ("role") of one expert, each at a sub-offset that is a
+    multiple of ROLE_ALIGNMENT, copied verbatim from the source (same ggml type, same bytes);
+    `payload_bytes` is the un-padded block length the per-block sha256 covers; the rest is zeros.
+
+manifest.json
+    The keys DESIGN.md fixes (format, version, fingerprint, alignment, pack, trunk, source, model,
+    layers) plus what this project adds (model.moe_layers, trunk.size_bytes, trunk.tensor_sha256,
+    created_utc). `fingerprint` is the sha256 of the canonical JSON of the manifest without
+    NON_FINGERPRINT_KEYS; it is also stored in the pack header and in trunk.gguf, which is how a
+    pack, its manifest and its trunk are known to belong together.
+
+This module does no I/O beyond reading and writing these two small structures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple
+
+from .errors import ManifestError
+from .units import round_up
+
+FORMAT_NAME = "expertpack"
+FORMAT_VERSION = 1
+ALIGNMENT = 4096  # O_DIRECT contract: every block offset, stride and read length
+ROLE_ALIGNMENT = 256  # every role's sub-offset inside its block
+DATA_START = ALIGNMENT  # one header page
+
+PACK_FILE = "experts.pack"
+MANIFEST_FILE = "manifest.json"
+TRUNK_FILE = "trunk.gguf"
+TRUNK_FINGERPRINT_KEY = "expertpack.fingerprint"
+NON_FINGERPRINT_KEYS = ("fingerprint", "created_utc")
+
+# magic, version, alignment, data_start, size_bytes, fingerprint (64 ascii hex digits)
+HEADER = struct.Struct("<8sIIQQ64s")
+MAGIC = b"EXPTPACK"
+
+
+class ExpertKey(NamedTuple):
+    layer: int
+    expert: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoleLayout:
+    role: str  # "gate", "up", "gate_up", "down", "down.bias", ...
+    tensor: str  # source tensor name
+    ggml_type: str
+    shape: tuple[int, ...]  # ggml ne of one expert's slice
+    offset: int  # relative to the block start
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    layer: int
+    offset: int  # absolute in experts.pack
+    stride: int
+    payload_bytes: int
+    roles: tuple[RoleLayout, ...]
+    sha256: tuple[str, ...] = ()  # one per expert; empty while a build has not hashed the layer
+
+    def block_offset(self, expert: int) -> int:
+        return self.offset + expert * self.stride
+
+    def role(self, name: str) -> RoleLayout:
+        for r in self.roles:
+            if r.role == name:
+                return r
+        raise KeyError(f"layer {self.layer} has no role {name!r}; it has {[r.role for r in self.roles]}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    moe_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    name: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class TrunkInfo:
+    file: str
+    size_bytes: int
+    tensor_sha256: dict[str, str] = field(default_factory=dict)  # tensor name -> sha256 of its data
+
+
+@dataclass(frozen=True, slots=True)
+class PackHeader:
+    version: int
+    alignment: int
+    data_start: int
+    size_bytes: int
+    fingerprint: str
+
+    def encode(self) -> bytes:
+        raw = HEADER.pack(MAGIC, self.version, self.alignment, self.data_start, self.size_bytes,
+                          self.fingerprint.encode("ascii"))
+        return raw.ljust(DATA_START, b"\0")
+
+    @classmethod
+    def decode(cls, raw: bytes, path: Path | str) -> "PackHeader":
+        if len(raw) < HEADER.size:
+            raise ManifestError(f"{path}: shorter than the {HEADER.size}-byte pack header")
+        magic, version, alignment, data_start, size_bytes, fp = HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            raise ManifestError(f"{path}: not an expert pack, or its build never finished (magic {magic!r})")
+        return cls(version, alignment, data_start, size_bytes, fp.decode("ascii", "replace"))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    fingerprint: str
+    pack_size_bytes: int
+    data_start: int
+    source_files: tuple[SourceFile, ...]
+    model: ModelInfo
+    layers: tuple[LayerLayout, ...]
+    trunk: TrunkInfo
+    created_utc: str = ""
+
+    def layer(self, layer: int) -> LayerLayout:
+        for entry in self.layers:
+            if entry.layer == layer:
+                return entry
+        raise KeyError(f"layer {layer} has no routed experts; MoE layers are {list(self.model.moe_layers)}")
+
+    def block_offset(self, key: ExpertKey) -> int:
+        return self.layer(key.layer).block_offset(key.expert)
+
+    @property
+    def max_stride(self) -> int:
+        return max(entry.stride for entry in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "created_utc": self.created_utc,
+            "alignment": ALIGNMENT,
+            "pack": {"file": PACK_FILE, "size_bytes": self.pack_size_bytes, "data_start": self.data_start},
+            "trunk": {
+                "file": self.trunk.file,
+                "size_bytes": self.trunk.size_bytes,
+                "tensor_sha256": dict(self.trunk.tensor_sha256),
+            },
+            "source": {"files": [{"name": f.name, "size_bytes": f.size_bytes, "sha256": f.sha256}
+                                 for f in self.source_files]},
+            "model": {
+                "arch": self.model.arch,
+                "n_layer": self.model.n_layer,
+                "n_expert": self.model.n_expert,
+                "n_expert_used": self.model.n_expert_used,
+                "moe_layers": list(self.model.moe_layers),
+            },
+            "layers": [_layer_to_dict(entry) for entry in self.layers],
+        }
+
+    def compute_fingerprint(self) -> str:
+        return fingerprint_of(self.to_dict())
+
+    def with_fingerprint(self) -> "Manifest":
+        return Manifest(self.compute_fingerprint(), self.pack_size_bytes, self.data_start, self.source_files,
+                        self.model, self.layers, self.trunk, self.created_utc)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, pack_dir: Path | str) -> "Manifest":
+        path = Path(pack_dir) / MANIFEST_FILE
+        if not path.is_file():
+            raise ManifestError(f"{path}: no manifest; {pack_dir} is not a finished pack (run `expertpack build`)")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(data, path)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: Path | str = "manifest") -> "Manifest":
+        r = _Reader(where)
+        r.check(isinstance(data, dict), "", "a JSON object")
+        r.check(data.get("format") == FORMAT_NAME, "format", f"{FORMAT_NAME!r}")
+        r.check(data.get("version") == FORMAT_VERSION, "version", f"{FORMAT_VERSION} (this expertpack reads v1)")
+        r.check(data.get("alignment") == ALIGNMENT, "alignment", str(ALIGNMENT))
+        pack = r.obj(data, "pack")
+        trunk = r.obj(data, "trunk")
+        model = r.obj(data, "model")
+        source = r.obj(data, "source")
+        tensor_sha = r.obj(trunk, "tensor_sha256", "trunk.")
+        return cls(
+            fingerprint=r.string(data, "fingerprint"),
+            pack_size_bytes=r.integer(pack, "size_bytes", "pack."),
+            data_start=r.integer(pack, "data_start", "pack."),
+            source_files=tuple(
+                SourceFile(r.string(f, "name", "source.files[]."), r.integer(f, "size_bytes", "source.files[]."),
+                           r.string(f, "sha256", "source.files[]."))
+                for f in r.array(source, "files", "source.")
+            ),
+            model=ModelInfo(
+                arch=r.string(model, "arch", "model."),
+                n_layer=r.integer(model, "n_layer", "model."),
+                n_expert=r.integer(model, "n_expert", "model."),
+                n_expert_used=r.integer(model, "n_expert_used", "model."),
+                moe_layers=tuple(int(x) for x in r.array(model, "moe_layers", "model.")),
+            ),
+            layers=tuple(_layer_from_dict(entry, r) for entry in r.array(data, "layers")),
+            trunk=TrunkInfo(
+                file=r.string(trunk, "file", "trunk."),
+                size_bytes=r.integer(trunk, "size_bytes", "trunk."),
+                tensor_sha256={str(k): str(v) for k, v in tensor_sha.items()},
+            ),
+            created_utc=str(data.get("created_utc", "")),
+        )
+
+
+def fingerprint_of(manifest: dict[str, Any]) -> str:
+    canonical = {k: v for k, v in manifest.items() if k not in NON_FINGERPRINT_KEYS}
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSpec:
+    """What the planner needs of one per-expert tensor."""
+
+    role: str
+    tensor: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def plan_layers(roles_by_layer: dict[int, list[RoleSpec]], n_expert: int) -> tuple[tuple[LayerLayout, ...], int]:
+    """Lays out the blocks of every MoE layer in layer order; returns the layers and the pack size.
+    Roles keep the order given (the caller sorts them)."""
+    layers: list[LayerLayout] = []
+    cursor = DATA_START
+    for layer in sorted(roles_by_layer):
+        roles: list[RoleLayout] = []
+        end = 0
+        for spec in roles_by_layer[layer]:
+            offset = round_up(end, ROLE_ALIGNMENT)
+            roles.append(RoleLayout(spec.role, spec.tensor, spec.ggml_type, spec.shape, offset, spec.nbytes))
+            end = offset + spec.nbytes
+        stride = round_up(end, ALIGNMENT)
+        layers.append(LayerLayout(layer, cursor, stride, end, tuple(roles)))
+        cursor += n_expert * stride
+    return tuple(layers), cursor
+
+
+def layout_problems(manifest: Manifest) -> list[str]:
+    """Every violation of the alignment and non-overlap contract; empty when the layout is sound.
+    The daemon runs this at start, verify runs it before hashing."""
+    problems: list[str] = []
+    if manifest.data_start % ALIGNMENT or manifest.data_start < HEADER.size:
+        problems.append(f"data_start {manifest.data_start} is not a multiple of {ALIGNMENT} past the header")
+    cursor = manifest.data_start
+    n_expert = manifest.model.n_expert
+    if sorted(e.layer for e in manifest.layers) != sorted(manifest.model.moe_layers):
+        problems.append("model.moe_layers does not list exactly the layers in `layers`")
+    for entry in sorted(manifest.layers, key=lambda e: e.offset):
+        where = f"layer {entry.layer}"
+        if entry.offset % ALIGNMENT:
+            problems.append(f"{where}: offset {entry.offset} is not a multiple of {ALIGNMENT}")
+        if entry.stride % ALIGNMENT or entry.stride <= 0:
+            problems.append(f"{where}: stride {entry.stride} is not a positive multiple of {ALIGNMENT}")
+        if entry.payload_bytes > entry.stride:
+            problems.append(f"{where}: payload {entry.payload_bytes} exceeds stride {entry.stride}")
+        if entry.offset < cursor:
+            problems.append(f"{where}: region starts at {entry.offset}, overlapping the previous one (ends {cursor})")
+        cursor = entry.offset + n_expert * entry.stride
+        if len(entry.sha256) != n_expert:
+            problems.append(f"{where}: {len(entry.sha256)} block hashes for {n_expert} experts")
+        role_end = 0
+        for role in sorted(entry.roles, key=lambda r: r.offset):
+            if role.offset % ROLE_ALIGNMENT:
+                problems.append(f"{where} role {role.role}: offset {role.offset} is not a multiple of {ROLE_ALIGNMENT}")
+            if role.offset < role_end:
+                problems.append(f"{where} role {role.role}: overlaps the previous role")
+            role_end = role.offset + role.nbytes
+        if role_end != entry.payload_bytes:
+            problems.append(f"{where}: roles end at {role_end} but payload_bytes is {entry.payload_bytes}")
+    if cursor > manifest.pack_size_bytes:
+        problems.append(f"the last layer ends at {cursor}, past the pack size {manifest.pack_size_bytes}")
+    return problems
+
+
+def _layer_to_dict(entry: LayerLayout) -> dict[str, Any]:
+    return {
+        "layer": entry.layer,
+        "offset": entry.offset,
+        "stride": entry.stride,
+        "payload_bytes": entry.payload_bytes,
+        "roles": [
+            {"role": r.role, "tensor": r.tensor, "ggml_type": r.ggml_type, "shape": list(r.shape),
+             "offset": r.offset, "nbytes": r.nbytes}
+            for r in entry.roles
+        ],
+        "sha256": list(entry.sha256),
+    }
+
+
+def _layer_from_dict(data: Any, r: "_Reader") -> LayerLayout:
+    p = "layers[]."
+    return LayerLayout(
+        layer=r.integer(data, "layer", p),
+        offset=r.integer(data, "offset", p),
+        stride=r.integer(data, "stride", p),
+        payload_bytes=r.integer(data, "payload_bytes", p),
+        roles=tuple(
+            RoleLayout(
+                role=r.string(x, "role", p + "roles[]."),
+                tensor=r.string(x, "tensor", p + "roles[]."),
+                ggml_type=r.string(x, "ggml_type", p + "roles[]."),
+                shape=tuple(int(d) for d in r.array(x, "shape", p + "roles[].")),
+                offset=r.integer(x, "offset", p + "roles[]."),
+                nbytes=r.integer(x, "nbytes", p + "roles[]."),
+            )
+            for x in r.array(data, "roles", p)
+        ),
+        sha256=tuple(str(h) for h in r.array(data, "sha256", p)),
+    )
+
+
+class _Reader:
+    """Typed access to a parsed manifest that names the bad key in its error."""
+
+    def __init__(self, where: Path | str) -> None:
+        self.where = where
+
+    def check(self, ok: bool, key: str, expected: str) -> None:
+        if not ok:
+            raise ManifestError(f"{self.where}: key {key or '<root>'} should be {expected}")
+
+    def _get(self, obj: Any, key: str, prefix: str) -> Any:
+        if not isinstance(obj, dict) or key not in obj:
+            raise ManifestError(f"{self.where}: missing key {prefix}{key}")
+        return obj[key]
+
+    def obj(self, obj: Any, key: str, prefix: str = "") -> dict[str, Any]:
+        value = self._get(obj, key, prefix)
+        self.check(isinstance(value, dict), prefix + key, "an object")
+        return value
+
+    def array(self, obj: Any, key: str, prefix: str = "") -> list[Any]:
+        value = self._get(obj, key, prefix)
+        self.check(isinstance(value, list), prefix + key, "an array")
+        return value
+
+    def string(self, obj: Any, key: str, prefix: str = "") -> str:
+        value = self._get(obj, key, prefix)
+        self.check(isinstance(value, str), prefix + key, "a string")
+        return value
+
+    def integer(self, obj: Any, key: str, prefix: str = "") -> int:
+        value = self._get(obj, key, prefix)
+        self.check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, prefix + key,
+                   "a non-negative integer")
+        return value
+
+
+def role_specs(entries: Iterable[tuple[int, RoleSpec]]) -> dict[int, list[RoleSpec]]:
+    out: dict[int, list[RoleSpec]] = {}
+    for layer, spec in entries:
+        out.setdefault(layer, []).append(spec)
+    return out

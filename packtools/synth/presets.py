@@ -1,0 +1,127 @@
+"""Model shapes synth can imitate, written as the GGUF metadata llama.cpp's converter writes for the
+real model (keys without the `<arch>.` prefix), plus the vocabulary size and default types. The
+tensor list follows from the metadata (archs.py). Hyper-parameters are from each model's published
+config.json; where a value does not change any tensor shape and is unknown it is marked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..units import human_bytes
+
+
+@dataclass(frozen=True)
+class Preset:
+    arch: str
+    description: str
+    n_vocab: int
+    family: str  # tokenizer family: special tokens and chat template (vocab.py)
+    pre: str  # tokenizer.ggml.pre, the pre-tokenizer llama.cpp applies
+    expert_type: str
+    trunk_type: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+_QWEN3_30B = {
+    "block_count": 48, "context_length": 40960, "embedding_length": 2048, "feed_forward_length": 6144,
+    "attention.head_count": 32, "attention.head_count_kv": 4, "rope.freq_base": 1000000.0,
+    "attention.layer_norm_rms_epsilon": 1e-6, "expert_count": 128, "expert_used_count": 8,
+    "attention.key_length": 128, "attention.value_length": 128, "expert_feed_forward_length": 768,
+}
+
+_GPT_OSS_20B = {
+    "block_count": 24, "context_length": 131072, "embedding_length": 2880, "feed_forward_length": 2880,
+    "attention.head_count": 64, "attention.head_count_kv": 8, "rope.scaling.type": "yarn",
+    "rope.scaling.factor": 32.0, "rope.scaling.original_context_length": 4096,
+    "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0, "rope.freq_base": 150000.0,
+    "attention.layer_norm_rms_epsilon": 1e-5, "expert_count": 32, "expert_used_count": 4,
+    "attention.key_length": 64, "attention.value_length": 64, "attention.sliding_window": 128,
+    "expert_feed_forward_length": 2880,
+}
+
+_DEEPSEEK_V3 = {
+    "block_count": 61, "context_length": 163840, "embedding_length": 7168, "feed_forward_length": 18432,
+    "attention.head_count": 128, "attention.head_count_kv": 1, "rope.freq_base": 10000.0,
+    "attention.layer_norm_rms_epsilon": 1e-6, "expert_count": 256, "expert_used_count": 8,
+    "expert_group_count": 8, "expert_group_used_count": 4, "expert_gating_func": 2,
+    "attention.key_length": 576, "attention.value_length": 512, "leading_dense_block_count": 3,
+    "vocab_size": 129280, "attention.q_lora_rank": 1536, "attention.kv_lora_rank": 512,
+    "attention.key_length_mla": 192, "attention.value_length_mla": 128, "expert_feed_forward_length": 2048,
+    "expert_shared_count": 1, "expert_weights_scale": 2.5, "expert_weights_norm": True,
+    "rope.dimension_count": 64, "rope.scaling.type": "yarn", "rope.scaling.factor": 40.0,
+    "rope.scaling.original_context_length": 4096, "rope.scaling.yarn_log_multiplier": 0.1,
+}
+
+# DeepSeek-V4-Flash per transformers' DeepseekV4Config defaults (shared/fixtures/flagship/
+# ARCHITECTURE.md). Its per-layer compress ratios are not documented there; this pattern (two
+# sliding-window layers, then CSA and HCA alternating) changes only trunk tensors, never the experts.
+_DSV4_LAYERS = 43
+_DEEPSEEK_V4_FLASH = {
+    "block_count": _DSV4_LAYERS, "context_length": 1048576, "embedding_length": 4096,
+    "attention.head_count": 64, "attention.head_count_kv": 1, "rope.scaling.type": "yarn",
+    "rope.scaling.factor": 16.0, "rope.scaling.original_context_length": 65536,
+    "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0, "rope.freq_base": 10000.0,
+    "attention.layer_norm_rms_epsilon": 1e-6, "expert_count": 256, "expert_used_count": 6,
+    "expert_gating_func": 4, "attention.key_length": 512, "attention.value_length": 512,
+    "rope.dimension_count": 64, "attention.q_lora_rank": 1024, "attention.sliding_window": 128,
+    "expert_feed_forward_length": 2048, "expert_shared_count": 1, "expert_weights_scale": 1.5,
+    "expert_weights_norm": True, "swiglu_clamp_exp": [10.0] * _DSV4_LAYERS,
+    "swiglu_clamp_shexp": [10.0] * _DSV4_LAYERS, "attention.indexer.head_count": 64,
+    "attention.indexer.key_length": 128, "attention.indexer.top_k": 512,
+    "attention.output_group_count": 8, "attention.output_lora_rank": 1024,
+    "attention.compress_ratios": [0, 0] + [4, 128] * 20 + [4],
+    "attention.compress_rope_freq_base": 160000.0, "hyper_connection.count": 4,
+    "hyper_connection.sinkhorn_iterations": 20, "hyper_connection.epsilon": 1e-6, "hash_layer_count": 3,
+    "embedding_length_out": 4 * 4096,
+}
+
+_MIXTRAL_8X7B = {
+    "block_count": 32, "context_length": 32768, "embedding_length": 4096, "feed_forward_length": 14336,
+    "attention.head_count": 32, "attention.head_count_kv": 8, "rope.freq_base": 1000000.0,
+    "attention.layer_norm_rms_epsilon": 1e-5, "expert_count": 8, "expert_used_count": 2,
+    "vocab_size": 32000, "rope.dimension_count": 128,
+}
+
+# Small enough for tests and `make demo` on two CPU cores, K-quant friendly (rows of 256).
+_TINY = {
+    "block_count": 4, "context_length": 4096, "embedding_length": 256, "feed_forward_length": 512,
+    "attention.head_count": 4, "attention.head_count_kv": 2, "rope.freq_base": 1000000.0,
+    "attention.layer_norm_rms_epsilon": 1e-6, "expert_count": 16, "expert_used_count": 4,
+    "attention.key_length": 64, "attention.value_length": 64, "expert_feed_forward_length": 256,
+}
+
+# A few hundred MB: big enough that a build takes seconds (resume tests, quick benchmarks).
+_SMALL = {
+    "block_count": 8, "context_length": 4096, "embedding_length": 1024, "feed_forward_length": 2048,
+    "attention.head_count": 8, "attention.head_count_kv": 4, "rope.freq_base": 1000000.0,
+    "attention.layer_norm_rms_epsilon": 1e-6, "expert_count": 32, "expert_used_count": 4,
+    "attention.key_length": 128, "attention.value_length": 128, "expert_feed_forward_length": 512,
+}
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset("qwen3moe", "4-layer Qwen3-MoE, 16 experts top-4 (tests, demo)", 2048, "chatml", "qwen2",
+                   "Q4_K", "Q8_0", _TINY),
+    "small": Preset("qwen3moe", "8-layer Qwen3-MoE, 32 experts top-4 (resume tests, quick benchmarks)", 8192,
+                    "chatml", "qwen2", "Q4_K", "Q8_0", _SMALL),
+    "qwen3-30b-a3b": Preset("qwen3moe", "Qwen3-30B-A3B: 48 layers, 128 experts top-8", 151936, "chatml",
+                            "qwen2", "Q4_K", "Q8_0", _QWEN3_30B),
+    "gpt-oss-20b": Preset("gpt-oss", "gpt-oss-20b: 24 layers, 32 experts top-4, MXFP4 experts", 201088,
+                          "harmony", "gpt-4o", "MXFP4", "Q8_0", _GPT_OSS_20B),
+    "deepseek-v3": Preset("deepseek2", "DeepSeek-V3/R1: 61 layers (3 dense), 256 experts top-8 + 1 shared",
+                          129280, "deepseek", "deepseek-v3", "Q4_K", "Q8_0", _DEEPSEEK_V3),
+    "deepseek-v4-flash": Preset("deepseek4", "DeepSeek-V4-Flash: 43 layers, 256 experts top-6 + 1 shared, MXFP4",
+                                129280, "deepseek", "deepseek-v3", "MXFP4", "Q8_0", _DEEPSEEK_V4_FLASH),
+    "mixtral-8x7b": Preset("llama", "Mixtral-8x7B: 32 layers, 8 experts top-2", 32000, "chatml", "default",
+                           "Q4_K", "Q8_0", _MIXTRAL_8X7B),
+}
+
+
+def describe_presets() -> str:
+    from .writer import plan_synth, SynthOptions  # the sizes come from the same plan the writer uses
+
+    lines = [f"{'preset':<20} {'arch':<10} {'experts':>8} {'size':>11}  description"]
+    for name, p in PRESETS.items():
+        plan = plan_synth(SynthOptions(preset=name))
+        lines.append(f"{name:<20} {p.arch:<10} {p.expert_type:>8} {human_bytes(plan.total_bytes):>11}  {p.description}")
+    return "\n".join(lines)

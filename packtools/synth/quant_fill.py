@@ -1,0 +1,106 @@
+"""Random but valid tensor data for every ggml type synth writes, fast enough to write at disk speed.
+
+Any bit pattern is a valid quant code; only the floating-point scale fields need care (finite, small,
+so activations stay in range). Bytes come from a fixed random pool, shifted and XOR-ed per chunk so
+that no two chunks (and so no two experts) are alike, then the scale fields are overwritten."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+POOL_BYTES = 64 << 20
+TARGET_MAX_ABS = 0.1  # rough largest |weight| the chosen scales produce
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a block's scale fields sit. `f16` fields get a random value in (0.5, 1] x max_scale."""
+
+    values: int
+    nbytes: int
+    f16: tuple[tuple[int, float], ...] = ()  # (byte offset, largest scale)
+    e8m0: tuple[tuple[int, int], ...] = ()  # (byte offset, exponent byte), MXFP4's shared scale
+
+
+# ggml-common.h block structs, written as the sums of their parts.
+BLOCKS: dict[T, BlockLayout] = {
+    T.Q4_0: BlockLayout(32, 2 + 16, f16=((0, TARGET_MAX_ABS / 8),)),
+    T.Q4_1: BlockLayout(32, 2 + 2 + 16, f16=((0, TARGET_MAX_ABS / 15), (2, TARGET_MAX_ABS / 2))),
+    T.Q5_0: BlockLayout(32, 2 + 4 + 16, f16=((0, TARGET_MAX_ABS / 16),)),
+    T.Q5_1: BlockLayout(32, 2 + 2 + 4 + 16, f16=((0, TARGET_MAX_ABS / 31), (2, TARGET_MAX_ABS / 2))),
+    T.Q8_0: BlockLayout(32, 2 + 32, f16=((0, TARGET_MAX_ABS / 128),)),
+    # scales[16] qs[64] d dmin: w = d*sc*q - dmin*m, sc/m 4-bit, q 2-bit
+    T.Q2_K: BlockLayout(256, 16 + 64 + 2 + 2, f16=((80, TARGET_MAX_ABS / 45), (82, TARGET_MAX_ABS / 30))),
+    # hmask[32] qs[64] scales[12] d: w = d*(sc-32)*(q-4)
+    T.Q3_K: BlockLayout(256, 32 + 64 + 12 + 2, f16=((108, TARGET_MAX_ABS / 128),)),
+    # d dmin scales[12] qs[128]: w = d*sc*q - dmin*m, 6-bit sc/m, 4-bit q
+    T.Q4_K: BlockLayout(256, 2 + 2 + 12 + 128, f16=((0, TARGET_MAX_ABS / 945), (2, TARGET_MAX_ABS / 126))),
+    # d dmin scales[12] qh[32] qs[128]: 5-bit q
+    T.Q5_K: BlockLayout(256, 2 + 2 + 12 + 32 + 128, f16=((0, TARGET_MAX_ABS / 1953), (2, TARGET_MAX_ABS / 126))),
+    # ql[128] qh[64] scales[16] (int8) d: w = d*sc*(q-32)
+    T.Q6_K: BlockLayout(256, 128 + 64 + 16 + 2, f16=((208, TARGET_MAX_ABS / 4096),)),
+    # e (E8M0) qs[16]: w = 2^(e-128) * {0,1,2,3,4,6,8,12,...}[q]; e = 121 gives |w| <= 0.094
+    T.MXFP4: BlockLayout(32, 1 + 16, e8m0=((0, 121),)),
+}
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+SUPPORTED = tuple(BLOCKS) + FLOAT_TYPES
+
+
+class RandomFill:
+    """Produces random tensor bytes of a given ggml type, chunk by chunk."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.pool = self.rng.integers(0, 2**63, size=POOL_BYTES // 8, dtype=np.uint64)
+        self.normal_pool = self.rng.standard_normal(POOL_BYTES // 16, dtype=np.float32)
+
+    def quant(self, ggml_type: T, nbytes: int) -> np.ndarray:
+        """nbytes (a whole number of blocks, at most POOL_BYTES - 8) of valid blocks of ggml_type."""
+        layout = BLOCKS[ggml_type]
+        n_blocks, rem = divmod(nbytes, layout.nbytes)
+        assert rem == 0 and nbytes <= POOL_BYTES - 8, (ggml_type, nbytes)
+        words = -(-nbytes // 8)
+        start = int(self.rng.integers(0, self.pool.size - words))
+        data = (self.pool[start:start + words] ^ np.uint64(self.rng.integers(0, 2**63))).view(np.uint8)[:nbytes]
+        blocks = data.reshape(n_blocks, layout.nbytes)
+        for offset, max_scale in layout.f16:
+            scales = (self.rng.uniform(0.5, 1.0, n_blocks) * max_scale).astype(np.float16)
+            blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+        for offset, exponent in layout.e8m0:
+            blocks[:, offset] = exponent - self.rng.integers(0, 3, n_blocks, dtype=np.uint8)
+        return data
+
+    def floats(self, ggml_type: T, n_values: int, mean: float = 0.0, std: float = 0.02) -> np.ndarray:
+        """n_values normal(mean, std) values as F32/F16/BF16 bytes."""
+        assert n_values <= self.normal_pool.size
+        start = int(self.rng.integers(0, self.normal_pool.size - n_values + 1))
+        values = self.normal_pool[start:start + n_values] * np.float32(std * self.rng.uniform(0.8, 1.2)) + np.float32(mean)
+        if ggml_type == T.F32:
+            return values.view(np.uint8)
+        if ggml_type == T.F16:
+            return values.astype(np.float16).view(np.uint8)
+        if ggml_type == T.BF16:
+            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # truncation: finite in, finite out
+        raise ValueError(f"not a float type: {ggml_type.name}")
+
+    def expert_ids(self, n_expert: int, n_used: int, n_tokens: int) -> np.ndarray:
+        """[n_tokens, n_used] int32, distinct experts per token: a hash-routing table (tid2eid)."""
+        ranks = self.rng.random((n_tokens, n_expert)).argsort(axis=1)[:, :n_used]
+        return ranks.astype(np.int32)
+
+
+def block_values(ggml_type: T) -> int:
+    return GGML_QUANT_SIZES[ggml_type][0]
+
+
+def parse_type(name: str) -> T:
+    try:
+        t = T[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown ggml type {name!r}; synth writes {', '.join(x.name for x in SUPPORTED)}") from None
+    if t not in SUPPORTED:
+        raise ValueError(f"synth cannot write {t.name}; it writes {', '.join(x.name for x in SUPPORTED)}")
+    return t

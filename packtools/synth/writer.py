@@ -1,0 +1,232 @@
+"""`expertpack synth`: writes a synthetic GGUF (or a llama.cpp split set) of a preset's architecture
+and shapes, random valid weights, and a small tokenizer. Streams tensor by tensor in bounded memory,
+into `.partial` files renamed at the end, so an interrupted run never leaves a plausible model."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFValueType
+from tqdm import tqdm
+
+from ..errors import DiskSpaceError, ExpertpackError, OutputExistsError
+from ..gguf_source import MetadataField
+from ..gguf_stream import TensorInfo, write_header
+from ..units import GIB, human_bytes
+from .archs import ARCHS, Kind, Meta, TensorSpec
+from .presets import PRESETS, Preset
+from .quant_fill import BLOCKS, RandomFill, parse_type
+from .vocab import tokenizer_fields
+
+log = logging.getLogger("expertpack.synth")
+
+CHUNK_BYTES = 16 << 20
+FALLBACK_TYPE = T.F16  # for matrices whose rows do not fill whole blocks of the trunk type
+
+
+@dataclass(frozen=True)
+class SynthOptions:
+    preset: str
+    n_layer: int | None = None
+    expert_type: str | None = None
+    trunk_type: str | None = None
+    shards: int = 1
+    seed: int = 0
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SynthTensor:
+    spec: TensorSpec
+    ggml_type: T
+    nbytes: int
+
+    def info(self) -> TensorInfo:
+        return TensorInfo(self.spec.name, self.spec.shape, self.ggml_type, self.nbytes)
+
+
+@dataclass(frozen=True)
+class SynthPlan:
+    arch: str
+    n_vocab: int
+    n_expert: int
+    metadata: list[MetadataField]
+    tensors: list[SynthTensor]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def plan_synth(options: SynthOptions) -> SynthPlan:
+    preset = PRESETS[options.preset]
+    try:
+        expert_type = parse_type(options.expert_type or preset.expert_type)
+        trunk_type = parse_type(options.trunk_type or preset.trunk_type)
+    except ValueError as exc:
+        raise ExpertpackError(str(exc)) from None
+    values = _truncated(preset.meta, options.n_layer)
+    arch_meta = {f"{preset.arch}.{k}": v for k, v in values.items()}
+    specs = ARCHS[preset.arch](Meta(preset.arch, arch_meta, preset.n_vocab))
+    if not any(spec.kind is Kind.EXPERT for spec in specs):
+        dense = values.get("leading_dense_block_count", 0)
+        raise ExpertpackError(f"--layers {options.n_layer} keeps only dense layers of {options.preset} (its first "
+                              f"{dense} layers are dense); use --layers {dense + 1} or more")
+    tensors = [_typed(spec, expert_type, trunk_type) for spec in specs]
+    metadata = [
+        MetadataField("general.type", "model", GGUFValueType.STRING),
+        MetadataField("general.name", f"expertpack synth {options.preset}", GGUFValueType.STRING),
+        *(_field(k, v) for k, v in arch_meta.items()),
+        MetadataField("general.quantization_version", 2, GGUFValueType.UINT32),
+        *tokenizer_fields(preset.family, preset.pre, preset.n_vocab),
+        MetadataField("expertpack.synth.preset", options.preset, GGUFValueType.STRING),
+        MetadataField("expertpack.synth.seed", options.seed, GGUFValueType.UINT32),
+    ]
+    return SynthPlan(preset.arch, preset.n_vocab, int(values["expert_count"]), metadata, tensors)
+
+
+def shard_paths(out: Path, shards: int) -> list[Path]:
+    if shards == 1:
+        return [out]
+    stem = out.name.removesuffix(".gguf")
+    return [out.with_name(f"{stem}-{i:05d}-of-{shards:05d}.gguf") for i in range(1, shards + 1)]
+
+
+def write_synth(out: Path, options: SynthOptions) -> list[Path]:
+    plan = plan_synth(options)
+    if options.shards < 1 or options.shards > len(plan.tensors):
+        raise ExpertpackError(f"--shards must be between 1 and the tensor count {len(plan.tensors)}")
+    paths = shard_paths(out, options.shards)
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not options.force:
+        raise OutputExistsError(f"{', '.join(existing)} already exists; pass --force to overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    st = os.statvfs(out.parent)
+    if st.f_bavail * st.f_frsize < plan.total_bytes + GIB // 4:
+        raise DiskSpaceError(f"{out.parent} has {human_bytes(st.f_bavail * st.f_frsize)} free; "
+                             f"the model needs {human_bytes(plan.total_bytes)}")
+    log.info("synth %s (%s): %d tensors, %s, %d shard(s)", options.preset, plan.arch, len(plan.tensors),
+             human_bytes(plan.total_bytes), options.shards)
+    fill = RandomFill(options.seed)
+    groups = _balanced_groups(plan.tensors, options.shards)
+    with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="synth",
+              disable=not options.progress, mininterval=0.5, dynamic_ncols=True) as bar:
+        for index, (path, group) in enumerate(zip(paths, groups)):
+            partial = path.with_name(path.name + ".partial")
+            metadata = _shard_metadata(plan.metadata, index, options.shards, len(plan.tensors))
+            layout = write_header(partial, plan.arch if index == 0 else None, metadata, [t.info() for t in group])
+            fd = os.open(partial, os.O_RDWR)
+            try:
+                os.ftruncate(fd, layout.size_bytes)
+                for t in group:
+                    _write_tensor(fd, layout.offsets[t.spec.name], t, plan, fill, bar.update)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for path in paths:
+        os.replace(path.with_name(path.name + ".partial"), path)
+    return paths
+
+
+def _write_tensor(fd: int, offset: int, t: SynthTensor, plan: SynthPlan, fill: RandomFill, on_bytes: Any) -> None:
+    if t.spec.kind is Kind.INDEX:
+        k, n_vocab = t.spec.shape
+        data = fill.expert_ids(plan.n_expert, k, n_vocab).view(np.uint8)
+        _pwrite(fd, data, offset)
+        on_bytes(len(data))
+        return
+    block_values, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+    per_chunk = max(1, CHUNK_BYTES // block_bytes) * block_bytes
+    done = 0
+    while done < t.nbytes:
+        n = min(per_chunk, t.nbytes - done)
+        if t.ggml_type in BLOCKS:
+            data = fill.quant(t.ggml_type, n)
+        elif t.spec.kind is Kind.NORM:
+            data = fill.floats(t.ggml_type, n // block_bytes, mean=1.0, std=0.1)
+        else:
+            data = fill.floats(t.ggml_type, n // block_bytes)
+        _pwrite(fd, data, offset + done)
+        done += n
+        on_bytes(n)
+
+
+def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+    view = memoryview(np.ascontiguousarray(data)).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _typed(spec: TensorSpec, expert_type: T, trunk_type: T) -> SynthTensor:
+    if spec.kind is Kind.EXPERT:
+        t = expert_type
+    elif spec.kind is Kind.MATRIX:
+        t = trunk_type if spec.shape[0] % GGML_QUANT_SIZES[trunk_type][0] == 0 else FALLBACK_TYPE
+    elif spec.kind is Kind.INDEX:
+        t = T.I32
+    else:
+        t = T.F32
+    block_values, block_bytes = GGML_QUANT_SIZES[t]
+    if spec.shape[0] % block_values:
+        raise ExpertpackError(f"{spec.name}: rows of {spec.shape[0]} values do not fit {t.name} blocks of "
+                              f"{block_values}; choose another --type")
+    n = int(np.prod(spec.shape, dtype=np.int64))
+    return SynthTensor(spec, t, n // block_values * block_bytes)
+
+
+def _truncated(meta: dict[str, Any], n_layer: int | None) -> dict[str, Any]:
+    """The preset's metadata for its first n_layer layers; per-layer arrays are cut to match."""
+    full = meta["block_count"]
+    if n_layer is None or n_layer == full:
+        return dict(meta)
+    if not 1 <= n_layer <= full:
+        raise ExpertpackError(f"--layers must be between 1 and {full}")
+    out = {k: (v[:n_layer] if isinstance(v, list) and len(v) == full else v) for k, v in meta.items()}
+    out["block_count"] = n_layer
+    return out
+
+
+def _field(key: str, value: Any) -> MetadataField:
+    if isinstance(value, bool):
+        return MetadataField(key, value, GGUFValueType.BOOL)
+    if isinstance(value, int):
+        return MetadataField(key, value, GGUFValueType.UINT32)
+    if isinstance(value, float):
+        return MetadataField(key, value, GGUFValueType.FLOAT32)
+    if isinstance(value, str):
+        return MetadataField(key, value, GGUFValueType.STRING)
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return MetadataField(key, value, GGUFValueType.ARRAY, GGUFValueType.INT32)
+    if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+        return MetadataField(key, value, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    raise TypeError(f"preset metadata {key}: no GGUF type for {value!r}")
+
+
+def _shard_metadata(metadata: list[MetadataField], index: int, shards: int, n_tensors: int) -> list[MetadataField]:
+    """llama-gguf-split's convention: every shard has split.*, only the first has the model's keys."""
+    if shards == 1:
+        return metadata
+    split = [MetadataField("split.no", index, GGUFValueType.UINT16),
+             MetadataField("split.count", shards, GGUFValueType.UINT16),
+             MetadataField("split.tensors.count", n_tensors, GGUFValueType.INT32)]
+    return (metadata + split) if index == 0 else split
+
+
+def _balanced_groups(tensors: list[SynthTensor], shards: int) -> list[list[SynthTensor]]:
+    """Consecutive runs of tensors of about equal bytes, none empty."""
+    cumulative = np.cumsum([t.nbytes for t in tensors])
+    bounds = [0]
+    for g in range(1, shards):
+        end = int(np.searchsorted(cumulative, cumulative[-1] * g / shards)) + 1
+        end = min(max(end, bounds[-1] + 1), len(tensors) - (shards - g))
+        bounds.append(end)
+    bounds.append(len(tensors))
+    return [tensors[a:b] for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,50 @@
+"""inspect gives the planning numbers, the same from a source GGUF (before building) as from the
+pack, and they add up: routed bytes per token = top-k x block bytes summed over MoE layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from expertpack.packtools.layout import Manifest
+
+from ..conftest import run_cli
+
+
+def inspect_json(target: Path, *extra: str) -> dict:
+    proc = run_cli("inspect", target, "--json", *extra)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_source_and_pack_agree(fixture_packs: dict[str, tuple[Path, Path]]) -> None:
+    src, out = fixture_packs["qwen3moe-a.Q4_K_M"]
+    before, after = inspect_json(src), inspect_json(out)
+    assert before["built"] is False and after["built"] is True
+    for key in ("arch", "moe_layers", "n_expert", "n_expert_used", "roles", "expert_block_bytes",
+                "pack_size_bytes", "routed_bytes_per_token", "cache_fit"):
+        assert before[key] == after[key], key
+
+
+def test_numbers_add_up(fixture_packs: dict[str, tuple[Path, Path]]) -> None:
+    _, out = fixture_packs["deepseek3-a.Q2_K"]
+    m = Manifest.load(out)
+    d = inspect_json(out, "--vram-gib", "0.001", "--vram-gib", "1")
+    assert d["moe_layers"] == [1, 2] and d["n_expert_used"] == 2
+    assert d["routed_bytes_per_token"] == sum(2 * l.stride for l in m.layers)
+    assert d["routed_payload_bytes_per_token"] == sum(2 * l.payload_bytes for l in m.layers)
+    assert d["routed_experts_per_token"] == 4 and d["n_experts_total"] == 16
+    assert d["trunk_size_bytes"] == (out / "trunk.gguf").stat().st_size
+    small, big = d["cache_fit"]
+    assert small["slots"] == (1 << 30) // 1000 // m.max_stride
+    assert big["slots"] == (1 << 30) // m.max_stride and big["fraction_of_experts"] == 1.0
+
+
+def test_flagship_deepseek4_reports_mxfp4_blocks(fixture_packs: dict[str, tuple[Path, Path]]) -> None:
+    src, _ = fixture_packs["dsv4-tiny.BF16"]
+    text = run_cli("inspect", src, check=True).stdout
+    assert "deepseek4" in text and "MXFP4" in text and "per token at 0% cache hit" in text
+    d = inspect_json(src)
+    gate = d["roles"][0]["roles"][0]
+    assert gate["role"] == "gate" and gate["ggml_type"] == "MXFP4" and gate["shape"] == [256, 512]
+    assert gate["nbytes"] == 512 * 256 // 32 * 17

@@ -1,0 +1,133 @@
+"""A build killed at any point (SIGKILL, a real subprocess) never leaves something that looks
+complete, and rerunning the same command finishes it: the result is byte-identical to an
+uninterrupted build. SIGTERM checkpoints and exits 130; a changed source starts over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from expertpack.packtools.build_state import STATE_FILE
+from expertpack.packtools.layout import MANIFEST_FILE, PACK_FILE, TRUNK_FILE, Manifest
+from expertpack.packtools.synth.writer import SynthOptions, write_synth
+
+from ..conftest import BIN, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("resume") / "small.gguf"
+    write_synth(path, SynthOptions(preset="small", progress=False, seed=7))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(small_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "pack"
+    run_cli("build", small_gguf, "-o", out, "-q", check=True)
+    return out
+
+
+def start(src: Path, out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([str(BIN / "expertpack"), "build", str(src), "-o", str(out), "-q",
+                             "--checkpoint-every-s", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def position(out: Path) -> tuple[int, int]:
+    try:
+        state = json.loads((out / STATE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return (-1, -1)
+    return (state["shard"], state["position"])
+
+
+def wait_for_progress(out: Path, beyond: tuple[int, int], proc: subprocess.Popen[str], timeout: float = 60) -> bool:
+    """True once the checkpoint moved past `beyond`; False if the build finished first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if position(out) > beyond:
+            return True
+        time.sleep(0.005)
+    raise AssertionError("the build made no progress")
+
+
+def assert_not_complete(out: Path) -> None:
+    assert not (out / MANIFEST_FILE).exists()
+    assert not (out / PACK_FILE).exists() and not (out / TRUNK_FILE).exists()
+    assert run_cli("verify", out, "-q").returncode != 0
+
+
+def test_sigkill_at_many_points_then_resume_gives_the_same_pack(small_gguf: Path, reference: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pack"
+    kills, last, delay = 0, (-1, -1), 0.0
+    while True:
+        proc = start(small_gguf, out)
+        if kills == 0:
+            time.sleep(0.4)  # the first kill lands early: before or around the first checkpoint
+        elif not wait_for_progress(out, last, proc):
+            break
+        time.sleep(delay)
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        delay = (delay + 0.013) % 0.09  # vary where in the copy the kill lands
+        assert_not_complete(out)
+        assert position(out) >= last, "a checkpoint never moves backwards"
+        last = position(out)
+    stdout, stderr = proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert kills >= 3, f"only {kills} kills landed before the build finished"
+    assert run_cli("verify", out, "-q").returncode == 0
+    assert Manifest.load(out).fingerprint == Manifest.load(reference).fingerprint
+    for name in (PACK_FILE, TRUNK_FILE):
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert sorted(os.listdir(out)) == sorted(os.listdir(reference))
+
+
+def test_rerun_says_it_resumes(small_gguf: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pack"
+    proc = start(small_gguf, out)
+    assert wait_for_progress(out, (0, 0), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    rerun = run_cli("build", small_gguf, "-o", out, "--checkpoint-every-s", "0")
+    assert rerun.returncode == 0 and "resuming the interrupted build at" in rerun.stderr
+
+
+def test_sigterm_checkpoints_and_exits_130(small_gguf: Path, reference: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pack"
+    proc = start(small_gguf, out)
+    assert wait_for_progress(out, (0, 0), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "resume" in stderr
+    assert_not_complete(out)
+    run_cli("build", small_gguf, "-o", out, "-q", check=True)
+    assert Manifest.load(out).fingerprint == Manifest.load(reference).fingerprint
+
+
+def test_changed_source_starts_over(small_gguf: Path, tmp_path: Path) -> None:
+    src = tmp_path / "small.gguf"
+    src.write_bytes(small_gguf.read_bytes())
+    out = tmp_path / "pack"
+    proc = start(src, out)
+    assert wait_for_progress(out, (0, 0), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    os.utime(src, ns=(time.time_ns(), time.time_ns()))
+    rerun = run_cli("build", src, "-o", out)
+    assert rerun.returncode == 0 and "starting over" in rerun.stderr
+    assert run_cli("verify", out, "-q").returncode == 0

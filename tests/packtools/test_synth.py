@@ -1,0 +1,133 @@
+"""synth writes what llama.cpp's converter writes: the architecture rules reproduce every fixture's
+tensor names and shapes from its own metadata; every block synth writes is valid (gguf-py's
+reference dequantizes it to finite, small values); presets have the real models' expert sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGUFReader, quants
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from expertpack.packtools.errors import ExpertpackError
+from expertpack.packtools.gguf_source import open_source
+from expertpack.packtools.synth.archs import ARCHS, Meta
+from expertpack.packtools.synth.presets import PRESETS
+from expertpack.packtools.synth.quant_fill import BLOCKS, RandomFill
+from expertpack.packtools.synth.writer import SynthOptions, plan_synth, write_synth
+
+from ..conftest import FIXTURES, run_cli
+
+# One converter output per architecture synth writes.
+ARCH_FIXTURES = {
+    "qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.BF16.gguf",
+    "llama": "gguf/mixtral-a/mixtral-a.F16.gguf",
+    "gpt-oss": "gguf/gptoss-a/gptoss-a.MXFP4.gguf",
+    "deepseek2": "gguf/deepseek3-a/deepseek3-a.BF16.gguf",
+    "deepseek4": "flagship/deepseek4/dsv4-tiny.BF16.gguf",
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_arch_rules_reproduce_the_converters_tensors(arch: str) -> None:
+    source = open_source(FIXTURES / ARCH_FIXTURES[arch])
+    assert source.arch == arch
+    values = {k: f.value for k, f in source.metadata.items()}
+    n_vocab = len(values["tokenizer.ggml.tokens"])
+    specs = ARCHS[arch](Meta(arch, values, n_vocab))
+    assert {s.name: s.shape for s in specs} == {t.name: t.shape for t in source.tensors}
+
+
+def test_every_block_type_is_valid_and_finite() -> None:
+    fill = RandomFill(seed=3)
+    for ggml_type, layout in BLOCKS.items():
+        assert GGML_QUANT_SIZES[ggml_type] == (layout.values, layout.nbytes), ggml_type
+        data = fill.quant(ggml_type, layout.nbytes * 512)
+        values = quants.dequantize(data.reshape(1, -1), ggml_type)
+        assert np.isfinite(values).all() and 0 < np.abs(values).max() < 0.5, ggml_type.name
+    first = next(iter(BLOCKS))
+    a, b = fill.quant(first, BLOCKS[first].nbytes * 64), fill.quant(first, BLOCKS[first].nbytes * 64)
+    assert not np.array_equal(a, b), "consecutive chunks differ"
+
+
+def test_tiny_model_is_a_complete_valid_gguf(tiny_gguf: Path) -> None:
+    reader = GGUFReader(tiny_gguf)
+    for t in reader.tensors:
+        values = quants.dequantize(t.data, t.tensor_type)
+        assert np.isfinite(values).all(), t.name
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    assert meta["general.architecture"] == "qwen3moe"
+    assert len(meta["tokenizer.ggml.tokens"]) == PRESETS["tiny"].n_vocab
+    assert reader.get_tensor(0).name == "token_embd.weight"
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert int(emb.shape[1]) == PRESETS["tiny"].n_vocab
+
+
+def test_tokenizer_in_the_metadata_is_a_working_bpe(tiny_gguf: Path) -> None:
+    reader = GGUFReader(tiny_gguf)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ")) for m in reader.fields["tokenizer.ggml.merges"].contents()]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert len(vocab) == len(tokens), "token strings are unique"
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = "Hello world, this is a test of the expert pack."
+    ids = tok.encode(text).ids
+    assert len(ids) < len(text) / 2 and tok.decode(ids) == text
+    eos = reader.fields["tokenizer.ggml.eos_token_id"].contents()
+    assert tokens[eos] == "<|im_end|>"
+    assert "<|im_start|>assistant" in reader.fields["tokenizer.chat_template"].contents()
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
+    a = write_synth(tmp_path / "a.gguf", SynthOptions(preset="tiny", seed=1, progress=False))[0]
+    b = write_synth(tmp_path / "b.gguf", SynthOptions(preset="tiny", seed=1, progress=False))[0]
+    c = write_synth(tmp_path / "c.gguf", SynthOptions(preset="tiny", seed=2, progress=False))[0]
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+
+
+def test_split_set_matches_the_single_file(tmp_path: Path, tiny_gguf: Path) -> None:
+    shards = write_synth(tmp_path / "tiny.gguf", SynthOptions(preset="tiny", shards=4, progress=False))
+    assert [p.name for p in shards] == [f"tiny-{i:05d}-of-00004.gguf" for i in range(1, 5)]
+    split = open_source(shards[0])
+    single = open_source(tiny_gguf)
+    assert len(split.shards) == 4
+    assert sorted((t.name, t.shape, t.type_name) for t in split.tensors) == \
+        sorted((t.name, t.shape, t.type_name) for t in single.tensors)
+    assert {k: f.value for k, f in split.metadata.items()} == {k: f.value for k, f in single.metadata.items()}
+    assert "general.architecture" not in {f.name for f in GGUFReader(shards[1]).fields.values()}
+
+
+def test_deepseek_v4_flash_has_the_real_expert_block() -> None:
+    """13,369,344 bytes per expert: gate, up and down of 4096 x 2048 in MXFP4."""
+    plan = plan_synth(SynthOptions(preset="deepseek-v4-flash", n_layer=2))
+    experts = [t for t in plan.tensors if t.spec.name.startswith("blk.0.") and "_exps" in t.spec.name]
+    assert sum(t.nbytes for t in experts) // 256 == 13_369_344
+    assert {t.ggml_type.name for t in experts} == {"MXFP4"}
+    ratios = next(f for f in plan.metadata if f.key == "deepseek4.attention.compress_ratios").value
+    assert len(ratios) == 2
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_plans_with_its_architecture(name: str) -> None:
+    n_dense = PRESETS[name].meta.get("leading_dense_block_count", 0)
+    plan = plan_synth(SynthOptions(preset=name, n_layer=n_dense + 1))
+    assert plan.arch == PRESETS[name].arch
+    assert any("_exps" in t.spec.name for t in plan.tensors)
+    if n_dense:
+        with pytest.raises(ExpertpackError, match=f"--layers {n_dense + 1} or more"):
+            plan_synth(SynthOptions(preset=name, n_layer=n_dense))
+
+
+def test_cli_errors_are_one_line(tmp_path: Path) -> None:
+    proc = run_cli("synth", "--preset", "nope", "-o", tmp_path / "x.gguf")
+    assert proc.returncode == 2 and "unknown preset" in proc.stderr
+    proc = run_cli("synth", "--preset", "tiny", "--type", "IQ2_XS", "-o", tmp_path / "x.gguf")
+    assert proc.returncode == 2 and "cannot write IQ2_XS" in proc.stderr
+    run_cli("synth", "--preset", "tiny", "-o", tmp_path / "x.gguf", "-q", check=True)
+    proc = run_cli("synth", "--preset", "tiny", "-o", tmp_path / "x.gguf")
+    assert proc.returncode == 2 and "--force" in proc.stderr
+    assert not list(tmp_path.glob("*.partial"))

@@ -1,0 +1,89 @@
+"""verify finds damage and names it: one flipped byte in one expert block names exactly that
+(layer, expert); a damaged trunk tensor, an edited manifest, a truncated pack are each reported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from expertpack.packtools.layout import PACK_FILE, TRUNK_FILE, ExpertKey, Manifest
+from expertpack.packtools.verify import verify_pack
+
+from ..conftest import run_cli
+
+
+@pytest.fixture
+def pack_copy(tmp_path: Path, fixture_packs: dict[str, tuple[Path, Path]]) -> Path:
+    out = tmp_path / "pack"
+    shutil.copytree(fixture_packs["deepseek3-a.Q4_K_M"][1], out)
+    return out
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("layer_index,expert,where", [(0, 0, "first"), (1, 5, "middle"), (1, 7, "last")])
+def test_one_flipped_byte_names_exactly_that_expert(pack_copy: Path, layer_index: int, expert: int, where: str) -> None:
+    m = Manifest.load(pack_copy)
+    layer = m.layers[layer_index]
+    offset = layer.block_offset(expert) + {"first": 0, "middle": layer.payload_bytes // 2,
+                                            "last": layer.payload_bytes - 1}[where]
+    flip(pack_copy / PACK_FILE, offset)
+    report = verify_pack(pack_copy, progress=False)
+    assert [d.key for d in report.damaged] == [ExpertKey(layer.layer, expert)]
+    assert report.problems == []
+    proc = run_cli("verify", pack_copy, "-q")
+    assert proc.returncode == 1
+    assert f"damaged: layer {layer.layer} expert {expert} " in proc.stdout
+    assert proc.stdout.count("damaged:") == 1
+
+
+def test_damaged_trunk_tensor_is_named(pack_copy: Path) -> None:
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(pack_copy / TRUNK_FILE).tensors if t.name == "blk.0.attn_q_a.weight")
+    offset = int(t.data_offset) + 10
+    del t
+    flip(pack_copy / TRUNK_FILE, offset)
+    report = verify_pack(pack_copy, progress=False)
+    assert report.damaged == []
+    assert any("blk.0.attn_q_a.weight" in p for p in report.problems)
+
+
+def test_edited_manifest_is_detected(pack_copy: Path) -> None:
+    path = pack_copy / "manifest.json"
+    data = json.loads(path.read_text())
+    data["model"]["n_expert_used"] = 3
+    path.write_text(json.dumps(data))
+    report = verify_pack(pack_copy, progress=False)
+    assert any("fingerprint" in p for p in report.problems)
+
+
+def test_truncated_pack_is_detected(pack_copy: Path) -> None:
+    path = pack_copy / PACK_FILE
+    m = Manifest.load(pack_copy)
+    with open(path, "r+b") as f:
+        f.truncate(m.layers[-1].block_offset(6))
+    report = verify_pack(pack_copy, progress=False)
+    assert any("bytes, the manifest says" in p for p in report.problems)
+    assert {d.key for d in report.damaged} == {ExpertKey(m.layers[-1].layer, 6), ExpertKey(m.layers[-1].layer, 7)}
+
+
+def test_trunk_from_another_pack_is_detected(pack_copy: Path, fixture_packs: dict[str, tuple[Path, Path]]) -> None:
+    other = fixture_packs["deepseek3-a.Q2_K"][1]
+    shutil.copy(other / TRUNK_FILE, pack_copy / TRUNK_FILE)
+    report = verify_pack(pack_copy, progress=False)
+    assert any("fingerprint" in p or "bytes, the manifest says" in p for p in report.problems)
+
+
+def test_no_manifest_is_a_usage_error(tmp_path: Path) -> None:
+    proc = run_cli("verify", tmp_path)
+    assert proc.returncode == 2 and "no manifest" in proc.stderr
