@@ -38,7 +38,7 @@ from .layout import (
     DATA_START, FORMAT_VERSION, ALIGNMENT, MANIFEST_FILE, PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY,
     ExpertKey, LayerLayout, Manifest, ModelInfo, PackHeader, SourceFile, TrunkInfo,
 )
-from .source_pass import ExpertSegment, OutputFds, Segment, TrunkSegment, copy_shard, hash_prefix
+from .source_pass import ExpertSegment, OutputFds, Segment, TrunkSegment, copy_shard, hash_prefix, open_direct
 from .units import GIB, human_bytes
 
 log = logging.getLogger("expertpack.build")
@@ -99,13 +99,15 @@ class _Builder:
         state = self._resume_or_start()
         if state.finished_copy and all(self._layer_hashed(l) for l in self.layers):
             return self._finalize(state)
-        pack_fd = os.open(self.path(PACK_FILE, True), os.O_RDWR)
+        pack_fd, direct = open_direct(self.path(PACK_FILE, True), os.O_RDWR)
         trunk_fd = os.open(self.path(TRUNK_FILE, True), os.O_RDWR)
+        readback_fd = os.open(self.path(PACK_FILE, True), os.O_RDONLY)  # buffered: any-size reads
         try:
-            self._copy(state, OutputFds(pack_fd, trunk_fd))
+            self._copy(state, OutputFds(pack_fd, trunk_fd, direct), readback_fd)
         finally:
             os.close(pack_fd)
             os.close(trunk_fd)
+            os.close(readback_fd)
         return self._finalize(state)
 
     # ---- start / resume ----------------------------------------------------------------------
@@ -156,7 +158,6 @@ class _Builder:
         )
         self._check_disk(plan.pack_size_bytes + layout.size_bytes - trunk_path.stat().st_size)
         _allocate(trunk_path, layout.size_bytes)
-        gguf_stream.check_layout(trunk_path, layout)
         pack_path = self.path(PACK_FILE, True)
         pack_path.unlink(missing_ok=True)
         _allocate(pack_path, plan.pack_size_bytes)
@@ -190,15 +191,17 @@ class _Builder:
             per_shard[t.shard].append(TrunkSegment(t.offset, t.nbytes, t.name, state.trunk_offsets[t.name]))
         for e in self.plan.classification.experts:
             layer = self.layers[e.layer]
-            role = layer.role(e.role)
+            index = next(i for i, r in enumerate(layer.roles) if r.role == e.role)
+            role = layer.roles[index]
+            previous_end = layer.roles[index - 1].offset + layer.roles[index - 1].nbytes if index else 0
             per_shard[e.source.shard].append(ExpertSegment(
                 e.source.offset, e.source.nbytes, e.source.name, e.layer, layer.offset, layer.stride,
-                role.offset, e.bytes_per_expert))
+                role.offset, e.bytes_per_expert, role.offset - previous_end))
         for segs in per_shard:
             segs.sort(key=lambda s: s.offset)
         return per_shard
 
-    def _copy(self, state: BuildState, fds: OutputFds) -> None:
+    def _copy(self, state: BuildState, fds: OutputFds, readback_fd: int) -> None:
         shards = self.plan.source.shards
         per_shard = self._segments(state)
         roles_left = {l: len(layer.roles) for l, layer in self.layers.items()}
@@ -206,6 +209,10 @@ class _Builder:
             for seg in segs:
                 if isinstance(seg, ExpertSegment) and state.segment_done(shard_index, seg.offset + seg.nbytes):
                     roles_left[seg.layer] -= 1
+        # Layers streamed from their first role hash as they stream; the others (begun before a
+        # resume) are read back and hashed once complete.
+        streamed = {l: [hashlib.sha256() for _ in range(self.n_expert)]
+                    for l, left in roles_left.items() if left == len(self.layers[l].roles)}
 
         copy_bar = tqdm(total=self.plan.source.size_bytes, initial=state.done_bytes(shards), unit="B",
                         unit_scale=True, unit_divisor=1024, desc="copy", disable=not self.options.progress,
@@ -221,7 +228,7 @@ class _Builder:
 
         del state.source_sha256[state.shard:]  # a digest recorded past the checkpoint is redone
         last_done = (state.shard, state.position)
-        hasher = BlockHasher(fds.pack, self.options.hash_threads, on_hashed)
+        hasher = BlockHasher(readback_fd, self.options.hash_threads, on_hashed)
         try:
             for layer_id, left in roles_left.items():
                 if left == 0 and not self._layer_hashed(layer_id):
@@ -231,31 +238,31 @@ class _Builder:
                 shard = shards[shard_index]
                 start = state.position if shard_index == state.shard else 0
                 digest = hashlib.sha256()
-                fd = os.open(shard.path, os.O_RDONLY)
-                try:
-                    if start:
-                        with tqdm(total=start, unit="B", unit_scale=True, unit_divisor=1024,
-                                  desc="re-reading for the source digest", disable=not self.options.progress,
-                                  leave=False) as bar:
-                            hash_prefix(fd, start, digest, bar.update)
+                if start:
+                    with tqdm(total=start, unit="B", unit_scale=True, unit_divisor=1024,
+                              desc="re-reading for the source digest", disable=not self.options.progress,
+                              leave=False) as bar:
+                        hash_prefix(shard.path, start, digest, bar.update)
 
-                    def on_segment_done(seg: Segment, sha: str | None) -> None:
-                        nonlocal last_checkpoint, last_done
-                        last_done = (shard_index, seg.offset + seg.nbytes)
-                        if isinstance(seg, TrunkSegment):
-                            state.trunk_sha256[seg.name] = sha
-                        else:
-                            roles_left[seg.layer] -= 1
-                            if roles_left[seg.layer] == 0:
-                                hasher.submit_layer(self.layers[seg.layer], self.n_expert)
-                        if time.monotonic() - last_checkpoint >= self.options.checkpoint_every_s:
-                            self._checkpoint(state, fds, shard_index, seg.offset + seg.nbytes)
-                            last_checkpoint = time.monotonic()
+                def on_segment_done(seg: Segment, sha: str | None) -> None:
+                    nonlocal last_checkpoint, last_done
+                    last_done = (shard_index, seg.offset + seg.nbytes)
+                    if isinstance(seg, TrunkSegment):
+                        state.trunk_sha256[seg.name] = sha
+                    else:
+                        roles_left[seg.layer] -= 1
+                        if roles_left[seg.layer] == 0 and seg.layer in streamed:
+                            hashes = streamed.pop(seg.layer)
+                            for expert, h in enumerate(hashes):
+                                on_hashed(ExpertKey(seg.layer, expert), h.hexdigest(), 0)
+                        elif roles_left[seg.layer] == 0:
+                            hasher.submit_layer(self.layers[seg.layer], self.n_expert)
+                    if time.monotonic() - last_checkpoint >= self.options.checkpoint_every_s:
+                        self._checkpoint(state, fds, shard_index, seg.offset + seg.nbytes)
+                        last_checkpoint = time.monotonic()
 
-                    copy_shard(fd, shard.size_bytes, start, per_shard[shard_index], fds, digest,
-                               copy_bar.update, on_segment_done)
-                finally:
-                    os.close(fd)
+                copy_shard(shard.path, shard.size_bytes, start, per_shard[shard_index], fds, digest, streamed,
+                           copy_bar.update, on_segment_done)
                 state.source_sha256.append(digest.hexdigest())
                 last_done = (shard_index + 1, 0)
                 self._checkpoint(state, fds, *last_done)

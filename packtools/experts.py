@@ -19,10 +19,6 @@ EXPERT_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<stem>[A-Za-z0-9_.]+?)_exp
 # Pre-2024 llama.cpp wrote one tensor per expert; no current loader reads that layout.
 LEGACY_EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)\.\d+\.weight$")
 
-# Where a role sits in its block: the matrices in the order an FFN uses them, then their extras.
-ROLE_BASE_ORDER = ("gate", "up", "gate_up", "down")
-ROLE_SUFFIX_ORDER = ("weight", "bias", "scale", "input_scale")
-
 
 @dataclass(frozen=True, slots=True)
 class ExpertTensor:
@@ -45,7 +41,7 @@ class Classification:
     n_layer: int
     n_expert: int
     n_expert_used: int
-    experts: tuple[ExpertTensor, ...]  # sorted by (layer, role order)
+    experts: tuple[ExpertTensor, ...]  # by layer, then in source order
     trunk: tuple[SourceTensor, ...]  # source order
 
     @property
@@ -60,14 +56,6 @@ def role_name(stem: str, suffix: str) -> str:
     """`ffn_gate` + `weight` -> `gate`; `ffn_down` + `bias` -> `down.bias`."""
     base = stem[4:] if stem.startswith("ffn_") else stem
     return base if suffix == "weight" else f"{base}.{suffix}"
-
-
-def role_sort_key(role: str) -> tuple[int, int, str]:
-    base, _, suffix = role.partition(".")
-    suffix = suffix or "weight"
-    base_rank = ROLE_BASE_ORDER.index(base) if base in ROLE_BASE_ORDER else len(ROLE_BASE_ORDER)
-    suffix_rank = ROLE_SUFFIX_ORDER.index(suffix) if suffix in ROLE_SUFFIX_ORDER else len(ROLE_SUFFIX_ORDER)
-    return (suffix_rank, base_rank, role)
 
 
 def classify(source: GGUFSource) -> Classification:
@@ -105,7 +93,9 @@ def classify(source: GGUFSource) -> Classification:
     if not 0 < n_expert_used <= n_expert:
         raise ClassifyError(f"{where}: {arch}.expert_used_count is {n_expert_used}, not in 1..{n_expert}")
 
-    experts.sort(key=lambda e: (e.layer, role_sort_key(e.role)))
+    # Within a layer, roles keep the order a sequential read of the source meets them: the builder
+    # can then hash each block as its bytes stream past, with no read-back.
+    experts.sort(key=lambda e: (e.layer, e.source.shard, e.source.offset))
     _check_unique_roles(experts, where)
     return Classification(arch, n_layer, n_expert, n_expert_used, tuple(experts), tuple(trunk))
 

@@ -5,7 +5,8 @@ experts.pack
     [data_start, size)  per MoE layer, n_expert blocks of `stride` bytes, expert-major:
                         offset(layer, e) = layers[layer].offset + e * layers[layer].stride
     A block holds every per-expert tensor ("role") of one expert, each at a sub-offset that is a
-    multiple of ROLE_ALIGNMENT, copied verbatim from the source (same ggml type, same bytes);
+    multiple of 256 (the format's contract; this builder uses 4096 so that every role can be written
+    and read with O_DIRECT), copied verbatim from the source (same ggml type, same bytes);
     `payload_bytes` is the un-padded block length the per-block sha256 covers; the rest is zeros.
 
 manifest.json
@@ -33,7 +34,8 @@ from .units import round_up
 FORMAT_NAME = "expertpack"
 FORMAT_VERSION = 1
 ALIGNMENT = 4096  # O_DIRECT contract: every block offset, stride and read length
-ROLE_ALIGNMENT = 256  # every role's sub-offset inside its block
+MIN_ROLE_ALIGNMENT = 256  # format v1: every role's sub-offset inside its block is a multiple of this
+ROLE_ALIGNMENT = ALIGNMENT  # what plan_layers uses: each role slice is an O_DIRECT-able range
 DATA_START = ALIGNMENT  # one header page
 
 PACK_FILE = "experts.pack"
@@ -295,8 +297,8 @@ def layout_problems(manifest: Manifest) -> list[str]:
             problems.append(f"{where}: {len(entry.sha256)} block hashes for {n_expert} experts")
         role_end = 0
         for role in sorted(entry.roles, key=lambda r: r.offset):
-            if role.offset % ROLE_ALIGNMENT:
-                problems.append(f"{where} role {role.role}: offset {role.offset} is not a multiple of {ROLE_ALIGNMENT}")
+            if role.offset % MIN_ROLE_ALIGNMENT:
+                problems.append(f"{where} role {role.role}: offset {role.offset} is not a multiple of {MIN_ROLE_ALIGNMENT}")
             if role.offset < role_end:
                 problems.append(f"{where} role {role.role}: overlaps the previous role")
             role_end = role.offset + role.nbytes

@@ -113,12 +113,20 @@ def test_split_set_packs_the_same_bytes_as_the_single_file(fixture_packs: dict[s
 
 
 def test_roles_follow_the_naming_convention(fixture_packs: dict[str, tuple[Path, Path]]) -> None:
-    roles = {name: [r.role for r in Manifest.load(out).layers[0].roles] for name, (_, out) in fixture_packs.items()}
-    assert roles["qwen3moe-a.BF16"] == ["gate", "up", "down"]
-    assert roles["qwen35moe-a.Q4_K_M-fusedgateup"] == ["gate_up", "down"]
-    assert roles["gptoss-a.MXFP4"] == ["gate", "up", "down", "gate.bias", "up.bias", "down.bias"]
+    roles = {name: {r.role for r in Manifest.load(out).layers[0].roles} for name, (_, out) in fixture_packs.items()}
+    assert roles["qwen3moe-a.BF16"] == {"gate", "up", "down"}
+    assert roles["qwen35moe-a.Q4_K_M-fusedgateup"] == {"gate_up", "down"}
+    assert roles["gptoss-a.MXFP4"] == {"gate", "up", "down", "gate.bias", "up.bias", "down.bias"}
     ds = Manifest.load(fixture_packs["deepseek3-a.BF16"][1])
     assert ds.model.moe_layers == (1, 2)  # layer 0 is dense and stays in the trunk
+
+
+def test_roles_sit_in_source_order(fixture_packs: dict[str, tuple[Path, Path]]) -> None:
+    """The block order is the order a sequential read meets the tensors (it lets the build hash in
+    stream); the fixtures' converter writes mixtral's experts as gate, down, up."""
+    layer = Manifest.load(fixture_packs["mixtral-a.F16"][1]).layers[0]
+    assert [r.role for r in layer.roles] == ["gate", "down", "up"]
+    assert [r.offset for r in layer.roles] == sorted(r.offset for r in layer.roles)
 
 
 def test_trunk_keeps_shared_experts_routers_and_hash_tables(fixture_packs: dict[str, tuple[Path, Path]]) -> None:

@@ -61,6 +61,15 @@ def wait_for_progress(out: Path, beyond: tuple[int, int], proc: subprocess.Popen
     raise AssertionError("the build made no progress")
 
 
+def looks_complete(out: Path) -> bool:
+    """After a kill: either the pack is finished and verifies, or nothing claims it is."""
+    if (out / MANIFEST_FILE).exists():
+        assert run_cli("verify", out, "-q").returncode == 0, "a pack that looks complete must verify"
+        return True
+    assert_not_complete(out)
+    return False
+
+
 def assert_not_complete(out: Path) -> None:
     assert not (out / MANIFEST_FILE).exists()
     assert not (out / PACK_FILE).exists() and not (out / TRUNK_FILE).exists()
@@ -83,17 +92,20 @@ def test_sigkill_at_many_points_then_resume_gives_the_same_pack(small_gguf: Path
         proc.wait()
         kills += 1
         delay = (delay + 0.013) % 0.09  # vary where in the copy the kill lands
-        assert_not_complete(out)
+        if looks_complete(out):  # killed after manifest.json landed: the build had finished
+            break
         assert position(out) >= last, "a checkpoint never moves backwards"
         last = position(out)
-    stdout, stderr = proc.communicate()
-    assert proc.returncode == 0, stderr
+    stderr = proc.communicate()[1]
+    assert proc.returncode in (0, -signal.SIGKILL), stderr
     assert kills >= 3, f"only {kills} kills landed before the build finished"
     assert run_cli("verify", out, "-q").returncode == 0
     assert Manifest.load(out).fingerprint == Manifest.load(reference).fingerprint
     for name in (PACK_FILE, TRUNK_FILE):
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
-    assert sorted(os.listdir(out)) == sorted(os.listdir(reference))
+    # A kill in the last instant (manifest renamed, build state not yet removed) may leave the hidden
+    # state and lock files; a rerun finishes the clean-up. No other file may be left behind.
+    assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == sorted(os.listdir(reference))
 
 
 def test_rerun_says_it_resumes(small_gguf: Path, tmp_path: Path) -> None:

@@ -1,0 +1,1 @@
+"""`expertpack synth`: synthetic GGUFs of real MoE architectures for benchmarks, tests and the demo."""
