@@ -9,7 +9,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: venv test test-fast demo bench clean
 
+# Debian tools the tests call: systemd-analyze/sysusers/tmpfiles (unit checks), unshare (util-linux).
+SYSTEM_TOOLS := systemd-analyze systemd-sysusers systemd-tmpfiles unshare
+
 $(STAMP): pyproject.toml Makefile
+	@for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq systemd util-linux; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_CPU)

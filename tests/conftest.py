@@ -1,14 +1,23 @@
 """Shared test fixtures: the real llama.cpp GGUFs in ../shared/fixtures (made by others; the outside
-world), packs built from them once per session, and a helper to run the installed CLI."""
+world), packs built from them once per session, a helper to run the installed CLI, and a real
+expertd process on a real pack on the ext4 disk, its readiness learned the way systemd learns it (a
+NOTIFY_SOCKET datagram), stopped with SIGTERM and checked for leftovers."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from expertpack.packtools.build import BuildOptions, build_pack
+from expertpack.packtools.synth.writer import SynthOptions, write_synth
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("EXPERTPACK_FIXTURES", REPO.parent / "shared" / "fixtures"))
@@ -40,8 +49,6 @@ def run_cli(*args: str | Path, check: bool = False, timeout: float = 300) -> sub
 @pytest.fixture(scope="session")
 def fixture_packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """fixture id -> (source GGUF, built pack directory), built once per session."""
-    from expertpack.packtools.build import BuildOptions, build_pack
-
     root = tmp_path_factory.mktemp("fixture-packs")
     packs = {}
     for src in fixture_ggufs():
@@ -53,8 +60,93 @@ def fixture_packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[P
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from expertpack.packtools.synth.writer import SynthOptions, write_synth
-
     path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
     write_synth(path, SynthOptions(preset="tiny", progress=False))
     return path
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[str]
+    endpoint: str
+    socket_path: Path
+    notify: socket.socket
+    log_path: Path
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, state: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(state in n for n in self.notes):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"expertd exited {self.proc.returncode}: {self.log}")
+            self.notify.settimeout(max(0.01, min(0.2, deadline - time.monotonic())))
+            try:
+                self.notes.append(self.notify.recv(4096).decode())
+            except TimeoutError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"expertd never said {state}")
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM; returns (exit status, stderr). Notifications sent meanwhile land in `notes`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+            self.notify.setblocking(False)
+            while True:
+                try:
+                    self.notes.append(self.notify.recv(4096).decode())
+                except BlockingIOError:
+                    break
+        finally:
+            self.notify.close()
+        return self.proc.returncode, self.log
+
+
+def start_daemon(pack: Path, tmp: Path, *extra: str, on_ramfs: bool = False) -> Daemon:
+    """expertd on `pack`, its log in tmp/expertd.log. on_ramfs: the pack is first copied onto a ramfs
+    (which refuses O_DIRECT) mounted in a private mount namespace that dies with the daemon."""
+    sock_path = tmp / "expertd.sock"
+    notify_path = tmp / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    argv = [str(BIN / "expertd"), "--pack", str(pack), "--endpoint", f"ipc://{sock_path}", "--log-level", "debug", *extra]
+    if on_ramfs:
+        mnt = tmp / "ramfs"
+        mnt.mkdir()
+        argv[2] = str(mnt / "pack")
+        argv = ["unshare", "-rm", "sh", "-c", f'mount -t ramfs ramfs "{mnt}" && cp -a "{pack}" "{mnt}/pack" && exec "$@"',
+                "sh", *argv]
+    log_path = tmp / "expertd.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, text=True,
+                                env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
+    return Daemon(proc, f"ipc://{sock_path}", sock_path, notify, log_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pack on the ext4 disk (pytest's tmp lives there here and in CI), 4 layers x 16 experts."""
+    root = tmp_path_factory.mktemp("daemon-pack")
+    src = root / "tiny.gguf"
+    write_synth(src, SynthOptions(preset="tiny", progress=False, seed=11))
+    out = root / "pack"
+    build_pack(src, out, BuildOptions(progress=False, safety_margin_bytes=0))
+    return out
+
+
+@pytest.fixture
+def daemon(tiny_pack: Path, tmp_path: Path):
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "48", "--client-slots", "8")
+    d.wait_for("READY=1")
+    yield d
+    code, err = d.stop()
+    assert code == 0, err
+    assert not d.socket_path.exists(), "the ipc socket file is left behind"
+    assert not any(p.name.startswith(f"expertpack-{d.proc.pid}-") for p in Path("/dev/shm").iterdir()), \
+        "the staging segment is left behind"

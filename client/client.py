@@ -1,0 +1,257 @@
+"""The Python client of expertd. Stable API (ops scripts and the worker use it):
+
+    with ExpertClient("ipc:///run/expertpack/expertd.sock") as c:
+        for expert in c.fetch([(3, 17), (3, 99)]):
+            use(expert.key, expert.data)   # memoryview of the payload, in shared staging
+            expert.release()               # the slot goes back to the daemon
+
+Experts arrive in completion order, not request order. `data` is valid until `release()`. The client
+holds a fixed set of staging slots (leased at HELLO); a fetch of more keys than that proceeds as
+experts are released. No GPU needed: the worker adds CUDA registration on top."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import zmq
+
+from expertpack.packtools.layout import ExpertKey
+
+from . import protocol as p
+
+DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
+SHM_DIR = Path("/dev/shm")
+
+
+class ClientError(Exception):
+    """Base of everything ExpertClient raises on purpose."""
+
+
+class DaemonUnavailable(ClientError):
+    """No answer from expertd in time, or it said BYE."""
+
+
+class DaemonError(ClientError):
+    """expertd answered ERROR: the request was refused and nothing changed."""
+
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(f"expertd refused the request: {code.name}: {message}")
+        self.code = code
+
+
+class FetchFailed(ClientError):
+    """expertd could not deliver an expert (FAIL): an I/O error, a cancel or a shutdown."""
+
+    def __init__(self, key: ExpertKey, code: p.FailCode, message: str) -> None:
+        super().__init__(f"expert {tuple(key)}: {code.name}: {message}")
+        self.key = key
+        self.code = code
+
+
+class FingerprintMismatch(ClientError):
+    """The daemon serves a different pack than the caller expects."""
+
+
+class Expert:
+    """One delivered expert: its key, the staging slot holding it, and its payload bytes."""
+
+    __slots__ = ("key", "slot", "nbytes", "_client", "_data")
+
+    def __init__(self, client: "ExpertClient", key: ExpertKey, slot: int, nbytes: int, data: memoryview) -> None:
+        self.key = key
+        self.slot = slot
+        self.nbytes = nbytes
+        self._client = client
+        self._data: memoryview | None = data
+
+    @property
+    def data(self) -> memoryview:
+        if self._data is None:
+            raise ClientError(f"expert {tuple(self.key)} was released; its slot may hold another expert now")
+        return self._data
+
+    @property
+    def released(self) -> bool:
+        return self._data is None
+
+    def release(self) -> None:
+        """Gives the slot back; idempotent."""
+        if self._data is not None:
+            self._data.release()
+            self._data = None
+            self._client._release([self.slot])
+
+    def __repr__(self) -> str:
+        return f"Expert(key={tuple(self.key)}, slot={self.slot}, nbytes={self.nbytes})"
+
+
+class ExpertClient:
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, name: str | None = None, timeout_s: float = 30.0,
+                 expect_fingerprint: str | None = None, curve_server_key: bytes | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        if endpoint.startswith("tcp://"):
+            if curve_server_key is None:
+                raise ClientError(f"{endpoint}: expertd refuses plain TCP; pass curve_server_key (its public key)")
+            public, secret = zmq.curve_keypair()
+            self._sock.setsockopt(zmq.CURVE_SERVERKEY, curve_server_key)
+            self._sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._inbox: dict[int, deque[p.Message]] = {}
+        self._map: mmap.mmap | None = None
+        try:
+            self._send(p.Hello(p.PROTOCOL_VERSION, name or f"pid-{os.getpid()}"))
+            welcome = self._expect(p.Welcome, "HELLO")
+            if expect_fingerprint is not None and welcome.fingerprint != expect_fingerprint:
+                raise FingerprintMismatch(
+                    f"expertd at {endpoint} serves pack {welcome.fingerprint[:16]}…, expected {expect_fingerprint[:16]}…; "
+                    "point the daemon at the pack this trunk.gguf was built with")
+            self.welcome = welcome
+            self._map = _map_staging(welcome.shm, welcome.shm_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the API -----------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        return self.welcome.fingerprint
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return self.welcome.model
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return self.welcome.slots
+
+    @property
+    def staging(self) -> mmap.mmap:
+        """The whole shared staging segment (the worker registers it with CUDA)."""
+        assert self._map is not None
+        return self._map
+
+    def fetch(self, keys: Iterable[tuple[int, int]], prio: p.Priority = p.Priority.DEMAND,
+              timeout_s: float | None = None) -> Iterator[Expert]:
+        """Yields every requested expert as it arrives. Raises FetchFailed on the first key expertd
+        cannot deliver (the rest of the request is cancelled). Leaving the loop early cancels too."""
+        wanted = [ExpertKey(int(l), int(e)) for l, e in keys]
+        if not wanted:
+            return
+        request_id = next(self._ids)
+        self._inbox[request_id] = deque()
+        self._send(p.Fetch(request_id, tuple(wanted), prio))
+        remaining = len(wanted)
+        try:
+            while remaining:
+                msg = self._next_for(request_id, timeout_s)
+                remaining -= 1
+                if isinstance(msg, p.Fail):
+                    raise FetchFailed(msg.key, msg.code, msg.message)
+                assert isinstance(msg, p.Ready)
+                view = memoryview(self.staging)[msg.slot * self.welcome.slot_bytes:][:msg.nbytes]
+                yield Expert(self, msg.key, msg.slot, msg.nbytes, view)
+        finally:
+            del self._inbox[request_id]
+            if remaining and not self._sock.closed:
+                self._send(p.Cancel(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        self._send(p.Stats())
+        return self._expect(p.StatsReply, "STATS").stats
+
+    def ping(self) -> float:
+        """Round-trip time in seconds."""
+        start = time.perf_counter()
+        self._send(p.Ping())
+        self._expect(p.Pong, "PING")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # an Expert still holds a view; the mapping goes when it does
+            self._map = None
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "ExpertClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _release(self, slots: list[int]) -> None:
+        if not self._sock.closed:
+            self._send(p.Release(tuple(slots)))
+
+    def _send(self, msg: p.Message) -> None:
+        self._sock.send(p.encode(msg))
+
+    def _recv(self, timeout_s: float | None) -> p.Message:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not self._sock.poll(int(timeout * 1000)):
+            raise DaemonUnavailable(f"no answer from expertd at {self.endpoint} within {timeout:g} s; is it running? "
+                                    "(systemctl status expertd)")
+        msg = p.decode(self._sock.recv())
+        if isinstance(msg, p.Bye):
+            raise DaemonUnavailable(f"expertd at {self.endpoint} is going away: {msg.reason}")
+        return msg
+
+    def _expect(self, kind: type[p.Message], what: str) -> Any:
+        """The reply to a request that has one (WELCOME, STATS_REPLY, PONG); key traffic that
+        arrives meanwhile is kept for its fetch."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            msg = self._recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, p.Error):
+                raise DaemonError(msg.code, msg.message)
+            self._route(msg)
+
+    def _next_for(self, request_id: int, timeout_s: float | None) -> p.Message:
+        inbox = self._inbox[request_id]
+        while not inbox:
+            msg = self._recv(timeout_s)
+            if isinstance(msg, p.Error):
+                raise DaemonError(msg.code, msg.message)
+            self._route(msg)
+        return inbox.popleft()
+
+    def _route(self, msg: p.Message) -> None:
+        request_id = getattr(msg, "id", None)
+        if request_id in self._inbox:
+            self._inbox[request_id].append(msg)
+        elif isinstance(msg, p.Ready):  # for a fetch the caller abandoned: hand the slot straight back
+            self._release([msg.slot])
+
+
+def _map_staging(name: str, size: int) -> mmap.mmap:
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except PermissionError:
+        raise ClientError(f"{path}: permission denied; run in expertd's group (the segment is 0660)") from None
+    except FileNotFoundError:
+        raise ClientError(f"{path}: staging segment not found; is expertd on this host?") from None
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)

@@ -1,0 +1,133 @@
+"""`expertctl`: ops tooling for a running expertd. `stats` prints a table for people (throughput,
+latency percentiles, errors, clients, slots) or JSON for scripts; `ping` prints the round trip;
+`health` exits 0 when the daemon answers and has seen no I/O errors, 1 when it answers but is
+degraded, 2 when it does not answer. Never leases slots (STATS and PING need no HELLO)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from . import protocol as p
+from .client import DEFAULT_ENDPOINT
+
+EXIT_OK, EXIT_DEGRADED, EXIT_DOWN = 0, 1, 2
+
+
+class Probe:
+    """A session-less DEALER for STATS and PING."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = int(timeout_s * 1000)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def ask(self, msg: p.Message, reply: type[p.Message]) -> Any:
+        self.sock.send(p.encode(msg))
+        if not self.sock.poll(self.timeout_ms):
+            raise TimeoutError(f"no answer from expertd at {self.endpoint} within {self.timeout_ms / 1000:g} s")
+        answer = p.decode(self.sock.recv())
+        if not isinstance(answer, reply):
+            raise RuntimeError(f"unexpected answer {answer}")
+        return answer
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def render(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: float | None) -> str:
+    c = stats["counters"]
+    lines = [
+        f"expertd pid {stats['pid']}  up {stats['uptime_s']:.0f} s  {stats['arch']}  pack {stats['fingerprint'][:16]}  "
+        f"{'O_DIRECT' if stats['direct_io'] else 'BUFFERED (fallback)'}",
+        f"fetches {c['fetches']:,}  keys {c['keys']:,}  ready {c['ready']:,}  failed {c['failed']:,}  "
+        f"cancelled {c['cancelled']:,}",
+        f"read {c['pack_read_bytes'] / 1e9:,.2f} GB in {c['read_ops']:,} ops  io_errors {c['io_errors']}  "
+        f"fallback_count {c['fallback_count']}  protocol_errors {c['protocol_errors']}",
+    ]
+    if previous is not None and interval_s:
+        delta = c["pack_read_bytes"] - previous["counters"]["pack_read_bytes"]
+        keys = c["ready"] - previous["counters"]["ready"]
+        lines.append(f"now      {delta / interval_s / 1e9:.3f} GB/s  {keys / interval_s:,.0f} experts/s")
+    for name in ("read_latency_us", "fetch_latency_us"):
+        h = stats[name]
+        lines.append(f"{name:<17} p50 <= {h['p50']:,.0f}  p99 <= {h['p99']:,.0f}  mean {h['mean']:,.0f}  "
+                     f"({h['count']:,} samples)")
+    s = stats["slots"]
+    lines.append(f"slots    {s['total']} x {s['slot_bytes']:,} B: {s['unleased']} unleased, {s['free']} free, "
+                 f"{s['reading']} reading, {s['leased']} leased   queue {stats['queue_depth']['keys']} keys, "
+                 f"{stats['queue_depth']['reads']} reads")
+    lines.append(f"clients  {len(stats['clients'])}")
+    for cl in stats["clients"]:
+        lines.append(f"  {cl['name']:<24} slots {cl['slots']:>4}  free {cl['free']:>4}  queued {cl['queued']:>6}  "
+                     f"requests {cl['requests']}")
+    return "\n".join(lines)
+
+
+def health(stats: dict[str, Any]) -> tuple[int, str]:
+    c = stats["counters"]
+    if c["io_errors"]:
+        return EXIT_DEGRADED, f"degraded: {c['io_errors']} I/O errors reading the pack (check the disk, run expertpack verify)"
+    if not stats["direct_io"]:
+        return EXIT_DEGRADED, f"degraded: reading through the page cache (direct_io = false), {c['fallback_count']} reads"
+    return EXIT_OK, f"ok: serving {stats['arch']} pack {stats['fingerprint'][:16]}, {len(stats['clients'])} clients"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="expertctl", description="Query a running expertd.")
+    parser.add_argument("command", choices=("stats", "ping", "health"),
+                        help="stats: counters and latencies; ping: round trip; health: exit 0 ok, 1 degraded, 2 down")
+    parser.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help=f"expertd's endpoint (default {DEFAULT_ENDPOINT})")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--watch", type=float, metavar="N", help="repeat every N seconds (stats), with rates")
+    parser.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for an answer (default 5)")
+    args = parser.parse_args(argv)
+
+    probe = Probe(args.endpoint, args.timeout_s)
+    try:
+        if args.command == "ping":
+            start = time.perf_counter()
+            probe.ask(p.Ping(), p.Pong)
+            rtt_ms = (time.perf_counter() - start) * 1000
+            print(json.dumps({"rtt_ms": rtt_ms}) if args.json else f"pong from {args.endpoint} in {rtt_ms:.2f} ms")
+            return EXIT_OK
+        if args.command == "health":
+            code, text = health(probe.ask(p.Stats(), p.StatsReply).stats)
+            print(json.dumps({"status": ("ok", "degraded")[code], "detail": text}) if args.json else text)
+            return code
+        previous = None
+        while True:
+            stats = probe.ask(p.Stats(), p.StatsReply).stats
+            if args.json:
+                print(json.dumps(stats), flush=True)
+            else:
+                print(render(stats, previous, args.watch), flush=True)
+            if not args.watch:
+                return EXIT_OK
+            previous = stats
+            time.sleep(args.watch)
+            if not args.json:
+                print()
+    except TimeoutError as exc:
+        if args.json and args.command == "health":
+            print(json.dumps({"status": "down", "detail": str(exc)}))
+        else:
+            print(f"expertctl: {exc}", file=sys.stderr)
+        return EXIT_DOWN
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        probe.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

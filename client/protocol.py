@@ -1,0 +1,311 @@
+"""Protocol v1 between expertd and its clients: the one module that knows the wire format.
+
+Transport: ZeroMQ, the daemon a ROUTER, each client a DEALER. Every message is ONE frame holding ONE
+msgpack map with an integer `op`:
+
+    client (DEALER) sends      [ msgpack{op, ...} ]
+    daemon (ROUTER) receives   [ routing id | msgpack{op, ...} ]   and answers with the same id
+
+    HELLO{version, client}            -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots}
+    FETCH{id, keys: [[layer, expert], ...], prio}
+                                      -> one READY{id, key, slot, nbytes} or FAIL{id, key, code, message}
+                                         per key, in completion order
+    RELEASE{slots: [slot, ...]}       (no reply; the slots return to the client's free pool)
+    CANCEL{id}                        -> FAIL{code=CANCELLED} for each key of id not yet READY
+    STATS                             -> STATS_REPLY{stats}
+    PING                              -> PONG
+    anything malformed or unknown     -> ERROR{code, message}; nothing else changes
+    daemon shutting down              -> BYE{reason} to every client
+
+Expert bytes never travel in a message: READY names a slot of the shared staging segment, and the
+payload is its first `nbytes` bytes. Keys are ExpertKey(layer, expert), the pack's own key type.
+Decoding validates every field (type, range, length) and the message size before anything acts on
+it; it never raises anything but ProtocolError. Never pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from enum import IntEnum
+from typing import Any, Callable, ClassVar
+
+import msgpack
+
+from expertpack.packtools.layout import ExpertKey
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
+MAX_KEYS = 65536
+MAX_TEXT = 1024
+MAX_ID = (1 << 63) - 1
+MAX_INDEX = (1 << 31) - 1
+
+
+class Op(IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    FETCH = 3
+    READY = 4
+    FAIL = 5
+    RELEASE = 6
+    CANCEL = 7
+    STATS = 8
+    STATS_REPLY = 9
+    PING = 10
+    PONG = 11
+    ERROR = 12
+    BYE = 13
+
+
+class ErrorCode(IntEnum):
+    MALFORMED = 1  # not one msgpack map with an integer op
+    UNKNOWN_OP = 2
+    BAD_FIELD = 3  # missing, wrongly typed or out of range
+    TOO_LARGE = 4
+    NO_SESSION = 5  # a request before HELLO
+    VERSION = 6  # protocol version not spoken by this daemon
+    DUPLICATE_ID = 7  # a FETCH id that is still in flight
+    NO_SLOTS = 8  # staging has no slots left to lease to a new client
+    SHUTTING_DOWN = 9
+    BUSY = 10  # too many keys queued for this client; RELEASE or wait
+
+
+class FailCode(IntEnum):
+    IO_ERROR = 1  # the read failed or came back short; the slot's bytes are not used
+    CANCELLED = 2
+    SHUTDOWN = 3
+
+
+class Priority(IntEnum):
+    DEMAND = 0  # the worker stalls on it
+    PREFETCH = 1  # wanted soon; any demand read overtakes it
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+# ---- field validators: raw msgpack value -> typed value, or ValueError with what was expected ----
+def _uint(limit: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if type(v) is not int or not 0 <= v <= limit:
+            raise ValueError(f"an integer in 0..{limit}")
+        return v
+    return check
+
+
+def _text(v: Any) -> str:
+    if type(v) is not str or len(v) > MAX_TEXT:
+        raise ValueError(f"a string of at most {MAX_TEXT} characters")
+    return v
+
+
+def _enum(enum: type[IntEnum]) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if type(v) is int and v in enum._value2member_map_:
+            return enum(v)
+        raise ValueError(f"one of {[int(m) for m in enum]}")
+    return check
+
+
+def _key(v: Any) -> ExpertKey:
+    if type(v) is not list or len(v) != 2 or any(type(x) is not int or not 0 <= x <= MAX_INDEX for x in v):
+        raise ValueError("a [layer, expert] pair of non-negative integers")
+    return ExpertKey(v[0], v[1])
+
+
+def _keys(v: Any) -> tuple[ExpertKey, ...]:
+    if type(v) is not list or not 1 <= len(v) <= MAX_KEYS:
+        raise ValueError(f"a list of 1..{MAX_KEYS} [layer, expert] pairs")
+    return tuple(_key(x) for x in v)
+
+
+def _slots(v: Any) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > MAX_KEYS or any(type(x) is not int or not 0 <= x <= MAX_INDEX for x in v):
+        raise ValueError(f"a list of at most {MAX_KEYS} slot numbers")
+    return tuple(v)
+
+
+def _map(v: Any) -> dict[str, Any]:
+    if type(v) is not dict or any(type(k) is not str for k in v):
+        raise ValueError("a map with string keys")
+    return v
+
+
+def _fingerprint(v: Any) -> str:
+    if type(v) is not str or len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+        raise ValueError("64 lowercase hex digits")
+    return v
+
+
+_ID = _uint(MAX_ID)
+_INDEX = _uint(MAX_INDEX)
+_BYTES = _uint(1 << 62)
+
+class Message:
+    __slots__ = ()
+    op: ClassVar[Op]
+    checks: ClassVar[dict[str, Callable[[Any], Any]]] = {}
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": int(self.op)}
+        for f in fields(self):  # type: ignore[arg-type]
+            out[f.name] = _wire_value(getattr(self, f.name))
+        return out
+
+
+def _wire_value(v: Any) -> Any:
+    if isinstance(v, ExpertKey):
+        return [v.layer, v.expert]
+    if isinstance(v, IntEnum):
+        return int(v)
+    if isinstance(v, tuple):
+        return [_wire_value(x) for x in v]
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    op = Op.HELLO
+    version: int
+    client: str
+    checks = {"version": _uint(MAX_INDEX), "client": _text}
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    op = Op.WELCOME
+    version: int
+    fingerprint: str
+    model: dict[str, Any]  # arch, n_layer, n_expert, n_expert_used, moe_layers
+    shm: str  # name of the staging segment under /dev/shm
+    shm_bytes: int
+    slot_bytes: int
+    slots: tuple[int, ...]  # the slots leased to this client
+    checks = {"version": _uint(MAX_INDEX), "fingerprint": _fingerprint, "model": _map, "shm": _text,
+              "shm_bytes": _BYTES, "slot_bytes": _BYTES, "slots": _slots}
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch(Message):
+    op = Op.FETCH
+    id: int
+    keys: tuple[ExpertKey, ...]
+    prio: Priority = Priority.DEMAND
+    checks = {"id": _ID, "keys": _keys, "prio": _enum(Priority)}
+
+
+@dataclass(frozen=True, slots=True)
+class Ready(Message):
+    op = Op.READY
+    id: int
+    key: ExpertKey
+    slot: int
+    nbytes: int
+    checks = {"id": _ID, "key": _key, "slot": _INDEX, "nbytes": _BYTES}
+
+
+@dataclass(frozen=True, slots=True)
+class Fail(Message):
+    op = Op.FAIL
+    id: int
+    key: ExpertKey
+    code: FailCode
+    message: str
+    checks = {"id": _ID, "key": _key, "code": _enum(FailCode), "message": _text}
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    op = Op.RELEASE
+    slots: tuple[int, ...]
+    checks = {"slots": _slots}
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    op = Op.CANCEL
+    id: int
+    checks = {"id": _ID}
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Message):
+    op = Op.STATS
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReply(Message):
+    op = Op.STATS_REPLY
+    stats: dict[str, Any]
+    checks = {"stats": _map}
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    op = Op.PING
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    op = Op.PONG
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    op = Op.ERROR
+    code: ErrorCode
+    message: str
+    checks = {"code": _enum(ErrorCode), "message": _text}
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(Message):
+    op = Op.BYE
+    reason: str
+    checks = {"reason": _text}
+
+
+# The one dispatch table from op to message class.
+MESSAGES: dict[Op, type[Message]] = {cls.op: cls for cls in (
+    Hello, Welcome, Fetch, Ready, Fail, Release, Cancel, Stats, StatsReply, Ping, Pong, Error, Bye)}
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(msg.to_wire(), use_bin_type=True)
+
+
+def decode(raw: bytes) -> Message:
+    """One frame -> a validated message; ProtocolError for anything else."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                               max_str_len=MAX_TEXT * 4, max_bin_len=0, max_array_len=MAX_KEYS,
+                               max_map_len=4096, max_ext_len=0)
+    except Exception as exc:  # msgpack raises a zoo of types for hostile input
+        raise ProtocolError(ErrorCode.MALFORMED, f"not one msgpack map ({type(exc).__name__})") from None
+    if type(data) is not dict:
+        raise ProtocolError(ErrorCode.MALFORMED, "a message must be a msgpack map")
+    op = data.get("op")
+    if type(op) is not int:
+        raise ProtocolError(ErrorCode.MALFORMED, "a message needs an integer `op`")
+    try:
+        cls = MESSAGES[Op(op)]
+    except ValueError:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op}") from None
+    values = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name not in data:
+            if f.default is not MISSING:
+                values[f.name] = f.default
+                continue
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.__name__.upper()} needs field `{f.name}`")
+        try:
+            values[f.name] = cls.checks[f.name](data[f.name])
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.__name__.upper()}.{f.name} must be {exc}") from None
+    return cls(**values)

@@ -1,0 +1,136 @@
+"""expertd's configuration: one dataclass, read from a TOML file (`--config`) and overridden by
+flags; every key is also a flag (`stage_slots` <-> `--stage-slots`). Validated once, all problems
+reported together."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A bad configuration file or flag; the message lists every problem."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    pack: Path | None = None  # the pack directory written by `expertpack build`
+    endpoint: str = DEFAULT_ENDPOINT
+    stage_slots: int = 64  # staging slots in shared memory, each one expert block (max stride)
+    client_slots: int = 16  # slots leased to each client at HELLO
+    read_threads: int = 8
+    read_splits: int = 4  # aligned pieces each block is read in, in parallel
+    direct_io: bool = True  # False: buffered reads, counted in fallback_count
+    heartbeat_interval_s: float = 1.0  # ZMTP heartbeats; a silent client loses its leases after
+    heartbeat_timeout_s: float = 10.0  # this long (a closed socket loses them at once)
+    curve_secret_key_file: Path | None = None  # required for tcp:// endpoints (zmq_curve keypair file)
+    log_level: str = "info"
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.pack is None:
+            out.append("pack: no pack directory given (--pack DIR or `pack = ...` in the config file)")
+        for name in ("stage_slots", "client_slots", "read_threads", "read_splits"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.client_slots > self.stage_slots:
+            out.append(f"client_slots ({self.client_slots}) cannot exceed stage_slots ({self.stage_slots})")
+        if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            out.append("heartbeat_timeout_s must exceed heartbeat_interval_s, both positive")
+        if self.log_level not in LOG_LEVELS:
+            out.append(f"log_level: one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        scheme = self.endpoint.split("://", 1)[0]
+        if scheme not in ("ipc", "tcp"):
+            out.append(f"endpoint: ipc:// or tcp://, got {self.endpoint!r}")
+        if scheme == "tcp" and self.curve_secret_key_file is None:
+            out.append("endpoint: a tcp:// endpoint needs curve_secret_key_file (CurveZMQ); "
+                       "unencrypted TCP is refused")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per key; defaults are None so that only flags actually given override the file."""
+    helps = {
+        "pack": "pack directory (manifest.json, experts.pack)",
+        "endpoint": f"ZeroMQ endpoint to bind (default {DEFAULT_ENDPOINT})",
+        "stage_slots": "staging slots in shared memory, each one expert block (default 64)",
+        "client_slots": "slots leased to each client at HELLO (default 16)",
+        "read_threads": "reader threads issuing preadv (default 8)",
+        "read_splits": "aligned pieces each expert block is read in (default 4)",
+        "direct_io": "O_DIRECT reads (default on); --no-direct-io reads through the page cache",
+        "heartbeat_interval_s": "ZMTP heartbeat interval in seconds (default 1)",
+        "heartbeat_timeout_s": "seconds of silence after which a client loses its leases (default 10)",
+        "curve_secret_key_file": "CurveZMQ secret key file; required for tcp:// endpoints",
+        "log_level": f"one of {', '.join(LOG_LEVELS)} (default info)",
+    }
+    for f in fields(DaemonConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps[f.name])
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=helps[f.name])
+
+
+def load_config(path: Path | None, args: argparse.Namespace) -> DaemonConfig:
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    known = {f.name: f for f in fields(DaemonConfig)}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        for key, value in data.items():
+            if key not in known:
+                problems.append(f"{path}: unknown key {key!r} (known: {', '.join(known)})")
+            else:
+                values[key] = value
+    for name in known:
+        flag_value = getattr(args, name, None)
+        if flag_value is not None:
+            values[name] = flag_value
+    for name, value in list(values.items()):
+        kind = str(known[name].type)
+        try:
+            values[name] = _coerce(kind, value)
+        except (TypeError, ValueError):
+            problems.append(f"{name}: expected {kind.replace(' | None', '')}, got {value!r}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    config = DaemonConfig(**values)
+    problems = config.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return config
+
+
+def _coerce(kind: str, value: Any) -> Any:
+    if "Path" in kind:
+        return Path(value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise TypeError
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError
+        return float(value)
+    if not isinstance(value, str):
+        raise TypeError
+    return value

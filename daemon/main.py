@@ -1,0 +1,51 @@
+"""`expertd`: the expert-storage daemon's command line. Exit status 0 after a clean shutdown
+(SIGTERM), 2 when the configuration, the pack or the environment is unusable (one line says why:
+fail-closed, before anything is served)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from expertpack.packtools.errors import ManifestError
+
+from .config import ConfigError, add_flags, load_config
+from .reader import PackContractError
+from .staging import StagingError
+
+log = logging.getLogger("expertd")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="expertd",
+        description="The expert-storage daemon: serves the experts of one pack from the SSD (O_DIRECT) through "
+                    "shared, locked staging memory to inference workers over ZeroMQ. Settings come from "
+                    "--config FILE (TOML, keys as below with underscores) and are overridden by flags.",
+    )
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML file, e.g. /etc/expertpack/expertd.toml")
+    add_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args)
+    except ConfigError as exc:
+        print(f"expertd: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(),
+                        format="expertd[%(process)d] %(levelname)s %(message)s")
+    import zmq
+
+    from .server import ExpertDaemon  # zmq and the pack are only touched once the config is sound
+
+    try:
+        daemon = ExpertDaemon(config)
+    except (ManifestError, PackContractError, StagingError, ValueError, OSError, zmq.ZMQError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    return daemon.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

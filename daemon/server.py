@@ -1,0 +1,467 @@
+"""expertd's main loop: one ZeroMQ ROUTER socket, the reader pool's completions (an eventfd) and the
+signal self-pipe, all polled by one thread that owns every piece of state (sessions, requests,
+slots), so nothing here takes a lock. A FETCH's keys queue per client (demand before prefetch) and
+get one of the client's leased slots each; reads land in the slot; READY names the slot.
+A client that disconnects or stops answering ZMTP heartbeats loses its leases: the socket monitor
+reports the connection's fd, and every message's source fd (ZMQ_SRCFD) says whose it was; the
+monitor is drained before each message is handled, so an fd reused by a new connection is never
+mistaken for the old one. A message that fails validation gets ERROR and changes nothing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
+from expertpack.client import protocol as p
+from expertpack.packtools.layout import ExpertKey
+
+from .config import DaemonConfig
+from .notify import notify, watchdog_interval_s
+from .reader import OpenPack, ReaderPool, ReadJob, open_pack
+from .staging import SlotState, StagingSegment
+from .stats import Counters, Histogram
+
+log = logging.getLogger("expertd")
+
+MAX_QUEUED_KEYS = 4 * p.MAX_KEYS  # per client: pending + in flight
+SEND_HWM = MAX_QUEUED_KEYS + 1024  # every queued key may end in one message
+DRAIN_TIMEOUT_S = 10.0  # at shutdown, how long in-flight reads may take to finish
+
+
+@dataclass(eq=False)
+class Work:
+    """One key of one FETCH, from the client's queue to READY or FAIL."""
+
+    session: "Session"
+    request_id: int
+    key: ExpertKey
+    prio: p.Priority
+    submitted_ns: int
+    slot: int | None = None
+    pieces_left: int = 0
+    error: OSError | None = None
+    cancelled: bool = False
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Session:
+    identity: bytes
+    name: str
+    slots: list[int]
+    free: deque[int]
+    pending: tuple[deque[Work], deque[Work]] = field(default_factory=lambda: (deque(), deque()))
+    requests: dict[int, list[Work]] = field(default_factory=dict)
+    queued: int = 0  # keys pending or in flight
+    closed: bool = False
+
+
+class ExpertDaemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        assert config.pack is not None
+        self.config = config
+        self.pack: OpenPack = open_pack(config.pack, config.direct_io, config.read_splits)
+        self.manifest = self.pack.manifest
+        self.layers = {l.layer: l for l in self.manifest.layers}
+        self.started = time.monotonic()
+        self.counters = Counters()
+        self.read_latency = Histogram()
+        self.fetch_latency = Histogram()
+        self.sessions: dict[bytes, Session] = {}
+        self._fd_peer: dict[int, bytes] = {}  # connection fd -> routing id of the peer on it
+        self.stopping = False
+        self._completions: queue.SimpleQueue[tuple[ReadJob, OSError | None, int]] = queue.SimpleQueue()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.staging = StagingSegment(config.stage_slots, self.manifest.max_stride)
+        try:
+            self.ctx = zmq.Context()
+            self.router = self._bind()
+            self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        except BaseException:
+            self.staging.close()
+            raise
+        self.readers = ReaderPool(self.pack.fd, config.read_threads, self._on_read_done)
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _bind(self) -> zmq.Socket:
+        cfg = self.config
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.RCVHWM, 10000)
+        # Up to 4x the protocol's limit arrives and gets ERROR TOO_LARGE; beyond, zmq drops the peer.
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * p.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_interval_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.heartbeat_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(cfg.heartbeat_timeout_s * 1000))
+        if cfg.endpoint.startswith("tcp://"):
+            assert cfg.curve_secret_key_file is not None
+            public, secret = zmq.auth.load_certificate(str(cfg.curve_secret_key_file))
+            if secret is None:
+                raise ValueError(f"{cfg.curve_secret_key_file} holds no secret key (make one with zmq.auth.create_certificates)")
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        else:
+            path = Path(cfg.endpoint.removeprefix("ipc://"))
+            if not path.parent.is_dir():
+                raise ValueError(f"{cfg.endpoint}: directory {path.parent} does not exist "
+                                 "(systemd creates it with RuntimeDirectory=expertpack)")
+            if path.exists():
+                raise ValueError(f"{cfg.endpoint}: {path} exists; is another expertd running? Remove it if not")
+        sock.bind(cfg.endpoint)
+        if cfg.endpoint.startswith("ipc://"):
+            os.chmod(cfg.endpoint.removeprefix("ipc://"), 0o660)  # group shared with workers
+        return sock
+
+    # ---- main loop ---------------------------------------------------------------------------
+    def serve(self) -> int:
+        sig_r, sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        previous_fd = signal.set_wakeup_fd(sig_w, warn_on_full_buffer=False)
+        caught: list[int] = []
+        handlers = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        poller.register(sig_r, zmq.POLLIN)
+        watchdog = watchdog_interval_s()
+        next_ping = time.monotonic()
+        log.info("serving %s on %s: %s, %d MoE layers x %d experts, %d staging slots of %d bytes (%s), "
+                 "%d reader threads, %s reads", self.config.pack, self.config.endpoint, self.manifest.model.arch,
+                 len(self.layers), self.manifest.model.n_expert, self.config.stage_slots, self.staging.slot_bytes,
+                 self.staging.path, self.config.read_threads, "O_DIRECT" if self.pack.direct else "buffered")
+        notify("READY=1", f"STATUS=serving {self.config.pack} on {self.config.endpoint}")
+        try:
+            while not caught:
+                timeout_ms = 1000 if watchdog is None else max(1, int(min(1.0, watchdog) * 1000))
+                events = dict(poller.poll(timeout_ms))
+                if self._wake in events:
+                    self._drain_completions()
+                if self.monitor in events:
+                    self._drain_monitor()
+                if self.router in events:
+                    self._drain_router()
+                if sig_r in events:
+                    while True:
+                        try:
+                            os.read(sig_r, 64)
+                        except BlockingIOError:
+                            break
+                if watchdog is not None and time.monotonic() >= next_ping:
+                    notify("WATCHDOG=1")
+                    next_ping = time.monotonic() + watchdog
+            log.info("%s received: shutting down", signal.Signals(caught[0]).name)
+            self._shutdown()
+        finally:
+            signal.set_wakeup_fd(previous_fd)
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            os.close(sig_r)
+            os.close(sig_w)
+        return 0
+
+    def _drain_router(self) -> None:
+        for _ in range(1000):  # then let completions in
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._drain_monitor()  # disconnects that happened before this message come first
+            identity = frames[0].bytes
+            self._fd_peer[frames[-1].get(zmq.SRCFD)] = identity
+            if len(frames) != 2:
+                self._error(identity, p.ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames) - 1}")
+                continue
+            try:
+                msg = p.decode(frames[1].bytes)
+            except p.ProtocolError as exc:
+                self._error(identity, exc.code, exc.message)
+                continue
+            self._handle(identity, msg)
+
+    def _handle(self, identity: bytes, msg: p.Message) -> None:
+        if isinstance(msg, p.Ping):
+            self._send(identity, p.Pong())
+        elif isinstance(msg, p.Stats):
+            self._send(identity, p.StatsReply(self.stats()))
+        elif isinstance(msg, p.Hello):
+            self._hello(identity, msg)
+        elif identity not in self.sessions:
+            self._error(identity, p.ErrorCode.NO_SESSION, f"{msg.op.name} before HELLO")
+        elif isinstance(msg, p.Fetch):
+            self._fetch(self.sessions[identity], msg)
+        elif isinstance(msg, p.Release):
+            self._release(self.sessions[identity], msg)
+        elif isinstance(msg, p.Cancel):
+            self._cancel(self.sessions[identity], msg)
+        else:
+            self._error(identity, p.ErrorCode.UNKNOWN_OP, f"{msg.op.name} is sent by the daemon, not to it")
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _hello(self, identity: bytes, msg: p.Hello) -> None:
+        if msg.version != p.PROTOCOL_VERSION:
+            self._error(identity, p.ErrorCode.VERSION,
+                        f"client speaks protocol {msg.version}, this expertd speaks {p.PROTOCOL_VERSION}")
+            return
+        if self.stopping:
+            self._error(identity, p.ErrorCode.SHUTTING_DOWN, "expertd is shutting down")
+            return
+        if identity in self.sessions:
+            self._drop(identity, "said HELLO again")
+        slots = self.staging.pool.lease(identity, self.config.client_slots)
+        if slots is None:
+            self._error(identity, p.ErrorCode.NO_SLOTS,
+                        f"all {self.config.stage_slots} staging slots are leased to {len(self.sessions)} clients; "
+                        "raise stage_slots or lower client_slots")
+            return
+        self.sessions[identity] = Session(identity, msg.client, slots, deque(slots))
+        self.counters.clients_total += 1
+        log.info("client %r connected: %d slots", msg.client, len(slots))
+        m = self.manifest
+        self._send(identity, p.Welcome(
+            version=p.PROTOCOL_VERSION, fingerprint=m.fingerprint,
+            model={"arch": m.model.arch, "n_layer": m.model.n_layer, "n_expert": m.model.n_expert,
+                   "n_expert_used": m.model.n_expert_used, "moe_layers": list(m.model.moe_layers)},
+            shm=self.staging.name, shm_bytes=self.staging.size_bytes, slot_bytes=self.staging.slot_bytes,
+            slots=tuple(slots)))
+
+    def _fetch(self, session: Session, msg: p.Fetch) -> None:
+        if self.stopping:
+            self._error(session.identity, p.ErrorCode.SHUTTING_DOWN, "expertd is shutting down")
+            return
+        if msg.id in session.requests:
+            self._error(session.identity, p.ErrorCode.DUPLICATE_ID, f"FETCH id {msg.id} is still in flight")
+            return
+        n_expert = self.manifest.model.n_expert
+        for key in msg.keys:
+            if key.layer not in self.layers or key.expert >= n_expert:
+                self._error(session.identity, p.ErrorCode.BAD_FIELD,
+                            f"FETCH.keys: {list(key)} is not an expert of this pack (MoE layers "
+                            f"{list(self.manifest.model.moe_layers)}, experts 0..{n_expert - 1})")
+                return
+        if session.queued + len(msg.keys) > MAX_QUEUED_KEYS:
+            self._error(session.identity, p.ErrorCode.BUSY,
+                        f"{session.queued} keys already queued; at most {MAX_QUEUED_KEYS} per client")
+            return
+        now = time.monotonic_ns()
+        works = [Work(session, msg.id, key, msg.prio, now) for key in msg.keys]
+        session.requests[msg.id] = works
+        session.pending[msg.prio].extend(works)
+        session.queued += len(works)
+        self.counters.fetches += 1
+        self.counters.keys += len(works)
+        self._dispatch(session)
+
+    def _release(self, session: Session, msg: p.Release) -> None:
+        slots = self.staging.pool.slots
+        for i in msg.slots:
+            if i >= len(slots) or slots[i].lessee != session.identity or slots[i].state is not SlotState.LEASED:
+                self._error(session.identity, p.ErrorCode.BAD_FIELD,
+                            f"RELEASE.slots: slot {i} holds no expert of this client")
+                return
+        if len(set(msg.slots)) != len(msg.slots):
+            self._error(session.identity, p.ErrorCode.BAD_FIELD, "RELEASE.slots: a slot is listed twice")
+            return
+        for i in msg.slots:
+            slots[i].move(SlotState.FREE)
+            session.free.append(i)
+        self._dispatch(session)
+
+    def _cancel(self, session: Session, msg: p.Cancel) -> None:
+        for work in session.requests.get(msg.id, ()):
+            if work.done or work.cancelled:
+                continue
+            work.cancelled = True
+            if work.slot is None:  # still queued: answer now; dispatch skips it
+                self._finish(work, p.FailCode.CANCELLED, "cancelled")
+
+    # ---- reads -------------------------------------------------------------------------------
+    def _dispatch(self, session: Session) -> None:
+        """Starts reads for the session's queued keys while it has free slots, demand first."""
+        demand, prefetch = session.pending
+        while session.free and (demand or prefetch):
+            work = demand.popleft() if demand else prefetch.popleft()
+            if work.done:
+                continue
+            slot = session.free.popleft()
+            self.staging.pool.slots[slot].move(SlotState.READING)
+            work.slot = slot
+            layer = self.layers[work.key.layer]
+            block = layer.block_offset(work.key.expert)
+            pieces = self.pack.splits[layer.layer]
+            work.pieces_left = len(pieces)
+            for start, length in pieces:
+                self.readers.submit(int(work.prio), block + start, self.staging.view(slot, start, start + length), work)
+
+    def _on_read_done(self, job: ReadJob, error: OSError | None, elapsed_ns: int) -> None:
+        """Reader thread: hand over to the main loop."""
+        self._completions.put((job, error, elapsed_ns))
+        os.eventfd_write(self._wake, 1)
+
+    def _drain_completions(self) -> None:
+        try:
+            os.eventfd_read(self._wake)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                job, error, elapsed_ns = self._completions.get_nowait()
+            except queue.Empty:
+                return
+            nbytes = job.dest.nbytes
+            job.dest.release()
+            work: Work = job.token
+            self.read_latency.add_ns(elapsed_ns)
+            self.counters.read_ops += 1
+            if not self.pack.direct:
+                self.counters.fallback_count += 1
+            if error is None:
+                self.counters.pack_read_bytes += nbytes
+            else:
+                work.error = error
+                self.counters.io_errors += 1
+            work.pieces_left -= 1
+            if work.pieces_left == 0:
+                self._read_complete(work)
+
+    def _read_complete(self, work: Work) -> None:
+        slot = self.staging.pool.slots[work.slot]
+        session = work.session
+        if session.closed:  # the client is gone: its slot leaves with it
+            slot.move(SlotState.FREE)
+            self.staging.pool.give_back(slot.index)
+            return
+        if work.error is not None or work.cancelled:
+            slot.move(SlotState.FREE)
+            session.free.append(slot.index)
+            if work.cancelled:
+                self._finish(work, p.FailCode.CANCELLED, "cancelled")
+            else:
+                log.warning("read of %s failed: %s", list(work.key), work.error)
+                self._finish(work, p.FailCode.IO_ERROR, f"read failed: {work.error}")
+        else:
+            slot.move(SlotState.READY)
+            slot.move(SlotState.LEASED)
+            layer = self.layers[work.key.layer]
+            self.fetch_latency.add_ns(time.monotonic_ns() - work.submitted_ns)
+            self._finish(work, None, "", p.Ready(work.request_id, work.key, slot.index, layer.payload_bytes))
+        self._dispatch(session)
+
+    def _finish(self, work: Work, fail: p.FailCode | None, message: str, ready: p.Ready | None = None) -> None:
+        """Answers one key exactly once and retires its request when it was the last."""
+        work.done = True
+        session = work.session
+        session.queued -= 1
+        if ready is not None:
+            self.counters.ready += 1
+            self._send(session.identity, ready)
+        else:
+            self.counters.failed += 1
+            self.counters.cancelled += fail is p.FailCode.CANCELLED
+            self._send(session.identity, p.Fail(work.request_id, work.key, fail, message[:p.MAX_TEXT]))
+        works = session.requests.get(work.request_id)
+        if works is not None and all(w.done for w in works):
+            del session.requests[work.request_id]
+
+    # ---- clients -----------------------------------------------------------------------------
+    def _drain_monitor(self) -> None:
+        """Connection events: a closed connection (process gone, heartbeat timeout) ends its session."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            identity = self._fd_peer.pop(int(event["value"]), None)
+            if event["event"] == zmq.EVENT_DISCONNECTED and identity is not None:
+                self._drop(identity, "disconnected")
+
+    def _drop(self, identity: bytes, why: str) -> None:
+        """Ends a session: queued keys vanish, leased slots return (a slot being read returns when
+        its read completes)."""
+        session = self.sessions.pop(identity, None)
+        if session is None:
+            return
+        session.closed = True
+        self.counters.clients_dropped += why != "said HELLO again"
+        for i in session.slots:
+            slot = self.staging.pool.slots[i]
+            if slot.state is SlotState.READING:
+                continue
+            if slot.state is not SlotState.FREE:
+                slot.move(SlotState.FREE)
+            self.staging.pool.give_back(i)
+        log.info("client %r %s: %d slots back", session.name, why, len(session.slots))
+
+    def _send(self, identity: bytes, msg: p.Message) -> None:
+        try:
+            self.router.send_multipart([identity, p.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: gone; EAGAIN: not reading its socket
+            if identity in self.sessions:
+                self._drop(identity, f"unreachable ({exc.strerror})")
+
+    def _error(self, identity: bytes, code: p.ErrorCode, message: str) -> None:
+        self.counters.protocol_errors += 1
+        log.debug("ERROR %s to %r: %s", code.name, identity, message)
+        self._send(identity, p.Error(code, message[:p.MAX_TEXT]))
+
+    # ---- stats and shutdown ------------------------------------------------------------------
+    def stats(self) -> dict:
+        pool = self.staging.pool
+        return {
+            "uptime_s": time.monotonic() - self.started,
+            "pid": os.getpid(),
+            "fingerprint": self.manifest.fingerprint,
+            "arch": self.manifest.model.arch,
+            "direct_io": self.pack.direct,
+            "config": self.config.to_dict(),
+            "counters": self.counters.to_dict(),
+            "read_latency_us": self.read_latency.to_dict(),
+            "fetch_latency_us": self.fetch_latency.to_dict(),
+            "queue_depth": {"keys": sum(s.queued for s in self.sessions.values()), "reads": self.readers.queued},
+            "slots": {"total": len(pool.slots), "unleased": pool.n_unleased, "slot_bytes": self.staging.slot_bytes,
+                      **{state.value: pool.count(state) for state in SlotState}},
+            "clients": [{"name": s.name, "slots": len(s.slots), "free": len(s.free), "queued": s.queued,
+                         "requests": len(s.requests)} for s in self.sessions.values()],
+        }
+
+    def _shutdown(self) -> None:
+        notify("STOPPING=1")
+        self.stopping = True
+        for session in list(self.sessions.values()):
+            for queue_ in session.pending:
+                while queue_:
+                    work = queue_.popleft()
+                    if not work.done:
+                        self._finish(work, p.FailCode.SHUTDOWN, "expertd is shutting down")
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self._in_flight() and time.monotonic() < deadline:
+            self._drain_completions()
+            time.sleep(0.001)
+        for identity in list(self.sessions):
+            self._send(identity, p.Bye("expertd is shutting down"))
+        self.close()
+        log.info("stopped: %d keys served, %s read", self.counters.ready, f"{self.counters.pack_read_bytes:,} B")
+
+    def _in_flight(self) -> bool:
+        return any(s.state is SlotState.READING for s in self.staging.pool.slots)
+
+    def close(self) -> None:
+        """Releases everything the daemon created: socket (and its ipc file), readers, staging."""
+        self.router.disable_monitor()
+        self.monitor.close(0)
+        self.router.close()
+        self.ctx.term()
+        if self.config.endpoint.startswith("ipc://"):
+            Path(self.config.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+        self.readers.stop()
+        self.staging.close()
+        self.pack.close()
+        os.close(self._wake)

@@ -1,0 +1,145 @@
+"""The shared staging: one POSIX shared-memory segment (/dev/shm, mode 0660, locked in RAM), carved
+into slots of one expert block each, where O_DIRECT reads land and clients read from. Each slot
+moves FREE -> READING -> READY -> LEASED -> FREE (READING -> FREE and READY -> FREE when a read
+fails or its client is gone), checked on every move. Slots are leased to clients in sets; only the
+lessee's requests use a slot. Knows nothing of sockets or the pack."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+SLOT_ALIGNMENT = 4096
+
+
+class StagingError(RuntimeError):
+    """The staging segment cannot be created, locked or aligned; the message says how to fix it."""
+
+
+class SlotState(Enum):
+    FREE = "free"
+    READING = "reading"
+    READY = "ready"
+    LEASED = "leased"
+
+
+TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
+    SlotState.FREE: frozenset({SlotState.READING}),
+    SlotState.READING: frozenset({SlotState.READY, SlotState.FREE}),
+    SlotState.READY: frozenset({SlotState.LEASED, SlotState.FREE}),
+    SlotState.LEASED: frozenset({SlotState.FREE}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Slot:
+    index: int
+    offset: int  # in the segment
+    state: SlotState = SlotState.FREE
+    lessee: bytes | None = None  # the client this slot is leased to
+
+    def move(self, new: SlotState) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"slot {self.index}: {self.state.name} -> {new.name} is not allowed "
+                                    f"(from {self.state.name}: {sorted(s.name for s in TRANSITIONS[self.state])})")
+        self.state = new
+
+
+@dataclass
+class SlotPool:
+    slots: list[Slot]
+    _unleased: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._unleased = [s.index for s in reversed(self.slots)]
+
+    def lease(self, client: bytes, n: int) -> list[int] | None:
+        """n slots for `client`, or None when fewer than n are unleased."""
+        if len(self._unleased) < n:
+            return None
+        got = [self._unleased.pop() for _ in range(n)]
+        for i in got:
+            self.slots[i].lessee = client
+        return got
+
+    def give_back(self, index: int) -> None:
+        """Ends a slot's lease; the slot must be FREE (an in-flight read gives it back when done)."""
+        slot = self.slots[index]
+        assert slot.state is SlotState.FREE, slot
+        slot.lessee = None
+        self._unleased.append(index)
+
+    @property
+    def n_unleased(self) -> int:
+        return len(self._unleased)
+
+    def count(self, state: SlotState) -> int:
+        return sum(1 for s in self.slots if s.state is state)
+
+
+class StagingSegment:
+    """Creates (O_EXCL), maps and mlocks the segment; `close` unmaps and unlinks it."""
+
+    def __init__(self, n_slots: int, slot_bytes: int, name: str | None = None) -> None:
+        if slot_bytes % SLOT_ALIGNMENT:
+            raise StagingError(f"slot size {slot_bytes} is not a multiple of {SLOT_ALIGNMENT}")
+        self.name = name or f"expertpack-{os.getpid()}-{secrets.token_hex(4)}"
+        self.slot_bytes = slot_bytes
+        self.size_bytes = n_slots * slot_bytes
+        self.path = SHM_DIR / self.name
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        try:
+            os.fchmod(fd, 0o660)  # group shared with workers, whatever the umask
+            os.ftruncate(fd, self.size_bytes)
+            self.map = mmap.mmap(fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise StagingError(f"cannot create {self.size_bytes:,} bytes of staging in {self.path}: {exc.strerror} "
+                               "(is /dev/shm large enough? lower stage_slots)") from None
+        os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self.map)
+        self.address = ctypes.addressof(self._anchor)
+        try:
+            if self.address % SLOT_ALIGNMENT:
+                raise StagingError(f"staging mapped at {self.address:#x}, not {SLOT_ALIGNMENT}-aligned")
+            _mlock(self.address, self.size_bytes)
+        except StagingError:
+            self.close()
+            raise
+        self.pool = SlotPool([Slot(i, i * slot_bytes) for i in range(n_slots)])
+
+    def view(self, slot: int, start: int = 0, end: int | None = None) -> memoryview:
+        base = slot * self.slot_bytes
+        return memoryview(self.map)[base + start: base + (self.slot_bytes if end is None else end)]
+
+    def close(self) -> None:
+        if getattr(self, "_anchor", None) is not None:
+            del self._anchor
+            self._anchor = None
+        if not self.map.closed:
+            try:
+                self.map.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with the process
+        self.path.unlink(missing_ok=True)
+
+
+def _mlock(address: int, size: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) != 0:
+        err = ctypes.get_errno()
+        raise StagingError(
+            f"cannot lock {size:,} bytes of staging in RAM: {os.strerror(err)}. Raise the memlock limit "
+            "(systemd: LimitMEMLOCK=infinity; shell: ulimit -l unlimited) or lower stage_slots")

@@ -1,0 +1,58 @@
+"""expertd's counters and latency histograms, updated by the main loop only (no locks), reported by
+STATS. Histograms use power-of-two microsecond buckets: constant memory, percentiles good to a
+factor of two, which is what an operator needs to see a slow disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+N_BUCKETS = 40  # 1 us .. 2^39 us (6 days)
+
+
+@dataclass
+class Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * N_BUCKETS)
+    total: int = 0
+    sum_us: float = 0.0
+
+    def add_ns(self, ns: int) -> None:
+        us = max(1, ns // 1000)
+        self.counts[min(N_BUCKETS - 1, us.bit_length() - 1)] += 1
+        self.total += 1
+        self.sum_us += ns / 1000
+
+    def percentile_us(self, q: float) -> float:
+        """Upper edge of the bucket holding the q-quantile (0 when empty)."""
+        if not self.total:
+            return 0.0
+        need = q * self.total
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= need:
+                return float(2 ** (i + 1))
+        return float(2 ** N_BUCKETS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.total, "mean": self.sum_us / self.total if self.total else 0.0,
+                "p50": self.percentile_us(0.5), "p99": self.percentile_us(0.99), "buckets_log2_us": list(self.counts)}
+
+
+@dataclass
+class Counters:
+    fetches: int = 0  # FETCH messages accepted
+    keys: int = 0  # keys asked for
+    ready: int = 0  # READY sent
+    failed: int = 0  # FAIL sent (io errors, cancels, shutdown)
+    cancelled: int = 0
+    pack_read_bytes: int = 0
+    read_ops: int = 0
+    io_errors: int = 0
+    fallback_count: int = 0  # reads that went through the page cache (direct_io = false)
+    protocol_errors: int = 0  # ERROR replies
+    clients_total: int = 0
+    clients_dropped: int = 0  # vanished (disconnect or heartbeat timeout) holding leases
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)

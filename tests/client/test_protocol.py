@@ -1,0 +1,84 @@
+"""Protocol v1 on the wire: golden bytes (a change to them is a protocol change), a round trip for
+every message, and decode's refusals, each with the code a peer will see."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from expertpack.client import protocol as p
+from expertpack.packtools.layout import ExpertKey
+
+FP = "ab" * 32
+
+EXAMPLES: list[p.Message] = [
+    p.Hello(1, "worker-0"),
+    p.Welcome(1, FP, {"arch": "qwen3moe", "n_layer": 2}, "expertpack-1-abcd", 1 << 20, 1 << 16, (0, 1, 2)),
+    p.Fetch(7, (ExpertKey(1, 2), ExpertKey(3, 4)), p.Priority.PREFETCH),
+    p.Ready(7, ExpertKey(1, 2), 5, 110592),
+    p.Fail(7, ExpertKey(3, 4), p.FailCode.IO_ERROR, "short read"),
+    p.Release((5, 6)),
+    p.Cancel(7),
+    p.Stats(),
+    p.StatsReply({"counters": {"ready": 1}}),
+    p.Ping(),
+    p.Pong(),
+    p.Error(p.ErrorCode.BAD_FIELD, "nope"),
+    p.Bye("shutting down"),
+]
+
+
+def test_golden_bytes() -> None:
+    assert p.encode(p.Fetch(7, (ExpertKey(1, 2), ExpertKey(3, 4)), p.Priority.PREFETCH)).hex() == (
+        "84" "a26f70" "03" "a26964" "07" "a46b657973" "92" "920102" "920304" "a47072696f" "01")
+    assert p.encode(p.Ready(7, ExpertKey(1, 2), 5, 110592)).hex() == (
+        "85" "a26f70" "04" "a26964" "07" "a36b6579" "920102" "a4736c6f74" "05" "a66e6279746573" "ce0001b000")
+    assert p.encode(p.Ping()).hex() == "81a26f700a"
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: p.Message) -> None:
+    assert p.decode(p.encode(msg)) == msg
+
+
+def test_every_op_has_a_message_and_an_example() -> None:
+    assert set(p.MESSAGES) == set(p.Op)
+    assert {type(m) for m in EXAMPLES} == set(p.MESSAGES.values())
+
+
+def test_default_priority_is_demand() -> None:
+    raw = msgpack.packb({"op": 3, "id": 1, "keys": [[0, 1]]})
+    assert p.decode(raw).prio is p.Priority.DEMAND
+
+
+@pytest.mark.parametrize("raw,code,text", [
+    (b"\xc1", p.ErrorCode.MALFORMED, "msgpack"),
+    (msgpack.packb([1, 2]), p.ErrorCode.MALFORMED, "map"),
+    (msgpack.packb({"id": 1}), p.ErrorCode.MALFORMED, "op"),
+    (msgpack.packb({"op": 99}), p.ErrorCode.UNKNOWN_OP, "99"),
+    (msgpack.packb({"op": 3, "keys": [[0, 1]]}), p.ErrorCode.BAD_FIELD, "`id`"),
+    (msgpack.packb({"op": 3, "id": -1, "keys": [[0, 1]]}), p.ErrorCode.BAD_FIELD, "FETCH.id"),
+    (msgpack.packb({"op": 3, "id": 1, "keys": []}), p.ErrorCode.BAD_FIELD, "FETCH.keys"),
+    (msgpack.packb({"op": 3, "id": 1, "keys": [[0, 1, 2]]}), p.ErrorCode.BAD_FIELD, "[layer, expert]"),
+    (msgpack.packb({"op": 3, "id": 1, "keys": [[True, 1]]}), p.ErrorCode.BAD_FIELD, "FETCH.keys"),
+    (msgpack.packb({"op": 3, "id": 1, "keys": [[0, 1]], "prio": 5}), p.ErrorCode.BAD_FIELD, "FETCH.prio"),
+    (msgpack.packb({"op": 3, "id": 1.0, "keys": [[0, 1]]}), p.ErrorCode.BAD_FIELD, "FETCH.id"),
+    (msgpack.packb({"op": 6, "slots": ["a"]}), p.ErrorCode.BAD_FIELD, "RELEASE.slots"),
+    (msgpack.packb({"op": 1, "version": 1, "client": "x" * 5000}), p.ErrorCode.MALFORMED, "msgpack"),
+    (msgpack.packb({"op": 1, "version": 1, "client": "x" * 2000}), p.ErrorCode.BAD_FIELD, "HELLO.client"),
+    (msgpack.packb({"op": 2, "version": 1, "fingerprint": "zz", "model": {}, "shm": "s", "shm_bytes": 1,
+                    "slot_bytes": 1, "slots": []}), p.ErrorCode.BAD_FIELD, "WELCOME.fingerprint"),
+    (msgpack.packb({"op": 3, "id": 1, "keys": [[0, 0]] * (p.MAX_KEYS + 1)}), p.ErrorCode.MALFORMED, "msgpack"),
+    (b"\x80" * (p.MAX_MESSAGE_BYTES + 1), p.ErrorCode.TOO_LARGE, "exceeds"),
+    (msgpack.packb({"op": 3, "id": 1, "keys": msgpack.ExtType(1, b"x")}), p.ErrorCode.MALFORMED, "msgpack"),
+])
+def test_decode_refuses_with_a_code(raw: bytes, code: p.ErrorCode, text: str) -> None:
+    with pytest.raises(p.ProtocolError) as caught:
+        p.decode(raw)
+    assert caught.value.code is code and text in caught.value.message
+
+
+def test_unknown_extra_fields_are_ignored() -> None:
+    """Forward compatibility inside a version: a newer peer may add fields."""
+    raw = msgpack.packb({"op": 10, "note": "from the future"})
+    assert p.decode(raw) == p.Ping()

@@ -1,0 +1,146 @@
+"""expertd refuses to serve what it cannot serve safely, before it says READY, with one clear line
+and a non-zero exit: a pack on a filesystem without O_DIRECT (ramfs; tmpfs takes O_DIRECT since
+Linux 6.6), a misaligned layout, a manifest that belongs to another pack, a bad configuration.
+`direct_io = false` is the only way to buffered reads, and then fallback_count says so."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from expertpack.client import ExpertClient
+from expertpack.packtools.layout import MANIFEST_FILE, Manifest, fingerprint_of
+
+from ..conftest import BIN, start_daemon
+
+
+def run_expertd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "expertd"), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_refused(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def test_pack_without_o_direct_is_refused(tiny_pack: Path, tmp_path: Path) -> None:
+    d = start_daemon(tiny_pack, tmp_path, on_ramfs=True)
+    d.proc.wait(timeout=30)
+    code, log = d.stop()
+    assert code == 2, log
+    assert "refuses O_DIRECT" in log and "direct_io = false" in log and "Traceback" not in log
+    assert not d.notes, "READY must not be sent"
+    assert not d.socket_path.exists()
+
+
+def test_buffered_reads_only_when_asked_and_counted(tiny_pack: Path, tmp_path: Path) -> None:
+    d = start_daemon(tiny_pack, tmp_path, "--no-direct-io", on_ramfs=True)
+    d.wait_for("READY=1")
+    try:
+        with ExpertClient(d.endpoint) as client:
+            for expert in client.fetch([(0, 0), (1, 3)]):
+                expert.release()
+            stats = client.stats()
+        assert stats["direct_io"] is False
+        assert stats["counters"]["fallback_count"] == stats["counters"]["read_ops"] > 0
+    finally:
+        assert d.stop()[0] == 0
+
+
+def rewrite_manifest(pack: Path, edit) -> None:
+    data = json.loads((pack / MANIFEST_FILE).read_text())
+    edit(data)
+    data["fingerprint"] = fingerprint_of(data)  # a self-consistent manifest: only the contract is wrong
+    (pack / MANIFEST_FILE).write_text(json.dumps(data))
+
+
+def test_misaligned_layout_is_refused(tiny_pack: Path, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+
+    def shift(data: dict) -> None:
+        data["layers"][1]["offset"] += 512
+
+    rewrite_manifest(pack, shift)
+    assert_refused(run_expertd("--pack", str(pack), "--endpoint", f"ipc://{tmp_path}/s.sock"),
+                   "layout contract", "layer 1: offset", "not a multiple of 4096")
+
+
+def test_manifest_of_another_pack_is_refused(tiny_pack: Path, fixture_packs: dict, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    other = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    shutil.copy(other / MANIFEST_FILE, pack / MANIFEST_FILE)
+    assert_refused(run_expertd("--pack", str(pack), "--endpoint", f"ipc://{tmp_path}/s.sock"), "do not belong together")
+
+
+def test_header_of_another_build_is_refused(tiny_pack: Path, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+
+    def rename_source(data: dict) -> None:
+        data["source"]["files"][0]["name"] = "other.gguf"  # same layout, different fingerprint
+
+    rewrite_manifest(pack, rename_source)
+    assert Manifest.load(pack).fingerprint != Manifest.load(tiny_pack).fingerprint
+    assert_refused(run_expertd("--pack", str(pack), "--endpoint", f"ipc://{tmp_path}/s.sock"),
+                   "header", "does not match manifest.json")
+
+
+def test_edited_manifest_is_refused(tiny_pack: Path, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    data = json.loads((pack / MANIFEST_FILE).read_text())
+    data["model"]["n_expert_used"] += 1
+    (pack / MANIFEST_FILE).write_text(json.dumps(data))
+    assert_refused(run_expertd("--pack", str(pack), "--endpoint", f"ipc://{tmp_path}/s.sock"), "modified")
+
+
+@pytest.mark.parametrize("args,needles", [
+    ((), ("no pack directory",)),
+    (("--stage-slots", "0"), ("stage_slots: must be at least 1",)),
+    (("--client-slots", "100", "--stage-slots", "10"), ("cannot exceed stage_slots",)),
+    (("--endpoint", "tcp://127.0.0.1:5555"), ("needs curve_secret_key_file", "refused")),
+    (("--endpoint", "inproc://x"), ("ipc:// or tcp://",)),
+    (("--log-level", "loud"), ("log_level",)),
+])
+def test_bad_configuration(tiny_pack: Path, args: tuple[str, ...], needles: tuple[str, ...]) -> None:
+    pack = ("--pack", str(tiny_pack)) if args else ()
+    assert_refused(run_expertd(*pack, *args), *needles)
+
+
+def test_config_file_with_every_problem_listed(tmp_path: Path) -> None:
+    cfg = tmp_path / "expertd.toml"
+    cfg.write_text('pack = "/nowhere"\nstage_slots = "many"\nspeed = 11\n')
+    assert_refused(run_expertd("--config", str(cfg)), "unknown key 'speed'", "stage_slots: expected int")
+
+
+def test_config_file_and_flags(tiny_pack: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "expertd.toml"
+    cfg.write_text(f'pack = "{tiny_pack}"\nendpoint = "ipc://{tmp_path}/from-file.sock"\n'
+                   'stage_slots = 20\nclient_slots = 4\nread_splits = 2\n')
+    d = start_daemon(tiny_pack, tmp_path, "--config", str(cfg), "--client-slots", "5")
+    d.wait_for("READY=1")  # the flag's endpoint wins over the file's; the file's slots count
+    try:
+        with ExpertClient(d.endpoint) as client:
+            stats = client.stats()
+        assert stats["config"]["stage_slots"] == 20 and stats["config"]["client_slots"] == 5
+        assert stats["config"]["read_splits"] == 2
+        assert not (tmp_path / "from-file.sock").exists()
+    finally:
+        assert d.stop()[0] == 0
+
+
+def test_help_documents_every_key() -> None:
+    proc = run_expertd("--help")
+    assert proc.returncode == 0
+    for flag in ("--pack", "--endpoint", "--stage-slots", "--client-slots", "--read-threads", "--read-splits",
+                 "--direct-io", "--heartbeat-interval-s", "--heartbeat-timeout-s", "--curve-secret-key-file",
+                 "--log-level", "--config"):
+        assert flag in proc.stdout

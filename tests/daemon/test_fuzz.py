@@ -1,0 +1,132 @@
+"""Thousands of malformed, truncated, oversized, wrongly typed and out-of-range messages, and raw
+garbage frames, from clients with and without a session: every one gets ERROR (or, for an empty
+frame, counts as a disconnect), the daemon never crashes, never leaks a slot, and afterwards still
+serves a well-behaved client byte-exact."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+from expertpack.client import ExpertClient
+from expertpack.client import protocol as p
+from expertpack.packtools.layout import Manifest
+
+from ..conftest import Daemon
+
+VALID = [
+    {"op": 1, "version": 1, "client": "x"},
+    {"op": 3, "id": 1, "keys": [[0, 0], [1, 2]], "prio": 0},
+    {"op": 6, "slots": [0]},
+    {"op": 7, "id": 1},
+    {"op": 8},
+    {"op": 10},
+]
+HOSTILE_VALUES = [None, True, -1, 2**63, 2**64 - 1, 1.5, "", "x" * 5000, b"\x00" * 10, [], [[]], [[0]], [[0, 0, 0]],
+                  [[-1, 0]], [["a", "b"]], {}, {"a": 1}, [0] * 70000, 1 << 40]
+
+
+def hostile_messages(rng: random.Random, n: int) -> list[bytes]:
+    out: list[bytes] = []
+    for i in range(n):
+        kind = i % 9
+        base = dict(rng.choice(VALID))
+        if kind == 0:  # raw garbage
+            out.append(rng.randbytes(rng.randint(1, 300)))
+        elif kind == 1:  # a valid message cut short
+            raw = msgpack.packb(base)
+            out.append(raw[:rng.randint(1, max(1, len(raw) - 1))])
+        elif kind == 2:  # a field with a hostile value
+            key = rng.choice([k for k in base if k != "op"] or ["op"])
+            base[key] = rng.choice(HOSTILE_VALUES)
+            out.append(msgpack.packb(base, use_bin_type=True))
+        elif kind == 3:  # unknown or mistyped op
+            base["op"] = rng.choice([0, 2, 4, 5, 9, 11, 12, 13, 14, 99, -3, "FETCH", None, 1.0])
+            out.append(msgpack.packb(base, use_bin_type=True))
+        elif kind == 4:  # a field missing
+            key = rng.choice([k for k in base if k != "op"] or ["op"])
+            base.pop(key)
+            out.append(msgpack.packb(base, use_bin_type=True))
+        elif kind == 5:  # not a map
+            out.append(msgpack.packb(rng.choice([[1, 2, 3], "hello", 42, None, [base]]), use_bin_type=True))
+        elif kind == 6:  # out-of-range keys and slots
+            out.append(msgpack.packb(rng.choice([
+                {"op": 3, "id": rng.randint(0, 99), "keys": [[rng.randint(0, 10**6), rng.randint(0, 10**6)]]},
+                {"op": 3, "id": 5, "keys": [[0, 0]] * 70000},
+                {"op": 6, "slots": [rng.randint(0, 10**6)]},
+                {"op": 6, "slots": [0, 0]},
+                {"op": 1, "version": 999, "client": "future"},
+            ]), use_bin_type=True))
+        elif kind == 7:  # oversized
+            out.append(b"\x81\xa2op" + b"\x00" * (p.MAX_MESSAGE_BYTES + 10))
+        else:  # msgpack extension types and deep nesting
+            out.append(rng.choice([b"\xd4\x01\x00", b"\x91" * 500 + b"\x00", b"\xc1", b"\xdf\xff\xff\xff\xff"]))
+    return out
+
+
+def blast(endpoint: str, messages: list[bytes], hello: bool) -> tuple[int, list[p.Message]]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    replies: list[p.Message] = []
+    if hello:
+        sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "fuzzer")))
+        assert sock.poll(10000)
+        assert isinstance(p.decode(sock.recv()), p.Welcome)
+    for raw in messages:
+        sock.send(raw)
+    sock.send(p.encode(p.Ping()))  # the last answer: everything before it has been handled
+    while True:
+        assert sock.poll(20000), f"the daemon stopped answering after {len(replies)} replies"
+        msg = p.decode(sock.recv())
+        if isinstance(msg, p.Pong):
+            break
+        replies.append(msg)
+    sock.close()
+    ctx.term()
+    return len(messages), replies
+
+
+def test_fuzz_never_crashes_never_leaks_and_keeps_serving(daemon: Daemon, tiny_pack: Path) -> None:
+    rng = random.Random(1234)
+    total_sent = 0
+    for hello in (False, True, False, True):
+        sent, replies = blast(daemon.endpoint, hostile_messages(rng, 1500), hello)
+        total_sent += sent
+        assert daemon.proc.poll() is None, "expertd died"
+        kinds = {type(r).__name__ for r in replies}
+        assert kinds <= {"Error", "Welcome", "Ready", "Fail", "StatsReply", "Pong"}, kinds
+        assert sum(isinstance(r, p.Error) for r in replies) > sent // 2
+    m = Manifest.load(tiny_pack)
+    with ExpertClient(daemon.endpoint, name="after") as client:
+        for expert in client.fetch([(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]):
+            assert hashlib.sha256(expert.data).hexdigest() == m.layer(expert.key.layer).sha256[expert.key.expert]
+            expert.release()
+        stats = client.stats()
+        deadline = time.monotonic() + 10
+        while stats["slots"]["unleased"] != stats["slots"]["total"] - 8 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the fuzzers' disconnects may still be on their way
+            stats = client.stats()
+    # Every fuzzing session is gone and gave its slots back; only `after` still holds its lease.
+    assert stats["slots"]["unleased"] == stats["slots"]["total"] - 8
+    assert [c["name"] for c in stats["clients"]] == ["after"]
+    assert stats["counters"]["protocol_errors"] > total_sent // 2
+
+
+def test_a_message_of_several_frames_is_refused(daemon: Daemon) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+    sock.send_multipart([p.encode(p.Ping()), b"extra"])
+    assert sock.poll(10000)
+    reply = p.decode(sock.recv())
+    assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.MALFORMED
+    sock.close()
+    ctx.term()
