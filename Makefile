@@ -7,14 +7,17 @@ PY     := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv system-tools test test-fast demo bench clean
 
-# Debian tools the tests call: systemd-analyze/sysusers/tmpfiles (unit checks), unshare (util-linux).
-SYSTEM_TOOLS := systemd-analyze systemd-sysusers systemd-tmpfiles unshare
+# Debian tools the tests call: systemd-analyze/sysusers/tmpfiles (unit checks), unshare (util-linux),
+# fio (bench io).
+SYSTEM_TOOLS := systemd-analyze systemd-sysusers systemd-tmpfiles unshare fio
+
+system-tools:
+	@for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq systemd util-linux fio; fi
 
 $(STAMP): pyproject.toml Makefile
-	@for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing=1; done; \
-	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq systemd util-linux; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_CPU)
@@ -23,10 +26,10 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) system-tools
 	$(PY) -m pytest -q tests
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) system-tools
 	$(PY) -m pytest -q -m "not slow" tests
 
 # The main job end to end on a tiny built-in model. Serving (expertd + expert-worker) joins it as

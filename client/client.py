@@ -96,8 +96,9 @@ class ExpertClient:
                  expect_fingerprint: str | None = None, curve_server_key: bytes | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        # The process-wide context: it is never terminated, so a client dropped without close()
+        # (an exception, a forgotten `with`) cannot hang the interpreter in Context.term().
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
@@ -113,12 +114,13 @@ class ExpertClient:
         self._inbox: dict[int, deque[p.Message]] = {}
         self._map: mmap.mmap | None = None
         try:
-            self._send(p.Hello(p.PROTOCOL_VERSION, name or f"pid-{os.getpid()}"))
-            welcome = self._expect(p.Welcome, "HELLO")
-            if expect_fingerprint is not None and welcome.fingerprint != expect_fingerprint:
-                raise FingerprintMismatch(
-                    f"expertd at {endpoint} serves pack {welcome.fingerprint[:16]}…, expected {expect_fingerprint[:16]}…; "
-                    "point the daemon at the pack this trunk.gguf was built with")
+            self._send(p.Hello(p.PROTOCOL_VERSION, name or f"pid-{os.getpid()}", expect_fingerprint or ""))
+            try:
+                welcome = self._expect(p.Welcome, "HELLO")
+            except DaemonError as exc:
+                if exc.code is p.ErrorCode.FINGERPRINT:
+                    raise FingerprintMismatch(str(exc)) from None
+                raise
             self.welcome = welcome
             self._map = _map_staging(welcome.shm, welcome.shm_bytes)
         except BaseException:
@@ -165,8 +167,11 @@ class ExpertClient:
                 view = memoryview(self.staging)[msg.slot * self.welcome.slot_bytes:][:msg.nbytes]
                 yield Expert(self, msg.key, msg.slot, msg.nbytes, view)
         finally:
-            del self._inbox[request_id]
-            if remaining and not self._sock.closed:
+            # Experts that arrived for this fetch but were never handed out go straight back.
+            unclaimed = [m.slot for m in self._inbox.pop(request_id) if isinstance(m, p.Ready)]
+            if unclaimed:
+                self._release(unclaimed)
+            if remaining > len(unclaimed) and not self._sock.closed:
                 self._send(p.Cancel(request_id))
 
     def stats(self) -> dict[str, Any]:
@@ -188,7 +193,6 @@ class ExpertClient:
                 pass  # an Expert still holds a view; the mapping goes when it does
             self._map = None
         self._sock.close(linger=0)
-        self._ctx.term()
 
     def __enter__(self) -> "ExpertClient":
         return self

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -22,26 +23,38 @@ EXIT_OK, EXIT_DEGRADED, EXIT_DOWN = 0, 1, 2
 class Probe:
     """A session-less DEALER for STATS and PING."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, curve_server_key: bytes | None) -> None:
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        if endpoint.startswith("tcp://"):
+            if curve_server_key is None:
+                self.sock.close(0)
+                raise ValueError(f"{endpoint}: expertd encrypts TCP; pass --curve-server-key FILE (its public key)")
+            public, secret = zmq.curve_keypair()
+            self.sock.setsockopt(zmq.CURVE_SERVERKEY, curve_server_key)
+            self.sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self.sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        try:
+            self.sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise ValueError(f"cannot use endpoint {endpoint!r}: {exc} (expected ipc://PATH or tcp://HOST:PORT)") from None
 
     def ask(self, msg: p.Message, reply: type[p.Message]) -> Any:
         self.sock.send(p.encode(msg))
         if not self.sock.poll(self.timeout_ms):
             raise TimeoutError(f"no answer from expertd at {self.endpoint} within {self.timeout_ms / 1000:g} s")
         answer = p.decode(self.sock.recv())
+        if isinstance(answer, p.Error):
+            raise ValueError(f"expertd refused {msg.op.name}: {answer.code.name}: {answer.message}")
         if not isinstance(answer, reply):
-            raise RuntimeError(f"unexpected answer {answer}")
+            raise ValueError(f"expertd answered {msg.op.name} with {answer.op.name}; is this an expertd endpoint?")
         return answer
 
     def close(self) -> None:
         self.sock.close(0)
-        self.ctx.term()
 
 
 def render(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: float | None) -> str:
@@ -90,9 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--watch", type=float, metavar="N", help="repeat every N seconds (stats), with rates")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for an answer (default 5)")
+    parser.add_argument("--curve-server-key", type=Path, metavar="FILE",
+                        help="expertd's CurveZMQ public key file (zmq certificate), for tcp:// endpoints")
     args = parser.parse_args(argv)
 
-    probe = Probe(args.endpoint, args.timeout_s)
+    try:
+        server_key = None
+        if args.curve_server_key is not None:
+            import zmq.auth
+
+            server_key, _ = zmq.auth.load_certificate(str(args.curve_server_key))
+        probe = Probe(args.endpoint, args.timeout_s, server_key)
+    except (ValueError, OSError) as exc:
+        print(f"expertctl: {exc}", file=sys.stderr)
+        return EXIT_DOWN
     try:
         if args.command == "ping":
             start = time.perf_counter()
@@ -122,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"status": "down", "detail": str(exc)}))
         else:
             print(f"expertctl: {exc}", file=sys.stderr)
+        return EXIT_DOWN
+    except ValueError as exc:  # an ERROR, or not an expertd at all
+        print(f"expertctl: {exc}", file=sys.stderr)
         return EXIT_DOWN
     except KeyboardInterrupt:
         return EXIT_OK

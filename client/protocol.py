@@ -6,7 +6,10 @@ msgpack map with an integer `op`:
     client (DEALER) sends      [ msgpack{op, ...} ]
     daemon (ROUTER) receives   [ routing id | msgpack{op, ...} ]   and answers with the same id
 
-    HELLO{version, client}            -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots}
+    HELLO{version, client, fingerprint}
+                                      -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots}
+                                         (ERROR FINGERPRINT when the client's trunk was built with another pack;
+                                         an empty fingerprint, as ops tools send, skips the check)
     FETCH{id, keys: [[layer, expert], ...], prio}
                                       -> one READY{id, key, slot, nbytes} or FAIL{id, key, code, message}
                                          per key, in completion order
@@ -68,6 +71,7 @@ class ErrorCode(IntEnum):
     NO_SLOTS = 8  # staging has no slots left to lease to a new client
     SHUTTING_DOWN = 9
     BUSY = 10  # too many keys queued for this client; RELEASE or wait
+    FINGERPRINT = 11  # the client's trunk.gguf belongs to another pack than the daemon serves
 
 
 class FailCode(IntEnum):
@@ -167,12 +171,17 @@ def _wire_value(v: Any) -> Any:
     return v
 
 
+def _fingerprint_or_empty(v: Any) -> str:
+    return v if v == "" else _fingerprint(v)
+
+
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
     op = Op.HELLO
     version: int
     client: str
-    checks = {"version": _uint(MAX_INDEX), "client": _text}
+    fingerprint: str = ""  # the pack the client's trunk.gguf was built with; "" = no check
+    checks = {"version": _uint(MAX_INDEX), "client": _text, "fingerprint": _fingerprint_or_empty}
 
 
 @dataclass(frozen=True, slots=True)

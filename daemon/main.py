@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -39,12 +40,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from .server import ExpertDaemon  # zmq and the pack are only touched once the config is sound
 
+    # Until serve() installs its own handler, SIGTERM interrupts the start-up (which cleans up).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         daemon = ExpertDaemon(config)
-    except (ManifestError, PackContractError, StagingError, ValueError, OSError, zmq.ZMQError) as exc:
+    except (ManifestError, PackContractError, StagingError, ValueError, TypeError, OSError, zmq.ZMQError) as exc:
         log.error("cannot start: %s", exc)
         return 2
+    except KeyboardInterrupt:
+        log.info("interrupted during start-up")
+        return 0
     return daemon.serve()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from expertpack.packtools.layout import (
-    ALIGNMENT, DATA_START, FORMAT_VERSION, PACK_FILE, LayerLayout, Manifest, PackHeader, layout_problems,
-)
+from expertpack.packtools.layout import ALIGNMENT, PACK_FILE, LayerLayout, Manifest, PackHeader, layout_problems
 
 
 class PackContractError(RuntimeError):
@@ -53,7 +51,7 @@ def open_pack(pack_dir: Path, direct_io: bool, read_splits: int) -> OpenPack:
     """Raises PackContractError (or ManifestError) with one clear message on any problem."""
     manifest = Manifest.load(pack_dir)
     problems = layout_problems(manifest)
-    if manifest.compute_fingerprint() != manifest.fingerprint:
+    if not manifest.fingerprint_matches():
         problems.append("manifest.json was modified after the build (its fingerprint does not match)")
     if problems:
         raise PackContractError(f"{pack_dir}: the pack breaks the layout contract: {'; '.join(problems)}")
@@ -77,7 +75,7 @@ def open_pack(pack_dir: Path, direct_io: bool, read_splits: int) -> OpenPack:
         raise PackContractError(f"{path}: cannot open ({exc.strerror})") from None
     try:
         header = PackHeader.decode(_read_header(fd, path, direct_io), path)
-        expected = PackHeader(FORMAT_VERSION, ALIGNMENT, DATA_START, manifest.pack_size_bytes, manifest.fingerprint)
+        expected = PackHeader.expected_for(manifest)
         if header != expected:
             raise PackContractError(f"{path}: its header {header} does not match manifest.json {expected}")
         splits = {}
@@ -125,7 +123,7 @@ class ReadJob:
     token: Any = field(compare=False)  # the caller's (the key this piece belongs to)
 
 
-Completion = Callable[[ReadJob, "OSError | None", int], None]  # job, error, elapsed_ns
+Completion = Callable[[ReadJob, "BaseException | None", int], None]  # job, error, elapsed_ns
 
 
 class ReaderPool:
@@ -153,13 +151,13 @@ class ReaderPool:
             if job.token is None:  # stop marker
                 return
             start = time.monotonic_ns()
-            error: OSError | None = None
+            error: BaseException | None = None
             try:
                 got = os.preadv(self._fd, [job.dest], job.offset)
                 if got != len(job.dest):
                     error = OSError(errno.EIO, f"short read at byte {job.offset}: {got} of {len(job.dest)} bytes "
                                                "(pack truncated?)")
-            except OSError as exc:
+            except BaseException as exc:  # any failure fails this read; the thread lives on
                 error = exc
             self._on_complete(job, error, time.monotonic_ns() - start)
 

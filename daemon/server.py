@@ -49,9 +49,15 @@ class Work:
     submitted_ns: int
     slot: int | None = None
     pieces_left: int = 0
-    error: OSError | None = None
+    error: BaseException | None = None
     cancelled: bool = False
     done: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    works: list[Work]
+    open: int  # keys not answered yet
 
 
 @dataclass(eq=False)
@@ -61,7 +67,7 @@ class Session:
     slots: list[int]
     free: deque[int]
     pending: tuple[deque[Work], deque[Work]] = field(default_factory=lambda: (deque(), deque()))
-    requests: dict[int, list[Work]] = field(default_factory=dict)
+    requests: dict[int, Request] = field(default_factory=dict)
     queued: int = 0  # keys pending or in flight
     closed: bool = False
 
@@ -70,6 +76,7 @@ class ExpertDaemon:
     def __init__(self, config: DaemonConfig) -> None:
         assert config.pack is not None
         self.config = config
+        self._closed = False
         self.pack: OpenPack = open_pack(config.pack, config.direct_io, config.read_splits)
         self.manifest = self.pack.manifest
         self.layers = {l.layer: l for l in self.manifest.layers}
@@ -80,17 +87,17 @@ class ExpertDaemon:
         self.sessions: dict[bytes, Session] = {}
         self._fd_peer: dict[int, bytes] = {}  # connection fd -> routing id of the peer on it
         self.stopping = False
-        self._completions: queue.SimpleQueue[tuple[ReadJob, OSError | None, int]] = queue.SimpleQueue()
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.staging = StagingSegment(config.stage_slots, self.manifest.max_stride)
+        self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         try:
+            self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self.staging = StagingSegment(config.stage_slots, self.manifest.max_stride)
             self.ctx = zmq.Context()
             self.router = self._bind()
             self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            self.readers = ReaderPool(self.pack.fd, config.read_threads, self._on_read_done)
         except BaseException:
-            self.staging.close()
+            self.close()  # whatever was created so far: no shm or socket outlives a failed start
             raise
-        self.readers = ReaderPool(self.pack.fd, config.read_threads, self._on_read_done)
 
     # ---- set-up ------------------------------------------------------------------------------
     def _bind(self) -> zmq.Socket:
@@ -163,6 +170,9 @@ class ExpertDaemon:
                     next_ping = time.monotonic() + watchdog
             log.info("%s received: shutting down", signal.Signals(caught[0]).name)
             self._shutdown()
+        except BaseException:
+            self.close()  # a bug must not leave the shared memory and the socket behind
+            raise
         finally:
             signal.set_wakeup_fd(previous_fd)
             for s, h in handlers.items():
@@ -217,6 +227,11 @@ class ExpertDaemon:
         if self.stopping:
             self._error(identity, p.ErrorCode.SHUTTING_DOWN, "expertd is shutting down")
             return
+        if msg.fingerprint and msg.fingerprint != self.manifest.fingerprint:
+            self._error(identity, p.ErrorCode.FINGERPRINT,
+                        f"this expertd serves pack {self.manifest.fingerprint} ({self.config.pack}), but the client's "
+                        f"trunk.gguf was built with pack {msg.fingerprint}; point one of them at the other's pack")
+            return
         if identity in self.sessions:
             self._drop(identity, "said HELLO again")
         slots = self.staging.pool.lease(identity, self.config.client_slots)
@@ -256,7 +271,7 @@ class ExpertDaemon:
             return
         now = time.monotonic_ns()
         works = [Work(session, msg.id, key, msg.prio, now) for key in msg.keys]
-        session.requests[msg.id] = works
+        session.requests[msg.id] = Request(works, len(works))
         session.pending[msg.prio].extend(works)
         session.queued += len(works)
         self.counters.fetches += 1
@@ -279,16 +294,23 @@ class ExpertDaemon:
         self._dispatch(session)
 
     def _cancel(self, session: Session, msg: p.Cancel) -> None:
-        for work in session.requests.get(msg.id, ()):
+        request = session.requests.get(msg.id)
+        if request is None:
+            return  # already answered in full: a cancel racing the last READY is not an error
+        for work in request.works:
             if work.done or work.cancelled:
                 continue
             work.cancelled = True
-            if work.slot is None:  # still queued: answer now; dispatch skips it
+            if work.slot is None:  # still queued: answer now
                 self._finish(work, p.FailCode.CANCELLED, "cancelled")
+        # Answered keys leave the queues now, so repeated FETCH + CANCEL cannot grow them.
+        session.pending = tuple(deque(w for w in q if not w.done) for q in session.pending)
 
     # ---- reads -------------------------------------------------------------------------------
     def _dispatch(self, session: Session) -> None:
         """Starts reads for the session's queued keys while it has free slots, demand first."""
+        if session.closed:
+            return
         demand, prefetch = session.pending
         while session.free and (demand or prefetch):
             work = demand.popleft() if demand else prefetch.popleft()
@@ -304,7 +326,7 @@ class ExpertDaemon:
             for start, length in pieces:
                 self.readers.submit(int(work.prio), block + start, self.staging.view(slot, start, start + length), work)
 
-    def _on_read_done(self, job: ReadJob, error: OSError | None, elapsed_ns: int) -> None:
+    def _on_read_done(self, job: ReadJob, error: BaseException | None, elapsed_ns: int) -> None:
         """Reader thread: hand over to the main loop."""
         self._completions.put((job, error, elapsed_ns))
         os.eventfd_write(self._wake, 1)
@@ -370,9 +392,11 @@ class ExpertDaemon:
             self.counters.failed += 1
             self.counters.cancelled += fail is p.FailCode.CANCELLED
             self._send(session.identity, p.Fail(work.request_id, work.key, fail, message[:p.MAX_TEXT]))
-        works = session.requests.get(work.request_id)
-        if works is not None and all(w.done for w in works):
-            del session.requests[work.request_id]
+        request = session.requests.get(work.request_id)
+        if request is not None:
+            request.open -= 1
+            if request.open == 0:
+                del session.requests[work.request_id]
 
     # ---- clients -----------------------------------------------------------------------------
     def _drain_monitor(self) -> None:
@@ -390,6 +414,8 @@ class ExpertDaemon:
         if session is None:
             return
         session.closed = True
+        session.free.clear()
+        session.pending = (deque(), deque())
         self.counters.clients_dropped += why != "said HELLO again"
         for i in session.slots:
             slot = self.staging.pool.slots[i]
@@ -429,7 +455,8 @@ class ExpertDaemon:
             "slots": {"total": len(pool.slots), "unleased": pool.n_unleased, "slot_bytes": self.staging.slot_bytes,
                       **{state.value: pool.count(state) for state in SlotState}},
             "clients": [{"name": s.name, "slots": len(s.slots), "free": len(s.free), "queued": s.queued,
-                         "requests": len(s.requests)} for s in self.sessions.values()],
+                         "queue_entries": len(s.pending[0]) + len(s.pending[1]), "requests": len(s.requests)}
+                        for s in self.sessions.values()],
         }
 
     def _shutdown(self) -> None:
@@ -454,14 +481,25 @@ class ExpertDaemon:
         return any(s.state is SlotState.READING for s in self.staging.pool.slots)
 
     def close(self) -> None:
-        """Releases everything the daemon created: socket (and its ipc file), readers, staging."""
-        self.router.disable_monitor()
-        self.monitor.close(0)
-        self.router.close()
-        self.ctx.term()
-        if self.config.endpoint.startswith("ipc://"):
-            Path(self.config.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
-        self.readers.stop()
-        self.staging.close()
+        """Releases everything the daemon created (socket and its ipc file, readers, staging, pack);
+        safe to call twice and on a half-built daemon."""
+        if self._closed:
+            return
+        self._closed = True
+        router = getattr(self, "router", None)
+        if getattr(self, "monitor", None) is not None:
+            router.disable_monitor()
+            self.monitor.close(0)
+        if router is not None:
+            router.close()
+            if self.config.endpoint.startswith("ipc://"):
+                Path(self.config.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.term()
+        if getattr(self, "readers", None) is not None:
+            self.readers.stop()
+        if getattr(self, "staging", None) is not None:
+            self.staging.close()
+        if getattr(self, "_wake", None) is not None:
+            os.close(self._wake)
         self.pack.close()
-        os.close(self._wake)

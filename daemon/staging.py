@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from expertpack.packtools.layout import ALIGNMENT as SLOT_ALIGNMENT  # O_DIRECT lands in slots
+
 SHM_DIR = Path("/dev/shm")
-SLOT_ALIGNMENT = 4096
 
 
 class StagingError(RuntimeError):
@@ -76,7 +77,9 @@ class SlotPool:
     def give_back(self, index: int) -> None:
         """Ends a slot's lease; the slot must be FREE (an in-flight read gives it back when done)."""
         slot = self.slots[index]
-        assert slot.state is SlotState.FREE, slot
+        if slot.state is not SlotState.FREE or slot.lessee is None:
+            raise IllegalTransition(f"slot {index}: cannot end the lease of a slot that is {slot.state.name} "
+                                    f"and leased to {slot.lessee!r}")
         slot.lessee = None
         self._unleased.append(index)
 

@@ -44,7 +44,6 @@ from .units import GIB, human_bytes
 log = logging.getLogger("expertpack.build")
 
 PARTIAL = ".partial"
-LOCK_FILE = ".expertpack-build.lock"
 OUTPUT_NAMES = (PACK_FILE, TRUNK_FILE, MANIFEST_FILE)
 
 
@@ -73,13 +72,14 @@ def default_output(src: Path) -> Path:
 def build_pack(src: Path, out: Path, options: BuildOptions = BuildOptions()) -> Manifest:
     plan = plan_build(src)
     out.mkdir(parents=True, exist_ok=True)
-    with _lock(out), _interrupt_on_sigterm():
-        return _Builder(plan, out, options).run()
+    with _lock(out), _Interrupts() as interrupts:
+        return _Builder(plan, out, options, interrupts).run()
 
 
 class _Builder:
-    def __init__(self, plan: BuildPlan, out: Path, options: BuildOptions) -> None:
+    def __init__(self, plan: BuildPlan, out: Path, options: BuildOptions, interrupts: "_Interrupts") -> None:
         self.plan = plan
+        self.interrupts = interrupts
         self.out = out
         self.options = options
         self.plan_id = plan.plan_id()
@@ -214,6 +214,10 @@ class _Builder:
         streamed = {l: [hashlib.sha256() for _ in range(self.n_expert)]
                     for l, left in roles_left.items() if left == len(self.layers[l].roles)}
 
+        def on_bytes(n: int) -> None:
+            copy_bar.update(n)
+            self.interrupts.raise_if_requested()  # only here, between chunks: state stays consistent
+
         copy_bar = tqdm(total=self.plan.source.size_bytes, initial=state.done_bytes(shards), unit="B",
                         unit_scale=True, unit_divisor=1024, desc="copy", disable=not self.options.progress,
                         mininterval=0.5, dynamic_ncols=True)
@@ -221,7 +225,7 @@ class _Builder:
                         disable=not self.options.progress, mininterval=0.5, dynamic_ncols=True)
         hash_bar.update(sum(1 for hs in self._block_sha.values() for h in hs if h))
 
-        def on_hashed(key: ExpertKey, digest: str, _nbytes: int) -> None:
+        def on_hashed(key: ExpertKey, digest: str) -> None:
             with self._lock:
                 self._block_sha.setdefault(key.layer, [None] * self.n_expert)[key.expert] = digest
             hash_bar.update(1)
@@ -254,7 +258,7 @@ class _Builder:
                         if roles_left[seg.layer] == 0 and seg.layer in streamed:
                             hashes = streamed.pop(seg.layer)
                             for expert, h in enumerate(hashes):
-                                on_hashed(ExpertKey(seg.layer, expert), h.hexdigest(), 0)
+                                on_hashed(ExpertKey(seg.layer, expert), h.hexdigest())
                         elif roles_left[seg.layer] == 0:
                             hasher.submit_layer(self.layers[seg.layer], self.n_expert)
                     if time.monotonic() - last_checkpoint >= self.options.checkpoint_every_s:
@@ -262,14 +266,14 @@ class _Builder:
                         last_checkpoint = time.monotonic()
 
                 copy_shard(shard.path, shard.size_bytes, start, per_shard[shard_index], fds, digest, streamed,
-                           copy_bar.update, on_segment_done)
+                           on_bytes, on_segment_done)
                 state.source_sha256.append(digest.hexdigest())
                 last_done = (shard_index + 1, 0)
                 self._checkpoint(state, fds, *last_done)
             hasher.wait()
             state.finished_copy = True
             self._checkpoint(state, fds, len(shards), 0)
-        except (BuildInterrupted, KeyboardInterrupt):
+        except BuildInterrupted:
             self._checkpoint(state, fds, *last_done)
             log.warning("interrupted: progress is saved; run the same command again to resume")
             raise
@@ -379,43 +383,51 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    _fsync_file(path)
+_fsync_dir = _fsync_file  # a directory's entries are synced through an fd of the directory
 
 
 class _lock:
-    """An exclusive flock on OUT/.expertpack-build.lock for the length of a build."""
+    """An exclusive flock on the output directory itself for the length of a build (no lock file,
+    so nothing can be unlinked from under a waiting build)."""
 
     def __init__(self, out: Path) -> None:
-        self.path = out / LOCK_FILE
+        self.out = out
         self.fd = -1
 
     def __enter__(self) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.fd)
-            raise BuildLockedError(f"another expertpack build is writing into {self.path.parent}") from None
+            raise BuildLockedError(f"another expertpack build is writing into {self.out}") from None
 
     def __exit__(self, *exc: object) -> None:
-        self.path.unlink(missing_ok=True)
         os.close(self.fd)
 
 
-class _interrupt_on_sigterm:
-    """Turns SIGTERM into BuildInterrupted in the main thread, so the build checkpoints and exits."""
+class _Interrupts:
+    """SIGTERM and SIGINT only set a flag; the copy checks it between chunks and stops there with
+    BuildInterrupted, after a checkpoint, so a rerun resumes."""
 
-    def __enter__(self) -> None:
-        self.previous = None
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_Interrupts":
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._raise)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
 
-    @staticmethod
-    def _raise(signum: int, frame: FrameType | None) -> None:
-        raise BuildInterrupted("terminated by SIGTERM; rerun the same command to resume")
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def raise_if_requested(self) -> None:
+        if self.requested is not None:
+            raise BuildInterrupted(f"stopped by {self.requested}; rerun the same command to resume")
 
     def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"expertpack {args.command}: {exc}", file=sys.stderr)
         return EXIT_INTERRUPTED if isinstance(exc, BuildInterrupted) else EXIT_USAGE
+    except OSError as exc:  # a path that cannot be created, read or written: the user's to fix
+        print(f"expertpack {args.command}: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"expertpack {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -95,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--list", action="store_true", help="list presets with their sizes and exit")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(run=_synth)
+
+    bench = sub.add_parser("bench", help="benchmarks that print a table and a JSON line",
+                           description="io: expertd against fio and the buffered path on one pack "
+                                       "(`expertpack bench io --help`).")
+    bench.add_argument("kind", choices=("io",))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    bench.set_defaults(run=_bench)
     return p
 
 
@@ -156,6 +166,14 @@ def _synth(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    # The benchmarks drive the daemon and its client: imported only here, so the offline tools
+    # keep depending on nothing above packtools.
+    from expertpack.client import bench_io
+
+    return bench_io.main(args.rest)
 
 
 if __name__ == "__main__":

@@ -48,9 +48,6 @@ class Classification:
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(sorted({e.layer for e in self.experts}))
 
-    def roles_of(self, layer: int) -> tuple[ExpertTensor, ...]:
-        return tuple(e for e in self.experts if e.layer == layer)
-
 
 def role_name(stem: str, suffix: str) -> str:
     """`ffn_gate` + `weight` -> `gate`; `ffn_down` + `bias` -> `down.bias`."""

@@ -27,6 +27,8 @@ class Shard:
     path: Path
     size_bytes: int
     mtime_ns: int
+    ctime_ns: int  # changes with any write or rename; unlike mtime, no tool can set it back
+    inode: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +129,8 @@ def _read(path: Path) -> GGUFReader:
 
 def _shard(path: Path) -> Shard:
     st = path.stat()
-    return Shard(path=path.resolve(), size_bytes=st.st_size, mtime_ns=st.st_mtime_ns)
+    return Shard(path=path.resolve(), size_bytes=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns,
+                 inode=st.st_ino)
 
 
 def _tensor(t: Any, shard_index: int, shard: Shard) -> SourceTensor:
@@ -213,7 +216,9 @@ def _metadata(reader: GGUFReader, path: Path) -> dict[str, MetadataField]:
         if key in READER_PSEUDO_KEYS or key in SPLIT_KEYS:
             continue
         types = list(field.types)
-        if types[0] == GGUFValueType.ARRAY:
+        if types[0] == GGUFValueType.ARRAY and len(types) == 1:  # gguf-py gives an empty array no item type
+            out[key] = MetadataField(key, [], GGUFValueType.ARRAY, None)
+        elif types[0] == GGUFValueType.ARRAY:
             if len(types) != 2:
                 raise SourceError(f"{path}: metadata key {key} is a nested array, which gguf-py cannot round-trip")
             out[key] = MetadataField(key, field.contents(), GGUFValueType.ARRAY, types[1])
@@ -223,6 +228,8 @@ def _metadata(reader: GGUFReader, path: Path) -> dict[str, MetadataField]:
 
 
 def file_identity(shards: tuple[Shard, ...]) -> list[dict[str, Any]]:
-    """What the resume logic compares to decide the source is unchanged since a killed build."""
-    return [{"name": s.path.name, "size_bytes": s.size_bytes, "mtime_ns": s.mtime_ns} for s in shards]
+    """What the resume logic compares to decide the source is unchanged since a killed build: a file
+    replaced by another of the same size and mtime (`cp -p`, `rsync -a`) still has a new ctime."""
+    return [{"name": s.path.name, "size_bytes": s.size_bytes, "mtime_ns": s.mtime_ns, "ctime_ns": s.ctime_ns,
+             "inode": s.inode} for s in shards]
 

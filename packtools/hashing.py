@@ -31,7 +31,7 @@ class BlockHasher:
     """Hashes whole layers of expert blocks on a thread pool; results arrive through `on_done`
     (called on a pool thread) so the caller can record them as they complete."""
 
-    def __init__(self, fd: int, threads: int, on_done: Callable[[ExpertKey, str, int], None]) -> None:
+    def __init__(self, fd: int, threads: int, on_done: Callable[[ExpertKey, str], None]) -> None:
         self._fd = fd
         self._on_done = on_done
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hash")
@@ -43,7 +43,7 @@ class BlockHasher:
 
     def _hash_one(self, layer: LayerLayout, expert: int) -> None:
         digest = hash_range(self._fd, layer.block_offset(expert), layer.payload_bytes)
-        self._on_done(ExpertKey(layer.layer, expert), digest, layer.payload_bytes)
+        self._on_done(ExpertKey(layer.layer, expert), digest)
 
     def wait(self) -> None:
         """Blocks until every submitted block is hashed; re-raises the first failure."""

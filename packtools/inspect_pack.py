@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .layout import MANIFEST_FILE, LayerLayout, Manifest
+from .layout import LayerLayout, Manifest
 from .units import GIB, human_bytes
 
 DEFAULT_VRAM_GIB = (8.0, 16.0, 24.0, 32.0, 80.0)
@@ -64,7 +64,7 @@ class PackSummary:
 
 def summarize(target: Path) -> PackSummary:
     """A pack directory (has manifest.json) or a source GGUF (planned, not built)."""
-    if target.is_dir() or (target / MANIFEST_FILE).exists():
+    if target.is_dir():
         m = Manifest.load(target)
         return PackSummary(str(target), m.model.arch, m.model.n_layer, m.model.n_expert, m.model.n_expert_used,
                            m.layers, m.pack_size_bytes, m.trunk.size_bytes, built=True)

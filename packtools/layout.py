@@ -12,8 +12,8 @@ experts.pack
 manifest.json
     The keys DESIGN.md fixes (format, version, fingerprint, alignment, pack, trunk, source, model,
     layers) plus what this project adds (model.moe_layers, trunk.size_bytes, trunk.tensor_sha256,
-    created_utc). `fingerprint` is the sha256 of the canonical JSON of the manifest without
-    NON_FINGERPRINT_KEYS; it is also stored in the pack header and in trunk.gguf, which is how a
+    created_utc). `fingerprint` is the sha256 of the canonical JSON (keys sorted, no spaces,
+    ASCII) of the manifest as stored, every key, without NON_FINGERPRINT_KEYS; it is also stored in the pack header and in trunk.gguf, which is how a
     pack, its manifest and its trunk are known to belong together.
 
 This module does no I/O beyond reading and writing these two small structures.
@@ -26,7 +26,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 from .errors import ManifestError
 from .units import round_up
@@ -76,12 +76,6 @@ class LayerLayout:
     def block_offset(self, expert: int) -> int:
         return self.offset + expert * self.stride
 
-    def role(self, name: str) -> RoleLayout:
-        for r in self.roles:
-            if r.role == name:
-                return r
-        raise KeyError(f"layer {self.layer} has no role {name!r}; it has {[r.role for r in self.roles]}")
-
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -120,6 +114,11 @@ class PackHeader:
         return raw.ljust(DATA_START, b"\0")
 
     @classmethod
+    def expected_for(cls, manifest: "Manifest") -> "PackHeader":
+        """The header a pack described by `manifest` must carry."""
+        return cls(FORMAT_VERSION, ALIGNMENT, manifest.data_start, manifest.pack_size_bytes, manifest.fingerprint)
+
+    @classmethod
     def decode(cls, raw: bytes, path: Path | str) -> "PackHeader":
         if len(raw) < HEADER.size:
             raise ManifestError(f"{path}: shorter than the {HEADER.size}-byte pack header")
@@ -139,6 +138,11 @@ class Manifest:
     layers: tuple[LayerLayout, ...]
     trunk: TrunkInfo
     created_utc: str = ""
+    raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as loaded, for the check
+
+    def fingerprint_matches(self) -> bool:
+        """True when the manifest, every key as stored (ours or a tool's), is what was fingerprinted."""
+        return fingerprint_of(self.raw if self.raw is not None else self.to_dict()) == self.fingerprint
 
     def layer(self, layer: int) -> LayerLayout:
         for entry in self.layers:
@@ -211,6 +215,8 @@ class Manifest:
         model = r.obj(data, "model")
         source = r.obj(data, "source")
         tensor_sha = r.obj(trunk, "tensor_sha256", "trunk.")
+        r.check(pack.get("file") == PACK_FILE, "pack.file", repr(PACK_FILE))  # fixed names: no paths
+        r.check(trunk.get("file") == TRUNK_FILE, "trunk.file", repr(TRUNK_FILE))
         return cls(
             fingerprint=r.string(data, "fingerprint"),
             pack_size_bytes=r.integer(pack, "size_bytes", "pack."),
@@ -225,7 +231,7 @@ class Manifest:
                 n_layer=r.integer(model, "n_layer", "model."),
                 n_expert=r.integer(model, "n_expert", "model."),
                 n_expert_used=r.integer(model, "n_expert_used", "model."),
-                moe_layers=tuple(int(x) for x in r.array(model, "moe_layers", "model.")),
+                moe_layers=r.integers(model, "moe_layers", "model."),
             ),
             layers=tuple(_layer_from_dict(entry, r) for entry in r.array(data, "layers")),
             trunk=TrunkInfo(
@@ -234,6 +240,7 @@ class Manifest:
                 tensor_sha256={str(k): str(v) for k, v in tensor_sha.items()},
             ),
             created_utc=str(data.get("created_utc", "")),
+            raw=data,
         )
 
 
@@ -336,7 +343,7 @@ def _layer_from_dict(data: Any, r: "_Reader") -> LayerLayout:
                 role=r.string(x, "role", p + "roles[]."),
                 tensor=r.string(x, "tensor", p + "roles[]."),
                 ggml_type=r.string(x, "ggml_type", p + "roles[]."),
-                shape=tuple(int(d) for d in r.array(x, "shape", p + "roles[].")),
+                shape=r.integers(x, "shape", p + "roles[]."),
                 offset=r.integer(x, "offset", p + "roles[]."),
                 nbytes=r.integer(x, "nbytes", p + "roles[]."),
             )
@@ -378,13 +385,15 @@ class _Reader:
 
     def integer(self, obj: Any, key: str, prefix: str = "") -> int:
         value = self._get(obj, key, prefix)
-        self.check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, prefix + key,
-                   "a non-negative integer")
+        self.check(_is_count(value), prefix + key, "a non-negative integer")
         return value
 
+    def integers(self, obj: Any, key: str, prefix: str = "") -> tuple[int, ...]:
+        values = self.array(obj, key, prefix)
+        self.check(all(_is_count(v) for v in values), prefix + key, "a list of non-negative integers")
+        return tuple(values)
 
-def role_specs(entries: Iterable[tuple[int, RoleSpec]]) -> dict[int, list[RoleSpec]]:
-    out: dict[int, list[RoleSpec]] = {}
-    for layer, spec in entries:
-        out.setdefault(layer, []).append(spec)
-    return out
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+

@@ -23,15 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .layout import ALIGNMENT as DIRECT  # O_DIRECT granularity: offsets, lengths, buffer addresses
+from .units import round_up as _round_up
+
 CHUNK_BYTES = 16 << 20
 READ_AHEAD = 4  # source buffers in flight between the reader, the digest and the consumer
 SLICE_BUFFERS = 3  # expert slices in flight between the consumer and the pack writer
-DIRECT = 4096  # O_DIRECT granularity: offsets, lengths and buffer addresses
 ZEROS = bytes(DIRECT)
 
 
 def round_up(n: int) -> int:
-    return -(-n // DIRECT) * DIRECT
+    return _round_up(n, DIRECT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +209,9 @@ def read_chunks(path: Path, start: int, end: int, digest: "hashlib._Hash") -> It
     stop = threading.Event()
 
     def reader() -> None:
-        fd, direct = open_direct(path, os.O_RDONLY)
+        fd = -1
         try:
+            fd, direct = open_direct(path, os.O_RDONLY)
             at = start - start % DIRECT  # O_DIRECT reads start on a block boundary
             while at < end and not stop.is_set():
                 buf = free.get()
@@ -224,7 +227,8 @@ def read_chunks(path: Path, start: int, end: int, digest: "hashlib._Hash") -> It
         except BaseException as exc:  # handed down the pipeline to the caller, which raises it
             read.put(exc)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             read.put(None)
 
     def hasher() -> None:
@@ -256,7 +260,7 @@ def read_chunks(path: Path, start: int, end: int, digest: "hashlib._Hash") -> It
 
 
 def open_direct(path: Path, flags: int) -> tuple[int, bool]:
-    """Opens with O_DIRECT, or without it where the filesystem refuses (tmpfs)."""
+    """Opens with O_DIRECT, or without it where the filesystem refuses (ramfs, some FUSE mounts)."""
     try:
         return os.open(path, flags | os.O_DIRECT), True
     except OSError as exc:

@@ -3,7 +3,6 @@
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 GIB = 1 << 30
-MIB = 1 << 20
 
 
 def human_bytes(n: float) -> str:

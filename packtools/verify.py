@@ -15,10 +15,7 @@ from tqdm import tqdm
 
 from .errors import ManifestError
 from .hashing import hash_range
-from .layout import (
-    ALIGNMENT, DATA_START, FORMAT_VERSION, PACK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, Manifest,
-    PackHeader, layout_problems,
-)
+from .layout import DATA_START, PACK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, Manifest, PackHeader, layout_problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +41,7 @@ def verify_pack(pack_dir: Path, threads: int | None = None, progress: bool = Tru
     """Raises ManifestError only when there is no readable manifest to check against."""
     manifest = Manifest.load(pack_dir)
     report = VerifyReport()
-    if manifest.compute_fingerprint() != manifest.fingerprint:
+    if not manifest.fingerprint_matches():
         report.problems.append("manifest.json was edited: its content no longer matches its fingerprint")
     report.problems.extend(layout_problems(manifest))
     pack_path = pack_dir / PACK_FILE
@@ -67,7 +64,7 @@ def _header_problems(pack_path: Path, manifest: Manifest) -> list[str]:
         header = PackHeader.decode(raw, pack_path)
     except ManifestError as exc:
         return [str(exc)]
-    expected = PackHeader(FORMAT_VERSION, ALIGNMENT, manifest.data_start, manifest.pack_size_bytes, manifest.fingerprint)
+    expected = PackHeader.expected_for(manifest)
     if header != expected:
         return [f"{pack_path}: header {header} does not match the manifest (expected {expected})"]
     return []
@@ -95,8 +92,13 @@ def _trunk_problems(pack_dir: Path, manifest: Manifest) -> list[str]:
     try:
         for name, expected in manifest.trunk.tensor_sha256.items():
             t = tensors.get(name)
-            if t is not None and hash_range(fd, int(t.data_offset), int(t.n_bytes)) != expected:
-                problems.append(f"{path}: trunk tensor {name} is damaged (sha256 mismatch)")
+            if t is None:
+                continue
+            try:
+                if hash_range(fd, int(t.data_offset), int(t.n_bytes)) != expected:
+                    problems.append(f"{path}: trunk tensor {name} is damaged (sha256 mismatch)")
+            except OSError as exc:
+                problems.append(f"{path}: trunk tensor {name} cannot be read ({exc})")
     finally:
         os.close(fd)
     return problems
@@ -115,7 +117,11 @@ def _check_blocks(pack_path: Path, manifest: Manifest, report: VerifyReport, thr
         key = ExpertKey(layer.layer, e)
         if offset + layer.payload_bytes > size:
             return key, layer.sha256[e], "<beyond end of file>", layer.payload_bytes
-        return key, layer.sha256[e], hash_range(fd, offset, layer.payload_bytes), layer.payload_bytes
+        try:
+            found = hash_range(fd, offset, layer.payload_bytes)
+        except OSError as exc:  # a bad sector is damage to report, not a crash
+            found = f"<read error: {exc}>"
+        return key, layer.sha256[e], found, layer.payload_bytes
 
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool, tqdm(

@@ -92,10 +92,6 @@ class RandomFill:
         return ranks.astype(np.int32)
 
 
-def block_values(ggml_type: T) -> int:
-    return GGML_QUANT_SIZES[ggml_type][0]
-
-
 def parse_type(name: str) -> T:
     try:
         t = T[name.upper()]

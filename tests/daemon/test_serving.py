@@ -8,7 +8,10 @@ import hashlib
 import random
 import stat
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -94,16 +97,17 @@ def test_staging_and_socket_are_group_shared(daemon: Daemon) -> None:
         assert stat.S_IMODE(shm.stat().st_mode) == 0o660
 
 
-def raw_session(endpoint: str) -> tuple[zmq.Context, zmq.Socket, p.Welcome]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "raw")))
-    assert sock.poll(10000)
-    welcome = p.decode(sock.recv())
-    assert isinstance(welcome, p.Welcome)
-    return ctx, sock, welcome
+@contextmanager
+def raw_session(endpoint: str) -> Iterator[tuple[zmq.Socket, p.Welcome]]:
+    """A DEALER that said HELLO, closed (with its context) whatever the test does."""
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "raw")))
+        assert sock.poll(10000)
+        welcome = p.decode(sock.recv())
+        assert isinstance(welcome, p.Welcome)
+        yield sock, welcome
 
 
 def recv(sock: zmq.Socket) -> p.Message:
@@ -117,55 +121,50 @@ def test_demand_overtakes_prefetch(tiny_pack: Path, tmp_path: Path) -> None:
     d.wait_for("READY=1")
     try:
         m = Manifest.load(tiny_pack)
-        ctx, sock, welcome = raw_session(d.endpoint)
-        prefetch = all_keys(m)  # 64 keys, more than the 32 slots
-        sock.send(p.encode(p.Fetch(1, tuple(prefetch), Priority.PREFETCH)))
-        sock.send(p.encode(p.Fetch(2, (ExpertKey(m.layers[-1].layer, 15),), Priority.DEMAND)))
-        order = []
-        while len(order) < len(prefetch) + 1:
-            msg = recv(sock)
-            assert isinstance(msg, p.Ready), msg
-            order.append(msg.id)
-            sock.send(p.encode(p.Release((msg.slot,))))
+        with raw_session(d.endpoint) as (sock, welcome):
+            prefetch = all_keys(m)  # 64 keys, more than the 32 slots
+            sock.send(p.encode(p.Fetch(1, tuple(prefetch), Priority.PREFETCH)))
+            sock.send(p.encode(p.Fetch(2, (ExpertKey(m.layers[-1].layer, 15),), Priority.DEMAND)))
+            order = []
+            while len(order) < len(prefetch) + 1:
+                msg = recv(sock)
+                assert isinstance(msg, p.Ready), msg
+                order.append(msg.id)
+                sock.send(p.encode(p.Release((msg.slot,))))
         demand_at = order.index(2)
         # The demand read jumps the reader queue: it lands long before the 64 prefetches finish.
         assert demand_at < 16, f"demand key answered {demand_at + 1}th of {len(order)}"
-        sock.close()
-        ctx.term()
     finally:
         assert d.stop()[0] == 0
 
 
 def test_cancel_answers_every_key_once(daemon: Daemon, tiny_pack: Path) -> None:
     m = Manifest.load(tiny_pack)
-    ctx, sock, welcome = raw_session(daemon.endpoint)
     keys = tuple(all_keys(m))
-    sock.send(p.encode(p.Fetch(7, keys, Priority.PREFETCH)))
-    first = recv(sock)
-    assert isinstance(first, p.Ready)  # reads are under way; we hold every slot from here on
-    sock.send(p.encode(p.Cancel(7)))
-    answers = [first]
-    while len(answers) < len(keys):
-        answers.append(recv(sock))
-    ready = [a for a in answers if isinstance(a, p.Ready)]
-    failed = [a for a in answers if isinstance(a, p.Fail)]
-    assert len(ready) <= len(welcome.slots) and len(failed) >= len(keys) - len(welcome.slots)
-    assert all(f.code is p.FailCode.CANCELLED for f in failed)
-    assert sorted(a.key for a in answers) == sorted(keys)
-    sock.send(p.encode(p.Ping()))
-    assert isinstance(recv(sock), p.Pong)  # nothing more was queued behind the pong
-    sock.send(p.encode(p.Release(tuple(r.slot for r in ready))))
-    sock.send(p.encode(p.Fetch(8, keys[:3])))
-    assert {recv(sock).id for _ in range(3)} == {8}
-    sock.close()
-    ctx.term()
+    with raw_session(daemon.endpoint) as (sock, welcome):
+        sock.send(p.encode(p.Fetch(7, keys, Priority.PREFETCH)))
+        first = recv(sock)
+        assert isinstance(first, p.Ready)  # reads are under way; we hold every slot from here on
+        sock.send(p.encode(p.Cancel(7)))
+        answers = [first]
+        while len(answers) < len(keys):
+            answers.append(recv(sock))
+        ready = [a for a in answers if isinstance(a, p.Ready)]
+        failed = [a for a in answers if isinstance(a, p.Fail)]
+        assert len(ready) <= len(welcome.slots) and len(failed) >= len(keys) - len(welcome.slots)
+        assert all(f.code is p.FailCode.CANCELLED for f in failed)
+        assert sorted(a.key for a in answers) == sorted(keys)
+        sock.send(p.encode(p.Ping()))
+        assert isinstance(recv(sock), p.Pong)  # nothing more was queued behind the pong
+        sock.send(p.encode(p.Release(tuple(r.slot for r in ready))))
+        sock.send(p.encode(p.Fetch(8, keys[:3])))
+        assert {recv(sock).id for _ in range(3)} == {8}
 
 
 def test_greedy_client_cannot_starve_another(daemon: Daemon, tiny_pack: Path) -> None:
     m = Manifest.load(tiny_pack)
-    ctx, greedy, _ = raw_session(daemon.endpoint)
-    greedy.send(p.encode(p.Fetch(1, tuple(all_keys(m)) * 100)))  # 6,400 keys, never released
-    with ExpertClient(daemon.endpoint, name="polite") as client:
+    with raw_session(daemon.endpoint) as (greedy, _), ExpertClient(daemon.endpoint, name="polite") as client:
+        greedy.send(p.encode(p.Fetch(1, tuple(all_keys(m)) * 100)))  # 6,400 keys, never released
         got = []
         for expert in client.fetch(all_keys(m)[:20], timeout_s=10):
             got.append(expert.key)
@@ -174,8 +173,6 @@ def test_greedy_client_cannot_starve_another(daemon: Daemon, tiny_pack: Path) ->
         stats = client.stats()
     queued = {c["name"]: c["queued"] for c in stats["clients"]}
     assert queued["raw"] == 6400 - 8  # its 8 slots hold experts; the rest waits for its own releases
-    greedy.close()
-    ctx.term()
 
 
 def test_unknown_key_is_refused_whole(daemon: Daemon, tiny_pack: Path) -> None:
@@ -185,3 +182,26 @@ def test_unknown_key_is_refused_whole(daemon: Daemon, tiny_pack: Path) -> None:
             list(client.fetch([(0, 0), (0, m.model.n_expert)]))
         assert client.stats()["counters"]["keys"] == 0
         assert len(list(e.key for e in client.fetch([(0, 1)]))) == 1
+
+
+def test_leaving_a_fetch_early_gives_every_slot_back(daemon: Daemon, tiny_pack: Path) -> None:
+    with ExpertClient(daemon.endpoint, name="quitter") as client:
+        stream = client.fetch([(0, e) for e in range(8)])
+        first = next(stream)
+        client.ping()  # routes the other READYs into the fetch's inbox meanwhile
+        first.release()
+        stream.close()  # abandon the rest
+        stats = client.stats()
+        deadline = time.monotonic() + 10
+        while stats["slots"]["leased"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+            stats = client.stats()
+        assert stats["slots"]["leased"] == 0 and stats["slots"]["reading"] == 0
+        assert sum(1 for e in client.fetch([(1, e) for e in range(8)]) if e.release() is None) == 8
+
+
+def test_a_trunk_of_another_pack_is_refused_at_hello(daemon: Daemon) -> None:
+    from expertpack.client import FingerprintMismatch
+
+    with pytest.raises(FingerprintMismatch, match="built with pack"):
+        ExpertClient(daemon.endpoint, expect_fingerprint="0" * 64)

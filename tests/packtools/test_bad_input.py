@@ -200,3 +200,47 @@ def test_a_trunk_is_not_a_source(tmp_path: Path) -> None:
     out = tmp_path / "out"
     run_cli("build", SINGLE, "-o", out, "-q", check=True)
     assert_fails_cleanly(out / "trunk.gguf", tmp_path / "again", "trunk.gguf of an expert pack")
+
+
+def test_empty_metadata_array_is_dropped_with_a_warning(tmp_path: Path) -> None:
+    """gguf-py reads an empty array but cannot write one: the trunk omits it and says so."""
+    w = GGUFWriter(tmp_path / "e.gguf", "qwen3moe")
+    for k, v in {"qwen3moe.block_count": 1, "qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2}.items():
+        w.add_uint32(k, v)
+    w.add_array("test.empty", [7])  # one UINT32 item: patched to an empty array below
+    w.add_string("test.pad", "abcd")  # takes back the 4 bytes the item loses, so no offset moves
+    for name, data in moe_tensors().items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    raw = bytearray((tmp_path / "e.gguf").read_bytes())
+    key = b"test.empty"
+    at = raw.index(key) + len(key) + 4 + 4  # value type ARRAY, item type
+    assert int.from_bytes(raw[at:at + 8], "little") == 1
+    raw[at:at + 8] = (0).to_bytes(8, "little")
+    del raw[at + 8:at + 12]
+    pad = raw.index(b"\x04\x00\x00\x00\x00\x00\x00\x00abcd")
+    raw[pad:pad + 12] = (8).to_bytes(8, "little") + b"abcdefgh"
+    (tmp_path / "e.gguf").write_bytes(bytes(raw))
+    assert open_source(tmp_path / "e.gguf").metadata["test.empty"].value == []
+    proc = run_cli("build", tmp_path / "e.gguf", "-o", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "test.empty is an empty array" in proc.stderr
+    assert run_cli("verify", tmp_path / "out", "-q").returncode == 0
+
+
+def test_unwritable_output_is_one_line(tmp_path: Path) -> None:
+    proc = run_cli("build", SINGLE, "-o", "/proc/expertpack-out", "-q")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_source_that_cannot_be_read_fails_instead_of_hanging(tmp_path: Path) -> None:
+    import hashlib
+
+    from expertpack.packtools.source_pass import read_chunks
+
+    with pytest.raises(FileNotFoundError):
+        for _ in read_chunks(tmp_path / "gone.gguf", 0, 1 << 20, hashlib.sha256()):
+            pass

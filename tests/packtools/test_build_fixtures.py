@@ -91,6 +91,10 @@ def test_trunk_holds_everything_else_unchanged(pack: tuple[Path, Path, Manifest]
     assert keys.pop(TRUNK_FINGERPRINT_KEY) == m.fingerprint
     want = {k: f.value for k, f in source.metadata.items()}
     assert keys == want
+    # and every value keeps its exact wire type (UINT32 stays UINT32, an array keeps its item type)
+    raw_source = GGUFReader(src)
+    for k in want:
+        assert list(trunk.fields[k].types) == list(raw_source.fields[k].types), k
     assert not any(k in keys for k in SPLIT_KEYS)
 
 

@@ -143,3 +143,24 @@ def test_changed_source_starts_over(small_gguf: Path, tmp_path: Path) -> None:
     rerun = run_cli("build", src, "-o", out)
     assert rerun.returncode == 0 and "starting over" in rerun.stderr
     assert run_cli("verify", out, "-q").returncode == 0
+
+
+def test_replaced_source_with_same_size_and_mtime_starts_over(small_gguf: Path, tmp_path: Path) -> None:
+    """`cp -p` of another file of the same size keeps name, size and mtime: the inode and ctime differ."""
+    src = tmp_path / "small.gguf"
+    src.write_bytes(small_gguf.read_bytes())
+    out = tmp_path / "pack"
+    proc = start(src, out)
+    assert wait_for_progress(out, (0, 0), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    st = src.stat()
+    other = tmp_path / "other.gguf"
+    data = bytearray(src.read_bytes())
+    data[-100] ^= 0xFF  # different bytes, same size
+    other.write_bytes(bytes(data))
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, src)
+    assert src.stat().st_size == st.st_size and src.stat().st_mtime_ns == st.st_mtime_ns
+    rerun = run_cli("build", src, "-o", out)
+    assert rerun.returncode == 0 and "starting over" in rerun.stderr

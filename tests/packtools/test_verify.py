@@ -87,3 +87,47 @@ def test_trunk_from_another_pack_is_detected(pack_copy: Path, fixture_packs: dic
 def test_no_manifest_is_a_usage_error(tmp_path: Path) -> None:
     proc = run_cli("verify", tmp_path)
     assert proc.returncode == 2 and "no manifest" in proc.stderr
+
+
+def test_a_read_error_names_the_block_instead_of_crashing(pack_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from expertpack.packtools import hashing
+
+    m = Manifest.load(pack_copy)
+    bad = m.layers[1].block_offset(3)
+    real = os.pread
+
+    def flaky_pread(fd: int, n: int, offset: int) -> bytes:
+        if offset == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, n, offset)
+
+    monkeypatch.setattr(hashing.os, "pread", flaky_pread)
+    report = verify_pack(pack_copy, progress=False)
+    assert [d.key for d in report.damaged] == [ExpertKey(m.layers[1].layer, 3)]
+    assert "read error" in report.damaged[0].found
+
+
+def test_a_key_added_to_the_manifest_is_detected(pack_copy: Path) -> None:
+    path = pack_copy / "manifest.json"
+    data = json.loads(path.read_text())
+    data["model"]["note"] = "added by hand"
+    path.write_text(json.dumps(data))
+    assert any("fingerprint" in p for p in verify_pack(pack_copy, progress=False).problems)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d["model"].__setitem__("moe_layers", ["x"]), "model.moe_layers"),
+    (lambda d: d["trunk"].__setitem__("file", "../elsewhere.gguf"), "trunk.file"),
+    (lambda d: d["layers"][0]["roles"][0].__setitem__("shape", [1.5]), "shape"),
+])
+def test_malformed_manifest_is_one_line(pack_copy: Path, edit, needle: str) -> None:
+    path = pack_copy / "manifest.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    for command in ("verify", "inspect"):
+        proc = run_cli(command, pack_copy)
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
