@@ -24,7 +24,7 @@ from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+EXPERTPACK = shutil.which("expertpack") or str(Path(sys.executable).parent / "expertpack")
 
 
 def drop_cache(path: Path) -> None:
@@ -57,7 +57,7 @@ def run_cp(src: Path, dst: Path) -> tuple[float, int]:
 
 def run_build(src: Path, out: Path, keep: bool = False) -> tuple[float, int]:
     shutil.rmtree(out, ignore_errors=True)
-    result = timed([str(BIN / "expertpack"), "build", str(src), "-o", str(out), "-q"])
+    result = timed([EXPERTPACK, "build", str(src), "-o", str(out), "-q"])
     if not keep:
         shutil.rmtree(out)
     return result
@@ -66,7 +66,7 @@ def run_build(src: Path, out: Path, keep: bool = False) -> tuple[float, int]:
 def synth(preset: str, layers: int | None, path: Path) -> None:
     if path.exists():
         return
-    cmd = [str(BIN / "expertpack"), "synth", "--preset", preset, "-o", str(path), "-q"]
+    cmd = [EXPERTPACK, "synth", "--preset", preset, "-o", str(path), "-q"]
     if layers:
         cmd += ["--layers", str(layers)]
     subprocess.run(cmd, check=True)
@@ -106,7 +106,7 @@ def main() -> int:
 
     pack = args.dir / "pack"
     drop_cache(pack / "experts.pack")
-    verify_s, verify_rss = timed([str(BIN / "expertpack"), "verify", str(pack), "-q"])
+    verify_s, verify_rss = timed([EXPERTPACK, "verify", str(pack), "-q"])
     pack_bytes = (pack / "experts.pack").stat().st_size
     shutil.rmtree(pack)
     drop_cache(small)

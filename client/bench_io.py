@@ -1,14 +1,18 @@
 """`expertpack bench io PACK`: how close expertd comes to the disk, measured side by side in one run
-on the same pack with the page cache dropped before each path:
+on the same pack with the page cache dropped before each path, each path run twice in the order
+fio, expertd, buffered, buffered, expertd, fio (the disk's drift cancels; means are reported):
 
-  fio       raw O_DIRECT random reads of the same piece size with as many reads in flight
-            (fio threads = reader threads; the ceiling)
+  fio       raw O_DIRECT reads of the same piece size with as many reads in flight (fio threads =
+            reader threads), in the same pattern: whole expert blocks at random block boundaries,
+            piece after piece (`rw=randread:<splits>`, `blockalign=<block>`); the ceiling
   expertd   a real daemon process serving random experts to a real client, which releases each
             slot as soon as it arrives
   buffered  what systems without a daemon do: pread through the page cache into a buffer, then
             copy into pinned (mlocked) memory, on as many threads
 
-Throughput is measured with all keys queued at once; per-expert latency with one top-k request at
+Each run reads experts no other run read (where the pack is large enough), so no layer of caching
+below the page cache (a VM host's, a disk's) can favour one path. Throughput is measured with all
+keys queued at once; per-expert latency with one top-k request at
 a time (one layer's selection at 0% cache hit), p50/p99. CPU-seconds per GB count every process of
 the path (daemon + client; fio; the buffered reader). Prints a table, then one JSON line."""
 
@@ -77,12 +81,13 @@ def percentiles_ms(samples_s: list[float]) -> tuple[float, float]:
 
 
 # ---- (a) fio ----------------------------------------------------------------------------------
-def run_fio(pack: Path, m: Manifest, piece: int, jobs: int, total: int) -> PathResult:
+def run_fio(pack: Path, m: Manifest, piece: int, splits: int, jobs: int, total: int) -> PathResult:
     fio = shutil.which("fio")
     if fio is None:
         raise SystemExit("fio is not installed: apt-get install fio (Debian package)")
-    cmd = [fio, "--name=experts", f"--filename={pack / PACK_FILE}", "--rw=randread", "--direct=1",
-           "--ioengine=psync", "--thread", f"--numjobs={jobs}", f"--bs={piece}", f"--offset={m.data_start}",
+    cmd = [fio, "--name=experts", f"--filename={pack / PACK_FILE}", f"--rw=randread:{splits}", "--direct=1",
+           f"--blockalign={m.max_stride}", "--ioengine=psync", "--thread", f"--numjobs={jobs}", f"--bs={piece}",
+           f"--offset={m.data_start}",
            f"--size={m.pack_size_bytes - m.data_start}", f"--io_size={total // jobs}", "--group_reporting",
            "--randrepeat=0", "--output-format=json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -102,12 +107,13 @@ def run_fio(pack: Path, m: Manifest, piece: int, jobs: int, total: int) -> PathR
 # ---- (b) expertd ------------------------------------------------------------------------------
 class DaemonProcess:
     def __init__(self, pack: Path, workdir: Path, threads: int, splits: int, slots: int) -> None:
+        workdir = Path(tempfile.mkdtemp(dir=workdir))  # one per daemon: socket paths are not reused
         self.endpoint = f"ipc://{workdir}/bench.sock"
         notify_path = workdir / "notify.sock"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(notify_path))
         self.notify.settimeout(60)
-        expertd = Path(sys.executable).parent / "expertd"
+        expertd = shutil.which("expertd") or str(Path(sys.executable).parent / "expertd")
         self.log = open(workdir / "expertd.log", "w")
         self.proc = subprocess.Popen(
             [str(expertd), "--pack", str(pack), "--endpoint", self.endpoint, "--read-threads", str(threads),
@@ -201,15 +207,23 @@ def run_buffered(pack: Path, m: Manifest, keys: list[ExpertKey], batches: list[l
                       f"one expert of a top-{len(batches[0])} request{note}")
 
 
+def _mean(results: list[PathResult]) -> PathResult:
+    n = len(results)
+    return PathResult(
+        results[0].path, sum(r.gb_per_s for r in results) / n, sum(r.bytes_read for r in results) // n,
+        sum(r.seconds for r in results) / n, sum(r.cpu_s_per_gb for r in results) / n,
+        sum(r.latency_p50_ms for r in results) / n, sum(r.latency_p99_ms for r in results) / n, results[0].latency_of)
+
+
 # ---- driver -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="expertpack bench io", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("pack", type=Path, help="a pack directory on the disk to measure")
-    parser.add_argument("--gb", type=float, default=8.0, help="bytes of random experts per path (default 8 GB)")
+    parser.add_argument("--gb", type=float, default=2.5, help="bytes of random experts per run (default 2.5 GB)")
     parser.add_argument("--read-threads", type=int, default=8, help="daemon reader threads = fio jobs = buffered threads")
     parser.add_argument("--read-splits", type=int, default=4, help="pieces per expert block (fio's block size)")
-    parser.add_argument("--latency-requests", type=int, default=200, help="top-k requests timed one at a time")
+    parser.add_argument("--latency-requests", type=int, default=30, help="top-k requests timed one at a time")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -219,27 +233,30 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     rng.shuffle(everything)
     n = max(1, min(len(everything), int(args.gb * 1e9 // stride)))
-    keys = everything[:n]
+    fresh = iter(everything * 6)  # run after run takes experts not read before, while they last
     k = m.model.n_expert_used
-    batches = [rng.sample(everything, k) for _ in range(args.latency_requests)]
     piece = -(-stride // args.read_splits // 4096) * 4096
     total = n * stride
 
     print(f"pack {args.pack}: {m.model.arch}, {len(everything):,} experts of {stride:,} B; measuring {n:,} random "
           f"experts ({total / 1e9:.1f} GB) per path, {args.read_threads} reads in flight", file=sys.stderr)
-    results = []
+    runs: dict[str, list[PathResult]] = {"fio": [], "expertd": [], "buffered": []}
     with tempfile.TemporaryDirectory(prefix="bench-io-") as tmp:
-        for name in ("fio", "expertd", "buffered"):
+        for name in ("fio", "expertd", "buffered", "buffered", "expertd", "fio"):
             drop_cache(args.pack / PACK_FILE)
             if name == "fio":
-                results.append(run_fio(args.pack, m, piece, args.read_threads, total))
-            elif name == "expertd":
-                results.append(run_daemon(args.pack, m, keys, batches, args.read_threads, args.read_splits, Path(tmp)))
+                r = run_fio(args.pack, m, piece, args.read_splits, args.read_threads, total)
             else:
-                results.append(run_buffered(args.pack, m, keys, batches, args.read_threads))
-            r = results[-1]
+                keys = [next(fresh) for _ in range(n)]
+                batches = [[next(fresh) for _ in range(k)] for _ in range(args.latency_requests)]
+                if name == "expertd":
+                    r = run_daemon(args.pack, m, keys, batches, args.read_threads, args.read_splits, Path(tmp))
+                else:
+                    r = run_buffered(args.pack, m, keys, batches, args.read_threads)
+            runs[name].append(r)
             print(f"  {r.path:<9} {r.gb_per_s:7.3f} GB/s  {r.cpu_s_per_gb:6.3f} CPU-s/GB  "
                   f"p50 {r.latency_p50_ms:7.2f} ms  p99 {r.latency_p99_ms:7.2f} ms", file=sys.stderr)
+    results = [_mean(runs[name]) for name in ("fio", "expertd", "buffered")]
     fio, daemon, buffered = results
     print(f"{'path':<10}{'GB/s':>8}{'CPU-s/GB':>10}{'p50 ms':>9}{'p99 ms':>9}  latency sample")
     for r in results:
@@ -259,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.node()} {os.cpu_count()} cpu {platform.machine()}", "disk": " ".join(disk.split()[2:]),
         "cache": "cold (fadvise DONTNEED before each path)", "model": m.model.arch, "block_bytes": stride,
         "experts": n, "read_threads": args.read_threads, "read_splits": args.read_splits,
-        "results": [asdict(r) for r in results], "expertd_over_fio": round(ratio, 3),
+        "results": [asdict(r) for r in results], "runs": {k: [asdict(r) for r in v] for k, v in runs.items()},
+        "expertd_over_fio": round(ratio, 3),
         "expertd_cpu_over_buffered": None if cpu_ratio is None else round(cpu_ratio, 3),
     }))
     return 0
