@@ -32,15 +32,10 @@ test: $(STAMP) system-tools
 test-fast: $(STAMP) system-tools
 	$(PY) -m pytest -q -m "not slow" tests
 
-# The main job end to end on a tiny built-in model. Serving (expertd + expert-worker) joins it as
-# those parts land; until then it stops after the pack is built, verified and inspected.
+# The main job end to end on a tiny built-in model (scripts/demo.sh says what it does). The worker
+# and the HTTP API join it as they land.
 demo: $(STAMP)
-	rm -rf demo-out && mkdir -p demo-out
-	$(VENV)/bin/expertpack synth --preset tiny -o demo-out/tiny.gguf
-	$(VENV)/bin/expertpack build demo-out/tiny.gguf -o demo-out/tiny.expertpack
-	$(VENV)/bin/expertpack verify demo-out/tiny.expertpack
-	$(VENV)/bin/expertpack inspect demo-out/tiny.expertpack
-	@echo "not yet: serving the pack (expertd + expert-worker + HTTP API) is still being built"
+	scripts/demo.sh
 
 bench: $(STAMP)
 	$(PY) bench/build_throughput.py

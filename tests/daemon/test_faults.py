@@ -153,3 +153,59 @@ def test_repeated_fetch_and_cancel_keeps_queues_bounded(daemon: Daemon) -> None:
         me = next(c for c in msg.stats["clients"] if c["name"] == "canceller")
         assert me["queued"] == 0 and me["queue_entries"] == 0 and me["requests"] <= 1
         assert msg.stats["counters"]["cancelled"] == 10 * len(big)
+
+
+HOLDER_SCRIPT = """
+import sys, time
+from expertpack.client import ExpertClient
+c = ExpertClient(sys.argv[1], name="frozen")
+held = [e for e in c.fetch([(0, i) for i in range(8)])]
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_frozen_client_loses_its_leases_after_the_heartbeat_timeout(tiny_pack: Path, tmp_path: Path) -> None:
+    """SIGSTOP freezes the client's zmq I/O thread too: it stops answering ZMTP heartbeats."""
+    d = start_daemon(tiny_pack, tmp_path, "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1")
+    d.wait_for("READY=1")
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER_SCRIPT, d.endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        assert wait_stats(d.endpoint, lambda s: s["slots"]["leased"] == 8)["slots"]["leased"] == 8
+        proc.send_signal(signal.SIGSTOP)
+        stats = wait_stats(d.endpoint, lambda s: all(c["name"] != "frozen" for c in s["clients"]), timeout=15)
+        assert stats["slots"]["leased"] == 0 and [c["name"] for c in stats["clients"]] == ["observer"]
+    finally:
+        proc.kill()
+        proc.wait()
+        assert d.stop()[0] == 0
+
+
+def test_tcp_needs_curve_and_works_with_it(tiny_pack: Path, tmp_path: Path) -> None:
+    import socket as pysocket
+
+    import zmq.auth
+
+    public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "expertd")
+    server_public, _ = zmq.auth.load_certificate(public_file)
+    with pysocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon(tiny_pack, tmp_path, "--endpoint", f"tcp://127.0.0.1:{port}",
+                     "--curve-secret-key-file", secret_file)
+    d.endpoint = f"tcp://127.0.0.1:{port}"  # the flag given last wins over start_daemon's ipc endpoint
+    d.wait_for("READY=1")
+    try:
+        with pytest.raises(Exception, match="refuses plain TCP"):
+            ExpertClient(d.endpoint)
+        with ExpertClient(d.endpoint, curve_server_key=server_public, timeout_s=10) as client:
+            m = Manifest.load(tiny_pack)
+            for expert in client.fetch([(0, 3)]):
+                assert hashlib.sha256(expert.data).hexdigest() == m.layer(0).sha256[3]
+                expert.release()
+        wrong_public, _ = zmq.curve_keypair()
+        with pytest.raises(DaemonUnavailable):  # the handshake never completes: no answer
+            ExpertClient(d.endpoint, curve_server_key=wrong_public, timeout_s=1)
+    finally:
+        assert d.stop()[0] == 0
