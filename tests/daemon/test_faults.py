@@ -67,6 +67,7 @@ def test_sigterm_says_bye_and_cleans_up(tiny_pack: Path, tmp_path: Path) -> None
             for _ in range(1000):  # answers may still come until the signal is handled; then BYE
                 client.ping()
                 time.sleep(0.01)
+    d.proc.wait(timeout=30)  # one SIGTERM: stop() must not send a second one into the exit
     code, err = d.stop()
     assert code == 0, err
     assert "STOPPING=1" in "".join(d.notes)

@@ -1,0 +1,74 @@
+"""Dequantization equals gguf-py's reference bit for bit (float32 bits compared, so signed zeros and
+NaN payloads count too), for every supported type, on valid random blocks and on raw random bytes,
+for many shapes; unsupported types are refused by name.
+
+One inherent difference, only on raw bytes: where a float16 scale is NaN or infinite (an invalid
+block no quantizer writes), the result is NaN in both, but NaN payloads are not portable: torch's
+half->float conversion quiets signaling NaNs and its vector kernels produce their default NaN for
+inf*0, where numpy propagates the payload. There the test requires NaN in both; every other value
+must match bit for bit, and valid blocks (no NaN anywhere) must match bit for bit everywhere."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+
+from expertpack.packtools.synth.quant_fill import BLOCKS as FILLABLE, RandomFill
+from expertpack.worker.quant import BLOCKS, UnsupportedType, check_supported, dequantize
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference on NaN scales
+
+SHAPES = [(256,), (512, 3), (256, 7, 2), (1024, 1), (768, 5)]
+
+
+def reference(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> np.ndarray:
+    rows = raw.reshape(-1, raw.size // int(np.prod(shape[1:], dtype=np.int64)))  # [rows, row_bytes]
+    out = quants.dequantize(rows, ggml_type)
+    return out.reshape(tuple(reversed(shape)))
+
+
+def random_bytes(ggml_type: T, shape: tuple[int, ...], seed: int, valid: bool) -> np.ndarray:
+    block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    nbytes = int(np.prod(shape)) // block_values * block_bytes
+    if valid and ggml_type in FILLABLE:
+        return RandomFill(seed).quant(ggml_type, nbytes).copy()
+    if valid:  # float types: finite values
+        rng = np.random.default_rng(seed)
+        values = rng.standard_normal(int(np.prod(shape)), dtype=np.float32)
+        return {T.F32: values, T.F16: values.astype(np.float16),
+                T.BF16: (values.view(np.uint32) >> 16).astype(np.uint16)}[ggml_type].view(np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("ggml_type", list(BLOCKS), ids=lambda t: t.name)
+@pytest.mark.parametrize("valid", [True, False], ids=["valid", "raw-bytes"])
+def test_bit_equal_to_gguf_py(ggml_type: T, valid: bool) -> None:
+    for i, shape in enumerate(SHAPES):
+        block_values = GGML_QUANT_SIZES[ggml_type][0]
+        if shape[0] % block_values:
+            continue
+        raw = random_bytes(ggml_type, shape, seed=i, valid=valid)
+        want = reference(raw, ggml_type, shape)
+        got = dequantize(torch.from_numpy(raw), ggml_type, shape).numpy()
+        assert got.shape == want.shape and got.dtype == np.float32
+        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+        if valid:
+            assert not np.isnan(want).any()
+        if not same.all():
+            diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+            raise AssertionError(f"{ggml_type.name} {shape}: {int((~same).sum())} values differ, "
+                                 f"max {np.nanmax(diff):.3g}, mean {np.nanmean(diff):.3g}")
+
+
+def test_every_type_real_moe_ggufs_use_is_supported() -> None:
+    assert set(BLOCKS) >= {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
+                           T.Q5_K, T.Q6_K, T.MXFP4}
+    for t, block in BLOCKS.items():
+        assert GGML_QUANT_SIZES[t] == (block.values, block.nbytes), t
+
+
+def test_unsupported_type_is_named_with_its_tensor() -> None:
+    with pytest.raises(UnsupportedType, match="IQ2_XS in tensor blk.3.ffn_down_exps.weight"):
+        check_supported(T.IQ2_XS, "blk.3.ffn_down_exps.weight")

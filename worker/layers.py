@@ -1,0 +1,115 @@
+"""The building blocks every architecture file wires together: RMSNorm, rotary embeddings (both of
+llama.cpp's layouts, with YaRN), causal attention over a KV cache (GQA, sliding window, attention
+sinks). Pure torch on whatever device the inputs live on; no quant formats, no sockets."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+class RopeStyle(Enum):
+    NEOX = "neox"  # rotate the two halves of the head dimension (Qwen, gpt-oss)
+    NORM = "norm"  # rotate adjacent pairs (llama.cpp's LLAMA, DeepSeek: converters permute q/k to it)
+
+
+@dataclass(frozen=True)
+class Rope:
+    dim: int  # rotated channels per head
+    base: float
+    style: RopeStyle
+    # YaRN (rope.scaling.type == "yarn"); factor 1 means plain RoPE
+    factor: float = 1.0
+    original_context: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # round the YaRN correction range to whole dimensions (gpt-oss does not)
+    mscale: float = 1.0  # multiplies cos and sin (YaRN's attention factor)
+
+    def inv_freq(self) -> torch.Tensor:
+        """transformers' formulas, operation for operation (the reference logits come from them)."""
+        pos_freqs = self.base ** (torch.arange(0, self.dim, 2, dtype=torch.int64).to(torch.float32) / self.dim)
+        if self.factor == 1.0:
+            return 1.0 / pos_freqs
+        # YaRN: interpolate the low frequencies, keep the high ones, blend in between.
+        def correction_dim(rotations: float) -> float:
+            return (self.dim * math.log(self.original_context / (rotations * 2 * math.pi))) / (2 * math.log(self.base))
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(self.dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+    @staticmethod
+    def yarn_mscale(factor: float) -> float:
+        return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq().to(device)[None, :]  # [T, dim/2]
+        return freqs.cos() * self.mscale, freqs.sin() * self.mscale
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, d]: rotates the first `dim` channels (cos/sin [T, dim/2])."""
+        rot, rest = x[..., :self.dim], x[..., self.dim:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        if self.style is RopeStyle.NEOX:
+            a, b = rot[..., :self.dim // 2], rot[..., self.dim // 2:]
+            out = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+        else:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for the tokens seen so far; grows with prefill and decode."""
+
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [S, Hkv, d]
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    length: int = 0  # tokens before the current forward pass
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k])
+            v = torch.cat([self.values[layer], v])
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of queries at positions start.. over keys at 0..S-1.
+    q [T, H, d], k [S, Hkv, d], v [S, Hkv, dv] -> [T, H, dv]. `window`: a query sees the last
+    `window` positions only (itself included). `sinks` [H]: a learned logit per head that joins
+    the softmax and takes probability mass without contributing a value."""
+    t, h = q.shape[0], q.shape[1]
+    s, hkv = k.shape[0], k.shape[1]
+    if hkv != h:
+        k = k.repeat_interleave(h // hkv, dim=1)
+        v = v.repeat_interleave(h // hkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
+    qpos = torch.arange(start, start + t, device=q.device)[:, None]
+    kpos = torch.arange(s, device=q.device)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= qpos - kpos < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.reshape(h, 1, 1).expand(h, t, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.einsum("hts,shd->thd", probs, v)

@@ -1,0 +1,28 @@
+"""The architectures the worker runs, keyed by GGUF `general.architecture`: the one place that says
+what is supported. Each module exports `Args`, `KEYS` (its metadata table) and `Model`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import deepseek2, gpt_oss, llama, qwen3moe
+
+ARCHITECTURES: dict[str, ModuleType] = {
+    "qwen3moe": qwen3moe,
+    "llama": llama,
+    "gpt-oss": gpt_oss,
+    "deepseek2": deepseek2,
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def model_module(arch: str) -> ModuleType:
+    try:
+        return ARCHITECTURES[arch]
+    except KeyError:
+        raise UnsupportedArchitecture(
+            f"architecture {arch!r} is not supported by this worker; it runs {', '.join(sorted(ARCHITECTURES))}"
+        ) from None

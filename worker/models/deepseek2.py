@@ -1,0 +1,141 @@
+"""DeepSeek-V2/V3/R1 and Kimi-K2 (`deepseek2`): multi-head latent attention (q and kv through LoRA
+ranks, a decoupled RoPE part shared by all heads, keys and values expanded per head from the
+compressed kv by the converter's split attn_k_b / attn_v_b), leading dense layers, then MoE layers:
+sigmoid scores with a correction bias that decides selection only, group-limited top-k,
+renormalized, times the routed scaling factor, plus always-on shared experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Key, read_args
+from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..model_files import ModelFiles
+from ..moe import ExpertFFN
+from ..routing import sigmoid_group_topk, softmax_topk
+from ..weights import QTensor, linear
+
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # {arch}.expert_gating_func; absent means softmax (DeepSeek-V2)
+
+
+@dataclass(frozen=True)
+class Args:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_expert_used: int
+    n_dense: int
+    q_lora: int
+    kv_lora: int
+    key_mla: int  # per-head query/key width: nope + rope
+    value_mla: int
+    rope_dim: int
+    rope_base: float
+    eps: float
+    n_group: int
+    topk_group: int
+    gating: int
+    weights_norm: bool
+    weights_scale: float
+    rope_factor: float
+    rope_original_context: int
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+    yarn_log_multiplier: float
+
+
+KEYS = {
+    "n_layer": Key("block_count"),
+    "n_embd": Key("embedding_length"),
+    "n_head": Key("attention.head_count"),
+    "n_expert_used": Key("expert_used_count"),
+    "n_dense": Key("leading_dense_block_count", 0),
+    "q_lora": Key("attention.q_lora_rank", 0),
+    "kv_lora": Key("attention.kv_lora_rank"),
+    "key_mla": Key("attention.key_length_mla"),
+    "value_mla": Key("attention.value_length_mla"),
+    "rope_dim": Key("rope.dimension_count"),
+    "rope_base": Key("rope.freq_base", 10000.0),
+    "eps": Key("attention.layer_norm_rms_epsilon"),
+    "n_group": Key("expert_group_count", 1),
+    "topk_group": Key("expert_group_used_count", 1),
+    "gating": Key("expert_gating_func", GATING_SOFTMAX),
+    "weights_norm": Key("expert_weights_norm", False),
+    "weights_scale": Key("expert_weights_scale", 1.0),
+    "rope_factor": Key("rope.scaling.factor", 1.0),
+    "rope_original_context": Key("rope.scaling.original_context_length", 4096),
+    "yarn_beta_fast": Key("rope.scaling.yarn_beta_fast", 32.0),
+    "yarn_beta_slow": Key("rope.scaling.yarn_beta_slow", 1.0),
+    "yarn_log_multiplier": Key("rope.scaling.yarn_log_multiplier", 0.0),
+}
+
+
+def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+class Model:
+    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+        self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
+        self.nope = a.key_mla - a.rope_dim
+        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.moe = ExpertFFN(files.experts)
+        # DeepSeek's YaRN scales the attention by mscale^2 through the softmax scale, not cos/sin.
+        mscale = 0.1 * a.yarn_log_multiplier * torch.log(torch.tensor(a.rope_factor)).item() + 1.0 \
+            if a.rope_factor > 1 and a.yarn_log_multiplier else 1.0
+        self.scale = a.key_mla ** -0.5 * mscale * mscale
+        self.rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM, a.rope_factor, a.rope_original_context,
+                         a.yarn_beta_fast, a.yarn_beta_slow)
+        self.device = device
+
+    def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        a, w, p, t = self.args, self.w, f"blk.{i}.", len(h)
+        if a.q_lora:
+            q = linear(rms_norm(linear(h, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"].dequant(), a.eps),
+                       w[p + "attn_q_b.weight"])
+        else:
+            q = linear(h, w[p + "attn_q.weight"])
+        q = q.reshape(t, a.n_head, a.key_mla)
+        q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
+        kv = linear(h, w[p + "attn_kv_a_mqa.weight"])  # [T, kv_lora + rope]
+        c = rms_norm(kv[:, :a.kv_lora], w[p + "attn_kv_a_norm.weight"].dequant(), a.eps)
+        k_pe = kv[:, None, a.kv_lora:]  # [T, 1, rope]: one rotary key shared by every head
+        k_nope = torch.einsum("tc,hcn->thn", c, w[p + "attn_k_b.weight"].dequant())  # [T, H, nope]
+        value = torch.einsum("tc,hvc->thv", c, w[p + "attn_v_b.weight"].dequant())  # [T, H, v]
+        q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
+        query = torch.cat([q_nope, q_pe], dim=-1)
+        key = torch.cat([k_nope, k_pe.expand(t, a.n_head, a.rope_dim)], dim=-1)
+        key, value = cache.append(i, key, value)
+        o = attention(query, key, value, cache.length, self.scale).reshape(t, -1)
+        return linear(o, w[p + "attn_output.weight"])
+
+    def ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        a, w, p = self.args, self.w, f"blk.{i}."
+        if i < a.n_dense:
+            return swiglu(h, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+        logits = h.to(torch.float32) @ w[p + "ffn_gate_inp.weight"].dequant().T
+        if a.gating == GATING_SIGMOID:
+            ids, weights = sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used,
+                                              a.n_group, a.topk_group, a.weights_norm, a.weights_scale)
+        else:
+            ids, weights = softmax_topk(logits, a.n_expert_used, a.weights_norm)
+            weights = weights * a.weights_scale
+        out = self.moe(i, h, ids, weights)
+        if p + "ffn_gate_shexp.weight" in w:
+            out = out + swiglu(h, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                               w[p + "ffn_down_shexp.weight"])
+        return out
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        a, w, t = self.args, self.w, len(tokens)
+        x = w["token_embd.weight"].rows(tokens)
+        cos, sin = self.rope.cos_sin(torch.arange(cache.length, cache.length + t), self.device)
+        for i in range(a.n_layer):
+            p = f"blk.{i}."
+            x = x + self.attention(i, rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps), cos, sin, cache)
+            x = x + self.ffn(i, rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps))
+        cache.length += t
+        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])

@@ -1,0 +1,95 @@
+"""gpt-oss (`gpt-oss`): pre-norm decoder; GQA with biases, a learned attention sink per head, NEOX
+RoPE with YaRN (untruncated correction range, as gpt-oss configures it), sliding-window attention on
+even layers and full attention on odd ones; an MoE on every layer routed by top-k then softmax, whose
+experts carry biases and use the clamped SwiGLU (alpha 1.702, limit 7) and are MXFP4 in the
+released checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Key, read_args
+from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..model_files import ExpertWeights, ModelFiles
+from ..moe import ExpertFFN
+from ..routing import topk_softmax
+from ..weights import linear
+
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+@dataclass(frozen=True)
+class Args:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert_used: int
+    rope_base: float
+    eps: float
+    sliding_window: int
+    rope_factor: float
+    rope_original_context: int
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+
+
+KEYS = {
+    "n_layer": Key("block_count"),
+    "n_embd": Key("embedding_length"),
+    "n_head": Key("attention.head_count"),
+    "n_head_kv": Key("attention.head_count_kv"),
+    "head_dim": Key("attention.key_length"),
+    "n_expert_used": Key("expert_used_count"),
+    "rope_base": Key("rope.freq_base"),
+    "eps": Key("attention.layer_norm_rms_epsilon"),
+    "sliding_window": Key("attention.sliding_window"),
+    "rope_factor": Key("rope.scaling.factor", 1.0),
+    "rope_original_context": Key("rope.scaling.original_context_length", 4096),
+    "yarn_beta_fast": Key("rope.scaling.yarn_beta_fast", 32.0),
+    "yarn_beta_slow": Key("rope.scaling.yarn_beta_slow", 1.0),
+}
+
+
+def clamped_swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    gate = linear(x, w["gate"], w["gate.bias"]).clamp(max=SWIGLU_LIMIT)
+    up = linear(x, w["up"], w["up.bias"]).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    glu = gate * torch.sigmoid(gate * SWIGLU_ALPHA)
+    return linear((up + 1) * glu, w["down"], w["down.bias"])
+
+
+class Model:
+    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+        self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
+        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.moe = ExpertFFN(files.experts, clamped_swiglu_expert)
+        self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
+                         a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
+        self.device = device
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        a, w, hd, t = self.args, self.w, self.args.head_dim, len(tokens)
+        x = w["token_embd.weight"].rows(tokens)
+        cos, sin = self.rope.cos_sin(torch.arange(cache.length, cache.length + t), self.device)
+        for i in range(a.n_layer):
+            p = f"blk.{i}."
+            h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
+            q = linear(h, w[p + "attn_q.weight"], w[p + "attn_q.bias"]).reshape(t, a.n_head, hd)
+            k = linear(h, w[p + "attn_k.weight"], w[p + "attn_k.bias"]).reshape(t, a.n_head_kv, hd)
+            v = linear(h, w[p + "attn_v.weight"], w[p + "attn_v.bias"]).reshape(t, a.n_head_kv, hd)
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+            k, v = cache.append(i, k, v)
+            window = a.sliding_window if i % 2 == 0 else None
+            o = attention(q, k, v, cache.length, hd ** -0.5, window=window,
+                          sinks=w[p + "attn_sinks.weight"].dequant()).reshape(t, -1)
+            x = x + linear(o, w[p + "attn_output.weight"], w[p + "attn_output.bias"])
+            h = rms_norm(x, w[p + "post_attention_norm.weight"].dequant(), a.eps)
+            logits = linear(h, w[p + "ffn_gate_inp.weight"], w[p + "ffn_gate_inp.bias"])
+            ids, weights = topk_softmax(logits, a.n_expert_used)
+            x = x + self.moe(i, h, ids, weights)
+        cache.length += t
+        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])

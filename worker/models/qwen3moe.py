@@ -1,0 +1,71 @@
+"""Qwen3-MoE (`qwen3moe`): pre-norm decoder; GQA with per-head RMSNorm on q and k and NEOX RoPE;
+every layer an MoE of SwiGLU experts routed by softmax top-k, renormalized (llama.cpp's qwen3moe
+graph always renormalizes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Key, read_args
+from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..model_files import ModelFiles
+from ..moe import ExpertFFN
+from ..routing import softmax_topk
+from ..weights import linear
+
+
+@dataclass(frozen=True)
+class Args:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert_used: int
+    rope_base: float
+    eps: float
+
+
+KEYS = {
+    "n_layer": Key("block_count"),
+    "n_embd": Key("embedding_length"),
+    "n_head": Key("attention.head_count"),
+    "n_head_kv": Key("attention.head_count_kv"),
+    "head_dim": Key("attention.key_length"),
+    "n_expert_used": Key("expert_used_count"),
+    "rope_base": Key("rope.freq_base", 10000.0),
+    "eps": Key("attention.layer_norm_rms_epsilon"),
+}
+
+
+class Model:
+    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+        self.args = read_args(Args, files.arch, files.metadata, KEYS)
+        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.moe = ExpertFFN(files.experts)
+        self.rope = Rope(self.args.head_dim, self.args.rope_base, RopeStyle.NEOX)
+        self.device = device
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
+        a, w = self.args, self.w
+        x = w["token_embd.weight"].rows(tokens)  # [T, D]
+        cos, sin = self.rope.cos_sin(torch.arange(cache.length, cache.length + len(tokens)), self.device)
+        for i in range(a.n_layer):
+            p = f"blk.{i}."
+            h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
+            q = linear(h, w[p + "attn_q.weight"]).reshape(len(tokens), a.n_head, a.head_dim)
+            k = linear(h, w[p + "attn_k.weight"]).reshape(len(tokens), a.n_head_kv, a.head_dim)
+            v = linear(h, w[p + "attn_v.weight"]).reshape(len(tokens), a.n_head_kv, a.head_dim)
+            q = self.rope.apply(rms_norm(q, w[p + "attn_q_norm.weight"].dequant(), a.eps), cos, sin)
+            k = self.rope.apply(rms_norm(k, w[p + "attn_k_norm.weight"].dequant(), a.eps), cos, sin)
+            k, v = cache.append(i, k, v)
+            o = attention(q, k, v, cache.length, a.head_dim ** -0.5).reshape(len(tokens), -1)
+            x = x + linear(o, w[p + "attn_output.weight"])
+            h = rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps)
+            ids, weights = softmax_topk(linear(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=True)
+            x = x + self.moe(i, h, ids, weights)
+        cache.length += len(tokens)
+        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])
