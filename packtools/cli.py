@@ -99,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(run=_synth)
 
+    e = sub.add_parser("eval", help="run a model in this process: continuation and prompt logits",
+                       description="Run MODEL (a pack or a source GGUF) in this process, no daemon: print the greedy "
+                                   "(or sampled) continuation of the prompt and save the float32 logits of every "
+                                   "prompt position. For checking a model against another implementation.")
+    _add_eval_arguments(e)
+    e.set_defaults(run=_eval)
+
     bench = sub.add_parser("bench", help="benchmarks that print a table and a JSON line",
                            description="io: expertd against fio and the buffered path on one pack "
                                        "(`expertpack bench io --help`).")
@@ -106,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(run=_bench)
     return p
+
+
+def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    """eval's flags live with the worker; importing them must not import torch."""
+    from expertpack.worker import eval_args
+
+    eval_args.add_arguments(p)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -166,6 +180,13 @@ def _synth(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    # The worker (and torch) load only for this command: the other tools start in milliseconds.
+    from expertpack.worker import eval_cli
+
+    return eval_cli.run(args)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,41 @@
+"""`expertpack eval` as users and tools call it: on a source GGUF and on a pack, with token ids or
+text, printing the continuation and saving the prompt logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..conftest import FIXTURES, run_cli
+
+
+def test_eval_greedy_matches_the_reference_and_saves_logits(tmp_path: Path) -> None:
+    model = FIXTURES / "gguf" / "qwen3moe-a" / "qwen3moe-a.BF16.gguf"
+    hf = json.loads((FIXTURES / "ref" / "qwen3moe-a" / "hf_ref.json").read_text())
+    prompt = np.load(FIXTURES / "ref" / "qwen3moe-a" / "prompt_ids.npy").tolist()
+    out = tmp_path / "logits.npy"
+    proc = run_cli("eval", model, "--tokens", ",".join(map(str, prompt)), "--greedy", "16", "--save-logits", out,
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["continuation"] == hf["hf_greedy_next_tokens"]
+    logits = np.load(out)
+    assert logits.shape == (len(prompt), 2048) and logits.dtype == np.float32
+    want = np.load(FIXTURES / "ref" / "qwen3moe-a" / "hf_logits_f32.npy")[:len(prompt)]
+    assert np.abs(logits - want).max() < 1e-4
+
+
+def test_eval_on_a_pack_with_text(fixture_packs: dict[str, tuple[Path, Path]]) -> None:
+    _, pack = fixture_packs["mixtral-a.Q4_K_M"]
+    proc = run_cli("eval", pack, "--text", "Hello world, this is", "--greedy", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert "continuation (5 tokens)" in proc.stdout and "prompt (" in proc.stdout
+
+
+def test_eval_refuses_bad_tokens() -> None:
+    model = FIXTURES / "gguf" / "qwen3moe-a" / "qwen3moe-a.Q2_K.gguf"
+    for tokens in ("1,two,3", "1,99999"):
+        proc = run_cli("eval", model, "--tokens", tokens)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr and "eval" in proc.stderr

@@ -1,0 +1,23 @@
+"""The flags of `expertpack eval`, apart from the code that runs it so that building the `expertpack`
+parser never imports torch. Keep them stable: tools script against them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", type=Path, metavar="MODEL", help="a pack directory or a source GGUF (first shard)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--tokens", help="prompt token ids, comma separated: 1,2,3")
+    what.add_argument("--text", help="prompt text, tokenized with the model's tokenizer")
+    p.add_argument("--greedy", type=int, default=0, metavar="N", help="generate N tokens after the prompt")
+    p.add_argument("--save-logits", type=Path, metavar="F.npy", help="float32 [n_prompt, n_vocab] prompt logits")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--tokenizer", type=Path, metavar="DIR", help="an HF tokenizer directory overriding the GGUF's")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")

@@ -1,0 +1,52 @@
+"""`expertpack eval MODEL`: run a model in this process (no daemon) on a prompt, print the greedy (or
+sampled) continuation, and save the float32 logits of every prompt position. How users and tools
+check a model against another implementation; its flags are kept stable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .engine import Engine
+from .sampling import Sampler
+from .tokenizer import load_tokenizer
+
+
+def run(args: argparse.Namespace) -> int:
+    engine = Engine.load(args.model, args.device)
+    tokenizer = load_tokenizer(engine.files.metadata, args.tokenizer)
+    if args.text is not None:
+        prompt = tokenizer.encode(args.text)
+    else:
+        try:
+            prompt = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"expertpack eval: --tokens must be comma-separated integers, got {args.tokens!r}")
+    vocab = engine.model.w["token_embd.weight"].shape[1]
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if not prompt or bad:
+        raise SystemExit(f"expertpack eval: prompt must be non-empty token ids in 0..{vocab - 1}; bad: {bad[:5]}")
+    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    start = time.perf_counter()
+    tokens, logits = engine.generate(prompt, args.greedy, sampler) if args.greedy else \
+        ([], engine.forward(prompt, engine.new_cache()))
+    seconds = time.perf_counter() - start
+    if args.save_logits is not None:
+        np.save(args.save_logits, logits.cpu().numpy().astype(np.float32))
+    result = {"prompt": prompt, "continuation": tokens, "text": tokenizer.decode(tokens),
+              "arch": engine.files.arch, "device": args.device, "seconds": round(seconds, 3)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"prompt ({len(prompt)} tokens): {','.join(map(str, prompt))}")
+        print(f"continuation ({len(tokens)} tokens): {','.join(map(str, tokens))}")
+        print(f"text: {result['text']!r}")
+        if args.save_logits is not None:
+            print(f"logits: {args.save_logits} [{logits.shape[0]}, {logits.shape[1]}] float32")
+        print(f"{engine.files.arch} on {args.device}, {seconds:.2f} s", file=sys.stderr)
+    return 0
