@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .layers import KVCache
-from .model_files import ModelFiles, open_model
+from .model_files import ModelFiles, ResidentExperts, expert_layers, open_model
 from .models import model_module
 from .sampling import Sampler
 
@@ -21,9 +21,12 @@ class Engine:
     device: torch.device
 
     @classmethod
-    def load(cls, path: Path | str, device: str = "cpu") -> "Engine":
+    def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False) -> "Engine":
+        """resident_experts: load every expert onto the device once instead of reading per use."""
         files = open_model(path)
         dev = torch.device(device)
+        if resident_experts:
+            files.experts = ResidentExperts(files.experts, expert_layers(files), dev)
         return cls(model_module(files.arch).Model(files, dev), files, dev)
 
     def new_cache(self) -> KVCache:

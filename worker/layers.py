@@ -57,8 +57,9 @@ class Rope:
         return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
     def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq().to(device)[None, :]  # [T, dim/2]
-        return freqs.cos() * self.mscale, freqs.sin() * self.mscale
+        """Computed on the CPU, then moved: the same tables on every device."""
+        freqs = positions.cpu().to(torch.float32)[:, None] * self.inv_freq()[None, :]  # [T, dim/2]
+        return (freqs.cos() * self.mscale).to(device), (freqs.sin() * self.mscale).to(device)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, d]: rotates the first `dim` channels (cos/sin [T, dim/2])."""

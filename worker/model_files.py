@@ -101,6 +101,30 @@ class GGUFExperts:
         return out
 
 
+class ResidentExperts:
+    """Every expert loaded once onto `device` (the fully-resident compute floor that streaming is
+    measured against, and the mode for models that fit)."""
+
+    def __init__(self, source: ExpertSource, layers: dict[int, int], device: torch.device) -> None:
+        self.weights: dict[int, dict[int, ExpertWeights]] = {}
+        for layer, n_expert in layers.items():
+            loaded = source.load(layer, range(n_expert))
+            self.weights[layer] = {e: {r: t.to(device) for r, t in w.items()} for e, w in loaded.items()}
+
+    def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
+        return {e: self.weights[layer][e] for e in experts}
+
+
+def expert_layers(files: "ModelFiles") -> dict[int, int]:
+    """MoE layer -> expert count, from the metadata and whatever the expert source serves."""
+    n_expert = int(files.metadata[f"{files.arch}.expert_count"])
+    if isinstance(files.experts, PackExperts):
+        return {l: n_expert for l in files.experts.manifest.model.moe_layers}
+    if isinstance(files.experts, GGUFExperts):
+        return {l: n_expert for l in files.experts.roles}
+    raise TypeError(f"cannot list the layers of {type(files.experts).__name__}")
+
+
 def _read(source: GGUFSource, t: SourceTensor) -> QTensor:
     raw = np.fromfile(source.shards[t.shard].path, dtype=np.uint8, count=t.nbytes, offset=t.offset)
     return QTensor(t.name, t.ggml_type, t.shape, torch.from_numpy(raw))

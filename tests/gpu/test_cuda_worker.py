@@ -1,0 +1,68 @@
+"""The worker's compute on CUDA (skipped without a GPU; run on the device machine before an issue
+touching it is resolved): dequantization bit-equal to gguf-py on the GPU too, the architectures
+against transformers' logits, pack == GGUF bit for bit, and CUDA against the CPU path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+
+from expertpack.worker.engine import Engine
+from expertpack.worker.quant import BLOCKS, dequantize
+from expertpack.worker.sampling import Sampler
+
+from ..conftest import FIXTURES
+from ..worker.test_quant import SHAPES, random_bytes, reference
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+FULL_PRECISION = {
+    "qwen3moe-a": "qwen3moe-a.BF16.gguf",
+    "mixtral-a": "mixtral-a.F16.gguf",
+    "deepseek3-a": "deepseek3-a.BF16.gguf",
+    "gptoss-a": "gptoss-a.MXFP4.gguf",
+}
+
+
+@pytest.mark.parametrize("ggml_type", list(BLOCKS), ids=lambda t: t.name)
+def test_dequantize_on_cuda_is_bit_equal(ggml_type) -> None:
+    for i, shape in enumerate(SHAPES):
+        if shape[0] % GGML_QUANT_SIZES[ggml_type][0]:
+            continue
+        raw = random_bytes(ggml_type, shape, seed=i, valid=True)
+        got = dequantize(torch.from_numpy(raw).cuda(), ggml_type, shape).cpu().numpy()
+        want = reference(raw, ggml_type, shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), ggml_type.name
+
+
+@pytest.mark.parametrize("model", sorted(FULL_PRECISION))
+def test_architectures_on_cuda_match_transformers(model: str) -> None:
+    engine = Engine.load(FIXTURES / "gguf" / model / FULL_PRECISION[model], "cuda")
+    hf = json.loads((FIXTURES / "ref" / model / "hf_ref.json").read_text())
+    prompt = np.load(FIXTURES / "ref" / model / "prompt_ids.npy").tolist()
+    want = np.load(FIXTURES / "ref" / model / "hf_logits_f32.npy")
+    got = engine.forward(prompt + hf["hf_greedy_next_tokens"], engine.new_cache()).cpu().numpy()
+    diff = np.abs(got - want)
+    print(f"{model} on CUDA: max |diff| {diff.max():.3g}, mean {diff.mean():.3g}")
+    assert diff.max() <= 1e-4
+    tokens, _ = engine.generate(prompt, 16, Sampler())
+    assert tokens == hf["hf_greedy_next_tokens"]
+
+
+def test_resident_experts_equal_read_per_use_on_cuda() -> None:
+    path = FIXTURES / "gguf" / "qwen3moe-a" / "qwen3moe-a.Q4_K_M.gguf"
+    tokens = list(range(5, 60, 3))
+    streamed = Engine.load(path, "cuda")
+    resident = Engine.load(path, "cuda", resident_experts=True)
+    a = streamed.forward(tokens, streamed.new_cache())
+    b = resident.forward(tokens, resident.new_cache())
+    assert torch.equal(a, b)
+    cpu = Engine.load(path, "cpu")
+    c = cpu.forward(tokens, cpu.new_cache())
+    print(f"CUDA vs CPU, Q4_K_M: max |diff| {(a.cpu() - c).abs().max():.3g}")
+    assert (a.cpu() - c).abs().max() < 1e-3
