@@ -90,6 +90,27 @@ def qwen3moe(m: Meta) -> list[TensorSpec]:
     return _global(m) + out
 
 
+def qwen2moe(m: Meta) -> list[TensorSpec]:
+    """Qwen1.5-MoE / Qwen2-MoE: q/k/v biases, a sigmoid-gated shared expert beside the routed ones."""
+    h, e, n_head, n_kv = m("embedding_length"), m("expert_count"), m("attention.head_count"), m("attention.head_count_kv")
+    head_dim = h // n_head
+    ff_shared = m("expert_shared_feed_forward_length")
+    out = []
+    for i in range(m("block_count")):
+        b = f"blk.{i}."
+        out += [TensorSpec(b + "attn_norm.weight", (h,), Kind.NORM),
+                *_gqa(b, h, n_head, n_kv, head_dim, head_dim),
+                TensorSpec(b + "attn_q.bias", (n_head * head_dim,), Kind.F32),
+                TensorSpec(b + "attn_k.bias", (n_kv * head_dim,), Kind.F32),
+                TensorSpec(b + "attn_v.bias", (n_kv * head_dim,), Kind.F32),
+                TensorSpec(b + "ffn_norm.weight", (h,), Kind.NORM),
+                TensorSpec(b + "ffn_gate_inp.weight", (h, e), Kind.ROUTER),
+                *_routed(i, h, h, m("expert_feed_forward_length"), e),
+                TensorSpec(b + "ffn_gate_inp_shexp.weight", (h,), Kind.F32),
+                *_ffn(b, "_shexp", h, ff_shared)]
+    return _global(m) + out
+
+
 def llama(m: Meta) -> list[TensorSpec]:
     """Mixtral-style MoE under the `llama` architecture: experts are feed_forward_length wide."""
     h, e, n_head = m("embedding_length"), m("expert_count"), m("attention.head_count")
@@ -219,6 +240,7 @@ def deepseek4(m: Meta) -> list[TensorSpec]:
 # The one place that says which architectures synth can write.
 ARCHS: dict[str, Callable[[Meta], list[TensorSpec]]] = {
     "qwen3moe": qwen3moe,
+    "qwen2moe": qwen2moe,
     "llama": llama,
     "gpt-oss": gpt_oss,
     "deepseek2": deepseek2,

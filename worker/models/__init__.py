@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import deepseek2, gpt_oss, llama, qwen3moe
+from . import deepseek2, gpt_oss, llama, qwen2moe, qwen3moe
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3moe": qwen3moe,
+    "qwen2moe": qwen2moe,
     "llama": llama,
     "gpt-oss": gpt_oss,
     "deepseek2": deepseek2,

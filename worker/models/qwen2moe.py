@@ -1,0 +1,76 @@
+"""Qwen1.5-MoE / Qwen2-MoE (`qwen2moe`): pre-norm decoder; GQA with q/k/v biases and NEOX RoPE; every
+layer an MoE of SwiGLU experts routed by softmax top-k without renormalization, plus a shared expert
+whose output is scaled by a sigmoid gate computed from the same input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Key, read_args
+from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..model_files import ModelFiles
+from ..moe import ExpertFFN
+from ..routing import softmax_topk
+from ..weights import linear
+
+
+@dataclass(frozen=True)
+class Args:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_expert_used: int
+    rope_base: float
+    eps: float
+
+
+KEYS = {
+    "n_layer": Key("block_count"),
+    "n_embd": Key("embedding_length"),
+    "n_head": Key("attention.head_count"),
+    "n_head_kv": Key("attention.head_count_kv"),
+    "n_expert_used": Key("expert_used_count"),
+    "rope_base": Key("rope.freq_base", 10000.0),
+    "eps": Key("attention.layer_norm_rms_epsilon"),
+}
+
+
+class Model:
+    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+        self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
+        self.head_dim = a.n_embd // a.n_head
+        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.moe = ExpertFFN(files.experts)
+        self.rope = Rope(self.head_dim, a.rope_base, RopeStyle.NEOX)
+        self.device = device
+
+    def shared_expert(self, p: str, h: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        y = linear(F.silu(linear(h, w[p + "ffn_gate_shexp.weight"])) * linear(h, w[p + "ffn_up_shexp.weight"]),
+                   w[p + "ffn_down_shexp.weight"])
+        gate = h @ w[p + "ffn_gate_inp_shexp.weight"].dequant().reshape(-1, 1)  # [T, 1]
+        return torch.sigmoid(gate) * y
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        a, w, hd, t = self.args, self.w, self.head_dim, len(tokens)
+        x = w["token_embd.weight"].rows(tokens)
+        cos, sin = self.rope.cos_sin(torch.arange(cache.length, cache.length + t), self.device)
+        for i in range(a.n_layer):
+            p = f"blk.{i}."
+            h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
+            q = linear(h, w[p + "attn_q.weight"], w[p + "attn_q.bias"]).reshape(t, a.n_head, hd)
+            k = linear(h, w[p + "attn_k.weight"], w[p + "attn_k.bias"]).reshape(t, a.n_head_kv, hd)
+            v = linear(h, w[p + "attn_v.weight"], w[p + "attn_v.bias"]).reshape(t, a.n_head_kv, hd)
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+            k, v = cache.append(i, k, v)
+            o = attention(q, k, v, cache.length, hd ** -0.5).reshape(t, -1)
+            x = x + linear(o, w[p + "attn_output.weight"])
+            h = rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps)
+            ids, weights = softmax_topk(linear(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=False)
+            x = x + self.moe(i, h, ids, weights) + self.shared_expert(p, h)
+        cache.length += t
+        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])
