@@ -1,8 +1,7 @@
 """qwen2moe has no llama.cpp fixture, so its reference is transformers' own Qwen2MoeForCausalLM
 loaded with the very values of a synthetic GGUF (F32, so nothing is lost; and Q8_0 experts,
-dequantized by gguf-py for transformers): logits within float32 summation noise, identical expert
-choices and greedy continuation. The synthetic tensor layout itself is held to llama.cpp's naming by
-the synth tests."""
+dequantized for transformers): logits within float32 summation noise, identical greedy
+continuation. The synthetic tensor layout is held to llama.cpp's naming by the synth tests."""
 
 from __future__ import annotations
 
@@ -13,13 +12,10 @@ import pytest
 import torch
 import transformers
 
-from expertpack.packtools.gguf_source import open_source
-from expertpack.packtools.synth import presets
-from expertpack.packtools.synth.presets import Preset
-from expertpack.packtools.synth.writer import SynthOptions, write_synth
 from expertpack.worker.engine import Engine
-from expertpack.worker.model_files import open_model
 from expertpack.worker.sampling import Sampler
+
+from .synthetic import gguf_values, load_exactly, stack, synth_gguf
 
 META = {
     "block_count": 2, "context_length": 512, "embedding_length": 256, "feed_forward_length": 512,
@@ -30,22 +26,12 @@ META = {
 
 
 @pytest.fixture(scope="module", params=["F32", "Q8_0"])
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    preset = Preset("qwen2moe", "test", 512, "chatml", "qwen2", request.param, "F32", META)
-    path = tmp_path_factory.mktemp("qwen2moe") / "m.gguf"
-    mp = pytest.MonkeyPatch()
-    mp.setitem(presets.PRESETS, "qwen2moe-test", preset)
-    try:
-        write_synth(path, SynthOptions(preset="qwen2moe-test", progress=False, seed=5))
-    finally:
-        mp.undo()
-    return path
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth_gguf(tmp_path_factory.mktemp("qwen2moe") / "m.gguf", "qwen2moe", META, 512, request.param)
 
 
 def hf_model(path: Path):
-    files = open_model(path)
-    expert_weights = {layer: files.experts.load(layer, range(8)) for layer in range(2)}
-    w = {name: t.dequant() for name, t in files.trunk.items()}
+    w, experts = gguf_values(path, range(2), 8)
     config = transformers.Qwen2MoeConfig(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, moe_intermediate_size=128, shared_expert_intermediate_size=384, num_experts=8,
@@ -57,36 +43,29 @@ def hf_model(path: Path):
              "lm_head.weight": w["output.weight"]}
     for i in range(2):
         p, q = f"blk.{i}.", f"model.layers.{i}."
-        for gguf, ours in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
-            state[q + f"self_attn.{ours}.weight"] = w[p + gguf + ".weight"]
-            state[q + f"self_attn.{ours}.bias"] = w[p + gguf + ".bias"]
+        for gguf, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
+            state[q + f"self_attn.{theirs}.weight"] = w[p + gguf + ".weight"]
+            state[q + f"self_attn.{theirs}.bias"] = w[p + gguf + ".bias"]
         state[q + "self_attn.o_proj.weight"] = w[p + "attn_output.weight"]
         state[q + "input_layernorm.weight"] = w[p + "attn_norm.weight"]
         state[q + "post_attention_layernorm.weight"] = w[p + "ffn_norm.weight"]
         state[q + "mlp.gate.weight"] = w[p + "ffn_gate_inp.weight"]
-        experts = expert_weights[i]
-        state[q + "mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate"].dequant(), experts[e]["up"].dequant()]) for e in range(8)])
-        state[q + "mlp.experts.down_proj"] = torch.stack([experts[e]["down"].dequant() for e in range(8)])
+        state[q + "mlp.experts.gate_up_proj"] = torch.cat([stack(experts[i], "gate"), stack(experts[i], "up")], dim=1)
+        state[q + "mlp.experts.down_proj"] = stack(experts[i], "down")
         for part in ("gate", "up", "down"):
             state[q + f"mlp.shared_expert.{part}_proj.weight"] = w[p + f"ffn_{part}_shexp.weight"]
         state[q + "mlp.shared_expert_gate.weight"] = w[p + "ffn_gate_inp_shexp.weight"].reshape(1, -1)
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
+    load_exactly(hf, state)
     return hf
 
 
 def test_matches_transformers_on_the_same_values(model: Path) -> None:
     hf = hf_model(model)
     engine = Engine.load(model)
-    tokens = list(np.random.default_rng(0).integers(0, 512, 40))
+    tokens = np.random.default_rng(0).integers(0, 512, 40).tolist()
     with torch.no_grad():
         want = hf(torch.tensor([tokens])).logits[0]
+        expected = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 40:]
     got = engine.forward(tokens, engine.new_cache())
-    scale = float(want.abs().max())
-    assert (got - want).abs().max() <= 1e-5 * max(1.0, scale) * 10, (got - want).abs().max()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 40:].tolist()
-    ours, _ = engine.generate(tokens, 8, Sampler())
-    assert ours == out
-    assert open_source(model).arch == "qwen2moe"
+    assert (got - want).abs().max() <= 1e-4, (got - want).abs().max()
+    assert engine.generate(tokens, 8, Sampler())[0] == expected.tolist()

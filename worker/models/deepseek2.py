@@ -6,6 +6,7 @@ renormalized, times the routed scaling factor, plus always-on shared experts."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +84,9 @@ class Model:
         self.nope = a.key_mla - a.rope_dim
         self.w = {name: t.to(device) for name, t in files.trunk.items()}
         self.moe = ExpertFFN(files.experts)
-        # DeepSeek's YaRN scales the attention by mscale^2 through the softmax scale, not cos/sin.
-        mscale = 0.1 * a.yarn_log_multiplier * torch.log(torch.tensor(a.rope_factor)).item() + 1.0 \
-            if a.rope_factor > 1 and a.yarn_log_multiplier else 1.0
+        # DeepSeek's YaRN scales attention by mscale^2 through the softmax scale, and leaves cos/sin
+        # alone (its mscale equals mscale_all_dim). The GGUF stores 0.1 * mscale_all_dim.
+        mscale = a.yarn_log_multiplier * math.log(a.rope_factor) + 1.0 if a.rope_factor > 1 else 1.0
         self.scale = a.key_mla ** -0.5 * mscale * mscale
         self.rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow)
