@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     # CPU time is counted in clock ticks: a run too short to register any is reported as such.
     cpu_ratio = daemon.cpu_s_per_gb / buffered.cpu_s_per_gb if buffered.cpu_s_per_gb else None
     print(f"expertd / fio throughput: {ratio:.2f}x (goal >= 0.9x)")
-    print(f"expertd / buffered CPU per GB: "
+    print("expertd / buffered CPU per GB: "
           + (f"{cpu_ratio:.2f}x (goal <= 0.5x)" if cpu_ratio is not None else "not measurable: too little work"))
     disk = subprocess.run(["df", "--output=fstype,source", str(args.pack)], capture_output=True, text=True).stdout
     commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],

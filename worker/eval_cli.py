@@ -8,7 +8,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 

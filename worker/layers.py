@@ -10,6 +10,8 @@ from enum import Enum
 
 import torch
 
+from .weights import linear
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -114,3 +116,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     if sinks is not None:
         probs = probs[..., :-1]
     return torch.einsum("hts,shd->thd", probs, v)
+
+
+def gqa_attention(w: dict, p: str, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
+                  head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                  window: int | None = None) -> torch.Tensor:
+    """The grouped-query attention block llama.cpp's GGUFs share: attn_q/k/v (with .bias where the
+    GGUF has them), per-head attn_q_norm/attn_k_norm where present (Qwen3), RoPE, the KV cache,
+    attn_sinks where present (gpt-oss), attn_output (+ bias). h [T, D] -> [T, D]."""
+    t = h.shape[0]
+
+    def project(name: str, heads: int) -> torch.Tensor:
+        return linear(h, w[f"{p}{name}.weight"], w.get(f"{p}{name}.bias")).reshape(t, heads, head_dim)
+
+    q, k, v = project("attn_q", n_head), project("attn_k", n_head_kv), project("attn_v", n_head_kv)
+    if f"{p}attn_q_norm.weight" in w:
+        q = rms_norm(q, w[f"{p}attn_q_norm.weight"].dequant(), eps)
+        k = rms_norm(k, w[f"{p}attn_k_norm.weight"].dequant(), eps)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    k, v = cache.append(layer, k, v)
+    sinks = w[f"{p}attn_sinks.weight"].dequant() if f"{p}attn_sinks.weight" in w else None
+    o = attention(q, k, v, cache.length, head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
+    return linear(o, w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))

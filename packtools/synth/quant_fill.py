@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 
 POOL_BYTES = 64 << 20
 TARGET_MAX_ABS = 0.1  # rough largest |weight| the chosen scales produce

@@ -19,7 +19,7 @@ from ..gguf_source import MetadataField
 from ..gguf_stream import TensorInfo, write_header
 from ..units import GIB, human_bytes
 from .archs import ARCHS, Kind, Meta, TensorSpec
-from .presets import PRESETS, Preset
+from .presets import PRESETS
 from .quant_fill import BLOCKS, RandomFill, parse_type
 from .vocab import tokenizer_fields
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..layers import KVCache, Rope, RopeStyle, gqa_attention, rms_norm
 from ..model_files import ExpertWeights, ModelFiles
 from ..moe import ExpertFFN
 from ..routing import topk_softmax
@@ -78,15 +78,8 @@ class Model:
         for i in range(a.n_layer):
             p = f"blk.{i}."
             h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
-            q = linear(h, w[p + "attn_q.weight"], w[p + "attn_q.bias"]).reshape(t, a.n_head, hd)
-            k = linear(h, w[p + "attn_k.weight"], w[p + "attn_k.bias"]).reshape(t, a.n_head_kv, hd)
-            v = linear(h, w[p + "attn_v.weight"], w[p + "attn_v.bias"]).reshape(t, a.n_head_kv, hd)
-            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-            k, v = cache.append(i, k, v)
-            window = a.sliding_window if i % 2 == 0 else None
-            o = attention(q, k, v, cache.length, hd ** -0.5, window=window,
-                          sinks=w[p + "attn_sinks.weight"].dequant()).reshape(t, -1)
-            x = x + linear(o, w[p + "attn_output.weight"], w[p + "attn_output.bias"])
+            window = a.sliding_window if i % 2 == 0 else None  # sliding on even layers, full on odd
+            x = x + gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps, window)
             h = rms_norm(x, w[p + "post_attention_norm.weight"].dequant(), a.eps)
             logits = linear(h, w[p + "ffn_gate_inp.weight"], w[p + "ffn_gate_inp.bias"])
             ids, weights = topk_softmax(logits, a.n_expert_used)

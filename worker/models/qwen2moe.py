@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..layers import KVCache, Rope, RopeStyle, gqa_attention, rms_norm
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import softmax_topk
@@ -62,13 +62,7 @@ class Model:
         for i in range(a.n_layer):
             p = f"blk.{i}."
             h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
-            q = linear(h, w[p + "attn_q.weight"], w[p + "attn_q.bias"]).reshape(t, a.n_head, hd)
-            k = linear(h, w[p + "attn_k.weight"], w[p + "attn_k.bias"]).reshape(t, a.n_head_kv, hd)
-            v = linear(h, w[p + "attn_v.weight"], w[p + "attn_v.bias"]).reshape(t, a.n_head_kv, hd)
-            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-            k, v = cache.append(i, k, v)
-            o = attention(q, k, v, cache.length, hd ** -0.5).reshape(t, -1)
-            x = x + linear(o, w[p + "attn_output.weight"])
+            x = x + gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
             h = rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps)
             ids, weights = softmax_topk(linear(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=False)
             x = x + self.moe(i, h, ids, weights) + self.shared_expert(p, h)

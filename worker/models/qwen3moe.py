@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..layers import KVCache, Rope, RopeStyle, gqa_attention, rms_norm
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import softmax_topk
@@ -56,14 +56,7 @@ class Model:
         for i in range(a.n_layer):
             p = f"blk.{i}."
             h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
-            q = linear(h, w[p + "attn_q.weight"]).reshape(len(tokens), a.n_head, a.head_dim)
-            k = linear(h, w[p + "attn_k.weight"]).reshape(len(tokens), a.n_head_kv, a.head_dim)
-            v = linear(h, w[p + "attn_v.weight"]).reshape(len(tokens), a.n_head_kv, a.head_dim)
-            q = self.rope.apply(rms_norm(q, w[p + "attn_q_norm.weight"].dequant(), a.eps), cos, sin)
-            k = self.rope.apply(rms_norm(k, w[p + "attn_k_norm.weight"].dequant(), a.eps), cos, sin)
-            k, v = cache.append(i, k, v)
-            o = attention(q, k, v, cache.length, a.head_dim ** -0.5).reshape(len(tokens), -1)
-            x = x + linear(o, w[p + "attn_output.weight"])
+            x = x + gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, a.head_dim, self.rope, cos, sin, a.eps)
             h = rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps)
             ids, weights = softmax_topk(linear(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=True)
             x = x + self.moe(i, h, ids, weights)
