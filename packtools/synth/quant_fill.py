@@ -17,7 +17,8 @@ TARGET_MAX_ABS = 0.1  # rough largest |weight| the chosen scales produce
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Where a block's scale fields sit. `f16` fields get a random value in (0.5, 1] x max_scale."""
+    """Where a block's scale fields sit. `f16` fields get a random value in (0.5, 1] x max_scale;
+    the scales are chosen so that weights average zero (a negative max_scale for an added minimum)."""
 
     values: int
     nbytes: int
@@ -28,9 +29,9 @@ class BlockLayout:
 # ggml-common.h block structs, written as the sums of their parts.
 BLOCKS: dict[T, BlockLayout] = {
     T.Q4_0: BlockLayout(32, 2 + 16, f16=((0, TARGET_MAX_ABS / 8),)),
-    T.Q4_1: BlockLayout(32, 2 + 2 + 16, f16=((0, TARGET_MAX_ABS / 15), (2, TARGET_MAX_ABS / 2))),
+    T.Q4_1: BlockLayout(32, 2 + 2 + 16, f16=((0, TARGET_MAX_ABS / 15), (2, -TARGET_MAX_ABS / 2))),
     T.Q5_0: BlockLayout(32, 2 + 4 + 16, f16=((0, TARGET_MAX_ABS / 16),)),
-    T.Q5_1: BlockLayout(32, 2 + 2 + 4 + 16, f16=((0, TARGET_MAX_ABS / 31), (2, TARGET_MAX_ABS / 2))),
+    T.Q5_1: BlockLayout(32, 2 + 2 + 4 + 16, f16=((0, TARGET_MAX_ABS / 31), (2, -TARGET_MAX_ABS / 2))),
     T.Q8_0: BlockLayout(32, 2 + 32, f16=((0, TARGET_MAX_ABS / 128),)),
     # scales[16] qs[64] d dmin: w = d*sc*q - dmin*m, sc/m 4-bit, q 2-bit
     T.Q2_K: BlockLayout(256, 16 + 64 + 2 + 2, f16=((80, TARGET_MAX_ABS / 45), (82, TARGET_MAX_ABS / 30))),
@@ -54,23 +55,29 @@ class RandomFill:
 
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
-        self.pool = self.rng.integers(0, 2**63, size=POOL_BYTES // 8, dtype=np.uint64)
+        # Every bit uniform: a word drawn below 2**63 would leave every 8th byte non-negative, and
+        # that bias in every matrix makes one direction of the hidden state grow layer after layer
+        # until the router sends every token to the same experts.
+        self.pool = self.rng.integers(0, 2**64, size=POOL_BYTES // 8, dtype=np.uint64)
         self.normal_pool = self.rng.standard_normal(POOL_BYTES // 16, dtype=np.float32)
 
-    def quant(self, ggml_type: T, nbytes: int) -> np.ndarray:
-        """nbytes (a whole number of blocks, at most POOL_BYTES - 8) of valid blocks of ggml_type."""
+    def quant(self, ggml_type: T, nbytes: int, gain: float = 1.0) -> np.ndarray:
+        """nbytes (a whole number of blocks, at most POOL_BYTES - 8) of valid blocks of ggml_type,
+        values up to about gain x TARGET_MAX_ABS."""
         layout = BLOCKS[ggml_type]
         n_blocks, rem = divmod(nbytes, layout.nbytes)
         assert rem == 0 and nbytes <= POOL_BYTES - 8, (ggml_type, nbytes)
         words = -(-nbytes // 8)
         start = int(self.rng.integers(0, self.pool.size - words))
-        data = (self.pool[start:start + words] ^ np.uint64(self.rng.integers(0, 2**63))).view(np.uint8)[:nbytes]
+        mask = self.rng.integers(0, 2**64, dtype=np.uint64)
+        data = (self.pool[start:start + words] ^ mask).view(np.uint8)[:nbytes]
         blocks = data.reshape(n_blocks, layout.nbytes)
         for offset, max_scale in layout.f16:
-            scales = (self.rng.uniform(0.5, 1.0, n_blocks) * max_scale).astype(np.float16)
+            scales = (self.rng.uniform(0.5, 1.0, n_blocks) * max_scale * gain).astype(np.float16)
             blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
         for offset, exponent in layout.e8m0:
-            blocks[:, offset] = exponent - self.rng.integers(0, 3, n_blocks, dtype=np.uint8)
+            shift = int(round(np.log2(gain)))
+            blocks[:, offset] = exponent + shift - self.rng.integers(0, 3, n_blocks, dtype=np.uint8)
         return data
 
     def floats(self, ggml_type: T, n_values: int, mean: float = 0.0, std: float = 0.02) -> np.ndarray:

@@ -26,6 +26,11 @@ from .vocab import tokenizer_fields
 log = logging.getLogger("expertpack.synth")
 
 CHUNK_BYTES = 16 << 20
+# Gains on the random weights that keep tokens apart through the layers. A random model's attention
+# averages its values over the context, so at full scale it washes every token into one hidden state
+# and every router sends all tokens to the same few experts (useless for measuring a cache). A
+# strong embedding and a weak attention output keep routing as diverse as the tokens are.
+GAINS = {"token_embd.weight": 32.0, "attn_output.weight": 1 / 128}  # tensor name suffix -> gain
 FALLBACK_TYPE = T.F16  # for matrices whose rows do not fill whole blocks of the trunk type
 
 
@@ -146,12 +151,13 @@ def _write_tensor(fd: int, offset: int, t: SynthTensor, plan: SynthPlan, fill: R
     done = 0
     while done < t.nbytes:
         n = min(per_chunk, t.nbytes - done)
+        gain = next((g for suffix, g in GAINS.items() if t.spec.name.endswith(suffix)), 1.0)
         if t.ggml_type in BLOCKS:
-            data = fill.quant(t.ggml_type, n)
+            data = fill.quant(t.ggml_type, n, gain)
         elif t.spec.kind is Kind.NORM:
             data = fill.floats(t.ggml_type, n // block_bytes, mean=1.0, std=0.1)
         else:
-            data = fill.floats(t.ggml_type, n // block_bytes)
+            data = fill.floats(t.ggml_type, n // block_bytes, std=0.02 * gain)
         _pwrite(fd, data, offset + done)
         done += n
         on_bytes(n)

@@ -1,6 +1,8 @@
 """synth writes what llama.cpp's converter writes: the architecture rules reproduce every fixture's
 tensor names and shapes from its own metadata; every block synth writes is valid (gguf-py's
-reference dequantizes it to finite, small values); presets have the real models' expert sizes."""
+reference dequantizes it to finite, small values, averaging zero); presets have the real models'
+expert sizes; and a synthesized model routes different tokens to different experts in every layer,
+so that benchmarks of the expert cache see a real spread of experts, not one hot set."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, quants
+from gguf import GGMLQuantizationType as T
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from expertpack.packtools.errors import ExpertpackError
@@ -55,9 +58,29 @@ def test_every_block_type_is_valid_and_finite() -> None:
         data = fill.quant(ggml_type, layout.nbytes * 512)
         values = quants.dequantize(data.reshape(1, -1), ggml_type)
         assert np.isfinite(values).all() and 0 < np.abs(values).max() < 0.5, ggml_type.name
+        # A bias in every matrix would grow one direction of the hidden state layer after layer.
+        # Q4_0 and Q5_0 grids run -8..7 and -16..15: half a step below zero on average, by design.
+        allowed = {T.Q4_0: 0.13, T.Q5_0: 0.08}.get(ggml_type, 0.04)
+        assert abs(values.mean()) < allowed * values.std(), f"{ggml_type.name}: mean {values.mean():.3g}"
     first = next(iter(BLOCKS))
     a, b = fill.quant(first, BLOCKS[first].nbytes * 64), fill.quant(first, BLOCKS[first].nbytes * 64)
     assert not np.array_equal(a, b), "consecutive chunks differ"
+
+
+def test_synthesized_routing_spreads_tokens_over_the_experts(tmp_path: Path) -> None:
+    from expertpack.worker.engine import Engine
+
+    path = tmp_path / "small.gguf"
+    write_synth(path, SynthOptions(preset="small", progress=False))
+    engine = Engine.load(path)
+    engine.model.moe.routing_log = {}
+    tokens = np.random.default_rng(1).integers(0, 8192, 64).tolist()
+    engine.forward(tokens, engine.new_cache())
+    n_expert, n_used = 32, 4
+    for layer, (ids,) in engine.model.moe.routing_log.items():
+        counts = np.bincount(ids.flatten().numpy(), minlength=n_expert)
+        # 256 choices over 32 experts: every expert is used, none by more than a third of the tokens
+        assert (counts > 0).all() and counts.max() < len(tokens) / 3, f"layer {layer}: {counts.tolist()}"
 
 
 def test_tiny_model_is_a_complete_valid_gguf(tiny_gguf: Path) -> None:
