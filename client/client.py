@@ -80,6 +80,11 @@ class Expert:
     def released(self) -> bool:
         return self._data is None
 
+    @property
+    def client(self) -> "ExpertClient":
+        """The session that leased the slot (a reconnect starts another)."""
+        return self._client
+
     def release(self) -> None:
         """Gives the slot back; idempotent."""
         if self._data is not None:
@@ -216,6 +221,10 @@ class ExpertClient:
         msg = p.decode(self._sock.recv())
         if isinstance(msg, p.Bye):
             raise DaemonUnavailable(f"expertd at {self.endpoint} is going away: {msg.reason}")
+        if isinstance(msg, p.Error) and msg.code is p.ErrorCode.NO_SESSION:
+            # A daemon that restarted behind the same endpoint got a message of our old session.
+            raise DaemonUnavailable(f"expertd at {self.endpoint} no longer knows this client (it restarted): "
+                                    f"{msg.message}")
         return msg
 
     def _expect(self, kind: type[p.Message], what: str) -> Any:

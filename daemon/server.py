@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from expertpack.packtools.layout import ExpertKey
 from .config import DaemonConfig
 from .notify import notify, watchdog_interval_s
 from .reader import OpenPack, ReaderPool, ReadJob, open_pack
-from .staging import SlotState, StagingSegment
+from .staging import SlotState, StagingSegment, remove_orphans
 from .stats import Counters, Histogram
 
 log = logging.getLogger("expertd")
@@ -90,6 +91,8 @@ class ExpertDaemon:
         self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         try:
             self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            for orphan in remove_orphans():
+                log.warning("removed %s, the staging of an expertd that is gone", orphan)
             self.staging = StagingSegment(config.stage_slots, self.manifest.max_stride)
             self.ctx = zmq.Context()
             self.router = self._bind()
@@ -103,33 +106,40 @@ class ExpertDaemon:
     def _bind(self) -> zmq.Socket:
         cfg = self.config
         sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 500)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        sock.setsockopt(zmq.RCVHWM, 10000)
-        # Up to 4x the protocol's limit arrives and gets ERROR TOO_LARGE; beyond, zmq drops the peer.
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * p.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_interval_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.heartbeat_timeout_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, int(cfg.heartbeat_timeout_s * 1000))
-        if cfg.endpoint.startswith("tcp://"):
-            assert cfg.curve_secret_key_file is not None
-            public, secret = zmq.auth.load_certificate(str(cfg.curve_secret_key_file))
-            if secret is None:
-                raise ValueError(f"{cfg.curve_secret_key_file} holds no secret key (make one with zmq.auth.create_certificates)")
-            sock.setsockopt(zmq.CURVE_SERVER, 1)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        else:
-            path = Path(cfg.endpoint.removeprefix("ipc://"))
-            if not path.parent.is_dir():
-                raise ValueError(f"{cfg.endpoint}: directory {path.parent} does not exist "
-                                 "(systemd creates it with RuntimeDirectory=expertpack)")
-            if path.exists():
-                raise ValueError(f"{cfg.endpoint}: {path} exists; is another expertd running? Remove it if not")
-        sock.bind(cfg.endpoint)
-        if cfg.endpoint.startswith("ipc://"):
-            os.chmod(cfg.endpoint.removeprefix("ipc://"), 0o660)  # group shared with workers
-        return sock
+        try:
+            sock.setsockopt(zmq.LINGER, 500)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.RCVHWM, 10000)
+            # Up to 4x the protocol's limit arrives and gets ERROR TOO_LARGE; beyond, zmq drops the peer.
+            sock.setsockopt(zmq.MAXMSGSIZE, 4 * p.MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_interval_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.heartbeat_timeout_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TTL, int(cfg.heartbeat_timeout_s * 1000))
+            if cfg.endpoint.startswith("tcp://"):
+                assert cfg.curve_secret_key_file is not None
+                public, secret = zmq.auth.load_certificate(str(cfg.curve_secret_key_file))
+                if secret is None:
+                    raise ValueError(f"{cfg.curve_secret_key_file} holds no secret key (make one with zmq.auth.create_certificates)")
+                sock.setsockopt(zmq.CURVE_SERVER, 1)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            else:
+                path = Path(cfg.endpoint.removeprefix("ipc://"))
+                if not path.parent.is_dir():
+                    raise ValueError(f"{cfg.endpoint}: directory {path.parent} does not exist "
+                                     "(systemd creates it with RuntimeDirectory=expertpack)")
+                if path.exists():
+                    if _someone_listens(path):
+                        raise ValueError(f"{cfg.endpoint}: another expertd is serving on {path}")
+                    log.warning("removing %s, left by an expertd that is gone", path)
+                    path.unlink()
+            sock.bind(cfg.endpoint)
+            if cfg.endpoint.startswith("ipc://"):
+                os.chmod(cfg.endpoint.removeprefix("ipc://"), 0o660)  # group shared with workers
+            return sock
+        except BaseException:
+            sock.close(0)  # an open socket would hang the context's term() in close()
+            raise
 
     # ---- main loop ---------------------------------------------------------------------------
     def serve(self) -> int:
@@ -503,3 +513,18 @@ class ExpertDaemon:
         if getattr(self, "_wake", None) is not None:
             os.close(self._wake)
         self.pack.close()
+
+
+def _someone_listens(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket at `path` (a socket file left by a
+    killed daemon refuses them)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except ConnectionRefusedError:
+        return False
+    except OSError as exc:
+        raise ValueError(f"{path} exists and is not a socket expertd can replace ({exc.strerror})") from None
+    finally:
+        probe.close()

@@ -91,6 +91,24 @@ class SlotPool:
         return sum(1 for s in self.slots if s.state is state)
 
 
+def remove_orphans() -> list[Path]:
+    """Unlinks the segments of expertd processes that no longer exist (a SIGKILL or a power cut
+    leaves them in /dev/shm, holding RAM). A worker still mapping one keeps its mapping."""
+    removed = []
+    for path in SHM_DIR.glob("expertpack-*-*"):
+        try:
+            pid = int(path.name.split("-")[1])
+            os.kill(pid, 0)
+        except ValueError:
+            continue  # not a name this daemon makes
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        except PermissionError:
+            pass  # alive, another user's
+    return removed
+
+
 class StagingSegment:
     """Creates (O_EXCL), maps and mlocks the segment; `close` unmaps and unlinks it."""
 

@@ -1,6 +1,7 @@
 """Faults: a client SIGKILLed mid-fetch loses its leases; SIGTERM stops the daemon cleanly (BYE to
 clients, exit 0, no shared memory or socket left); a pack truncated under the daemon gives FAIL with
-io_errors counted, never wrong bytes."""
+io_errors counted, never wrong bytes; a daemon SIGKILLed leaves a socket file and a segment that
+the next one clears, while a live daemon's socket is never taken over."""
 
 from __future__ import annotations
 
@@ -75,6 +76,39 @@ def test_sigterm_says_bye_and_cleans_up(tiny_pack: Path, tmp_path: Path) -> None
     assert "SIGTERM received" in err
 
 
+def test_restart_after_sigkill_clears_what_the_dead_daemon_left(tiny_pack: Path, tmp_path: Path) -> None:
+    dirs = [tmp_path / name for name in ("first", "rival", "second")]
+    for d in dirs:
+        d.mkdir()
+    first = start_daemon(tiny_pack, dirs[0])
+    first.wait_for("READY=1")
+    orphaned = ExpertClient(first.endpoint, name="orphaned", timeout_s=5)
+    shm = Path("/dev/shm") / orphaned.welcome.shm
+    rival = start_daemon(tiny_pack, dirs[1], "--endpoint", first.endpoint)  # the flag given last wins
+    rival.proc.wait(timeout=30)
+    code, err = rival.stop()
+    assert code != 0 and "another expertd is serving" in err
+    assert first.proc.poll() is None, "the rival disturbed the running daemon"
+
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    first.notify.close()
+    assert first.socket_path.exists() and shm.exists()  # what SIGKILL leaves behind
+    second = start_daemon(tiny_pack, dirs[2], "--endpoint", first.endpoint)
+    second.wait_for("READY=1")
+    assert not shm.exists()
+    with pytest.raises(DaemonUnavailable, match="no longer knows this client"):
+        list(orphaned.fetch([(0, 1)]))  # its socket reconnected to the new daemon, its session did not
+    orphaned.close()
+    with ExpertClient(first.endpoint) as client:
+        for expert in client.fetch([(0, 3)]):
+            assert expert.key == (0, 3)
+            expert.release()
+    code, err = second.stop()
+    assert code == 0, err
+    assert "left by an expertd that is gone" in err and "the staging of an expertd that is gone" in err
+
+
 def test_truncated_pack_gives_fail_not_wrong_bytes(tiny_pack: Path, tmp_path: Path) -> None:
     pack = tmp_path / "pack"
     shutil.copytree(tiny_pack, pack)
@@ -144,6 +178,13 @@ def test_repeated_fetch_and_cancel_keeps_queues_bounded(daemon: Daemon) -> None:
         for i in range(2, 12):
             sock.send(p.encode(p.Fetch(i, big)))
             sock.send(p.encode(p.Cancel(i)))
+            # Read the answers as a client must: one unread request of 65,536 FAILs fits the
+            # daemon's send queue, ten do not (it would drop the client as not reading).
+            answered = 0
+            while answered < len(big):
+                assert sock.poll(30000), f"request {i}: {answered} of {len(big)} keys answered"
+                msg = p.decode(sock.recv())
+                answered += isinstance(msg, p.Fail) and msg.id == i
         sock.send(p.encode(p.Stats()))
         deadline = time.monotonic() + 60
         while True:
