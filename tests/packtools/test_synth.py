@@ -76,7 +76,7 @@ def test_synthesized_routing_spreads_tokens_over_the_experts(tmp_path: Path) -> 
     engine.model.moe.routing_log = {}
     tokens = np.random.default_rng(1).integers(0, 8192, 64).tolist()
     engine.forward(tokens, engine.new_cache())
-    n_expert, n_used = 32, 4
+    n_expert = 32
     for layer, (ids,) in engine.model.moe.routing_log.items():
         counts = np.bincount(ids.flatten().numpy(), minlength=n_expert)
         # 256 choices over 32 experts: every expert is used, none by more than a third of the tokens
