@@ -6,6 +6,7 @@ NOTIFY_SOCKET datagram), stopped with SIGTERM and checked for leftovers."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +22,9 @@ from expertpack.packtools.synth.writer import SynthOptions, write_synth
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("EXPERTPACK_FIXTURES", REPO.parent / "shared" / "fixtures"))
-BIN = Path(sys.executable).parent
+BIN = Path(sys.executable).parent  # the venv's console scripts; else they are found on PATH
+if not (BIN / "expertd").exists() and shutil.which("expertd"):
+    BIN = Path(shutil.which("expertd")).parent
 
 
 def fixture_ggufs() -> list[Path]:

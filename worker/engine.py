@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from .layers import KVCache
-from .model_files import ModelFiles, ResidentExperts, expert_layers, open_model
+from .daemon_link import DaemonLink
+from .expert_cache import ExpertCache
+from .model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .models import model_module
 from .sampling import Sampler
 
@@ -21,13 +23,41 @@ class Engine:
     device: torch.device
 
     @classmethod
-    def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False) -> "Engine":
-        """resident_experts: load every expert onto the device once instead of reading per use."""
+    def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False,
+             daemon: str | None = None, cache_bytes: int = 0, reserve_bytes: int = 0,
+             name: str = "expert-worker", daemon_timeout_s: float = 30.0, down_timeout_s: float = 60.0) -> "Engine":
+        """Experts come from: the pack or GGUF directly (default), every expert on the device
+        (resident_experts), or a device cache of `cache_bytes` fed by expertd at `daemon` (path
+        must then be the pack the daemon serves: the fingerprints are checked at HELLO). A request
+        the daemon leaves unanswered for daemon_timeout_s counts as the daemon gone; the worker
+        reconnects and fails with DaemonLost once it has been gone for down_timeout_s."""
         files = open_model(path)
         dev = torch.device(device)
+        if daemon is not None and not isinstance(files.experts, PackExperts):
+            raise ValueError(f"{path}: a daemon serves packs; give the pack directory, not a GGUF")
         if resident_experts:
             files.experts = ResidentExperts(files.experts, expert_layers(files), dev)
-        return cls(model_module(files.arch).Model(files, dev), files, dev)
+        model = model_module(files.arch).Model(files, dev)
+        if daemon is not None:  # after the trunk is on the device: the cache takes what is left
+            link = DaemonLink(daemon, files.fingerprint, dev, name=name, timeout_s=daemon_timeout_s,
+                              down_timeout_s=down_timeout_s)
+            try:
+                files.experts = model.moe.source = ExpertCache(files.experts.manifest, link, dev, cache_bytes,
+                                                               reserve_bytes)
+            except BaseException:
+                link.close()
+                raise
+        return cls(model, files, dev)
+
+    @property
+    def expert_cache(self) -> ExpertCache | None:
+        source = self.model.moe.source
+        return source if isinstance(source, ExpertCache) else None
+
+    def close(self) -> None:
+        """Waits for the cache's copies, gives the staging back and leaves the daemon."""
+        if self.expert_cache is not None:
+            self.expert_cache.close()
 
     def new_cache(self) -> KVCache:
         return KVCache()

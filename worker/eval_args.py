@@ -21,3 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    p.add_argument("--daemon", metavar="ENDPOINT",
+                   help="take the experts from expertd at ENDPOINT (e.g. ipc:///run/expertpack/expertd.sock) "
+                        "through a device cache, instead of reading the pack in this process; MODEL must be the "
+                        "pack the daemon serves")
+    p.add_argument("--cache-vram-mib", type=int, default=4096, metavar="N",
+                   help="with --daemon: the expert cache's size (default 4096); it must hold one layer's top-k")
+    p.add_argument("--cache-reserve-mib", type=int, default=1024, metavar="N",
+                   help="with --daemon on a GPU: device memory left free for activations (default 1024)")

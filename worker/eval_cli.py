@@ -1,6 +1,7 @@
-"""`expertpack eval MODEL`: run a model in this process (no daemon) on a prompt, print the greedy (or
-sampled) continuation, and save the float32 logits of every prompt position. How users and tools
-check a model against another implementation; its flags are kept stable."""
+"""`expertpack eval MODEL`: run a model on a prompt, print the greedy (or sampled) continuation, and
+save the float32 logits of every prompt position. Experts are read by this process, or with
+--daemon come from expertd through the device cache (whose counters are then printed). How users
+and tools check a model against another implementation; its flags are kept stable."""
 
 from __future__ import annotations
 
@@ -11,13 +12,30 @@ import time
 
 import numpy as np
 
+from expertpack.client import ClientError
+
+from .cache_policy import CacheTooSmall
+from .daemon_link import DaemonLost
 from .engine import Engine
 from .sampling import Sampler
 from .tokenizer import load_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = Engine.load(args.model, args.device)
+    try:
+        engine = Engine.load(args.model, args.device, daemon=args.daemon, cache_bytes=args.cache_vram_mib << 20,
+                             reserve_bytes=args.cache_reserve_mib << 20, name="expertpack-eval")
+    except (ClientError, CacheTooSmall, ValueError) as exc:
+        raise SystemExit(f"expertpack eval: {exc}") from None
+    try:
+        return _run(args, engine)
+    except DaemonLost as exc:
+        raise SystemExit(f"expertpack eval: {exc}") from None
+    finally:
+        engine.close()
+
+
+def _run(args: argparse.Namespace, engine: Engine) -> int:
     tokenizer = load_tokenizer(engine.files.metadata, args.tokenizer)
     if args.text is not None:
         prompt = tokenizer.encode(args.text)
@@ -39,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         np.save(args.save_logits, logits.cpu().numpy().astype(np.float32))
     result = {"prompt": prompt, "continuation": tokens, "text": tokenizer.decode(tokens),
               "arch": engine.files.arch, "device": args.device, "seconds": round(seconds, 3)}
+    if engine.expert_cache is not None:
+        result["expert_cache"] = engine.expert_cache.stats()
     if args.json:
         print(json.dumps(result))
     else:
@@ -47,5 +67,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"text: {result['text']!r}")
         if args.save_logits is not None:
             print(f"logits: {args.save_logits} [{logits.shape[0]}, {logits.shape[1]}] float32")
+        if engine.expert_cache is not None:
+            c = result["expert_cache"]["cache"]
+            print(f"expert cache: {c['slots']} slots, {c['hits']} hits, {c['misses']} misses, {c['evictions']} "
+                  f"evictions, {c['h2d_bytes'] / 1e6:.1f} MB copied in, {c['stall_s']:.2f} s waiting for expertd")
         print(f"{engine.files.arch} on {args.device}, {seconds:.2f} s", file=sys.stderr)
     return 0

@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType
 
 from expertpack.packtools.experts import classify
 from expertpack.packtools.gguf_source import GGUFSource, SourceTensor, open_source
-from expertpack.packtools.layout import PACK_FILE, TRUNK_FILE, ExpertKey, Manifest
+from expertpack.packtools.errors import ManifestError
+from expertpack.packtools.layout import PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, Manifest
 
 from .quant import check_supported
 from .weights import QTensor
@@ -36,7 +37,7 @@ class ModelFiles:
     metadata: dict[str, Any]
     trunk: dict[str, QTensor]
     experts: ExpertSource
-    fingerprint: str | None  # the pack's, when loaded from a pack
+    fingerprint: str | None  # the pack's, as trunk.gguf carries it, when loaded from a pack
 
 
 def open_model(path: Path | str) -> ModelFiles:
@@ -46,7 +47,12 @@ def open_model(path: Path | str) -> ModelFiles:
         manifest = Manifest.load(path)
         source = open_source(path / TRUNK_FILE)
         trunk = {t.name: _read(source, t) for t in source.tensors}
-        return ModelFiles(source.arch, _values(source), trunk, PackExperts(path, manifest), manifest.fingerprint)
+        metadata = _values(source)
+        fingerprint = metadata.get(TRUNK_FINGERPRINT_KEY)
+        if fingerprint != manifest.fingerprint:
+            raise ManifestError(f"{path}: trunk.gguf carries fingerprint {fingerprint!r} but the manifest says "
+                                f"{manifest.fingerprint}; the files come from different builds; rebuild the pack")
+        return ModelFiles(source.arch, metadata, trunk, PackExperts(path, manifest), fingerprint)
     source = open_source(path)
     cls = classify(source)
     trunk = {t.name: _read(source, t) for t in cls.trunk}

@@ -37,11 +37,16 @@ class ExpertFFN:
         if self.routing_log is not None:
             self.routing_log.setdefault(layer, []).append(ids.cpu())
         experts = sorted(set(ids.flatten().tolist()))
-        loaded = self.source.load(layer, experts)
         out = torch.zeros_like(h)
-        for e in experts:
-            tokens, slots = (ids == e).nonzero(as_tuple=True)
-            w = {role: t.to(h.device) for role, t in loaded[e].items()}
-            y = self.expert_mlp(h[tokens], w)  # [n, D]
-            out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
+        # A source with a capacity (a cache) gets the step in waves it can hold; each wave is
+        # computed before the next is loaded. Every selected expert is computed either way.
+        wave = getattr(self.source, "capacity", None) or len(experts)
+        for start in range(0, len(experts), wave):
+            group = experts[start:start + wave]
+            loaded = self.source.load(layer, group)
+            for e in group:
+                tokens, slots = (ids == e).nonzero(as_tuple=True)
+                w = {role: t.to(h.device) for role, t in loaded[e].items()}
+                y = self.expert_mlp(h[tokens], w)  # [n, D]
+                out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
         return out

@@ -1,5 +1,6 @@
 """`expertpack eval` as users and tools call it: on a source GGUF and on a pack, with token ids or
-text, printing the continuation and saving the prompt logits."""
+text, printing the continuation and saving the prompt logits; and with --daemon, the experts coming
+from a real expertd through the cache, with the same tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..conftest import FIXTURES, run_cli
+from ..conftest import FIXTURES, Daemon, run_cli
 
 
 def test_eval_greedy_matches_the_reference_and_saves_logits(tmp_path: Path) -> None:
@@ -39,3 +40,19 @@ def test_eval_refuses_bad_tokens() -> None:
     for tokens in ("1,two,3", "1,99999"):
         proc = run_cli("eval", model, "--tokens", tokens)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr and "eval" in proc.stderr
+
+
+def test_eval_through_expertd_gives_the_same_tokens(tiny_pack: Path, daemon: Daemon) -> None:
+    tokens = ",".join(str(t) for t in range(40, 72))
+    direct = run_cli("eval", tiny_pack, "--tokens", tokens, "--greedy", "8", "--json", check=True)
+    served = run_cli("eval", tiny_pack, "--tokens", tokens, "--greedy", "8", "--json", "--daemon", daemon.endpoint,
+                     "--cache-vram-mib", "1", check=True)
+    a, b = json.loads(direct.stdout), json.loads(served.stdout)
+    assert b["continuation"] == a["continuation"]
+    cache = b["expert_cache"]["cache"]
+    assert cache["slots"] == 9 and cache["misses"] > cache["slots"] and cache["evictions"] > 0  # 1 MiB / 110,592 B
+    assert b["expert_cache"]["daemon"]["ready"] == cache["misses"]
+
+    too_small = run_cli("eval", tiny_pack, "--tokens", tokens, "--daemon", daemon.endpoint, "--cache-vram-mib", "0")
+    assert too_small.returncode != 0 and "one layer can select 4" in too_small.stderr
+    assert "Traceback" not in too_small.stderr

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Decode speed with the experts streamed from the SSD through expertd into a device cache of a
+fixed size, measured side by side in one run with every expert resident on the device and with the
+I/O bound: the SSD bytes each decoded token needed over the disk's O_DIRECT bandwidth, as fio
+measures it on the same pack (the expertd path instead when fio is not installed).
+
+Synthesizes the preset (Qwen3-30B-A3B shapes, Q4_K experts, Q8_0 trunk by default) and packs it
+unless present; starts a real expertd; runs the same prompt and decode (a) streaming with
+--cache-gib of cache and (b) fully resident; checks that both runs produce the same argmax at every
+step; prints a table, then one JSON line.
+
+Decode feeds a fixed pseudo-random token stream, one token at a time through the KV cache, rather
+than the model's own greedy output: a random-weight model's greedy output soon repeats one token,
+whose experts are then always cached, which would flatter the cache far beyond real text.
+  python3 bench/decode_streaming.py [--preset qwen3-30b-a3b] [--cache-gib 4] [--device cuda] [--dir bench-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(engine, prompt: list[int], n_decode: int, device: str, on_phase) -> dict:
+    """Prefill then greedy decode; `on_phase(name)` is called at each phase boundary (counters)."""
+    engine.forward(prompt[:4], engine.new_cache())  # warm-up: kernels, allocator
+    sync(device)
+    on_phase("start")
+    cache = engine.new_cache()
+    t0 = time.perf_counter()
+    logits = engine.forward(prompt, cache)
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    on_phase("prefill")
+    tokens = [int(logits[-1].argmax())]  # the argmax after each step: what the runs compare
+    feed = random.Random(0).choices(range(logits.shape[-1]), k=n_decode - 1)
+    t0 = time.perf_counter()
+    for token in feed:
+        tokens.append(int(engine.forward([token], cache)[-1].argmax()))
+    sync(device)
+    decode_s = time.perf_counter() - t0
+    on_phase("decode")
+    return {"prefill_tps": len(prompt) / prefill_s, "decode_tps": (n_decode - 1) / decode_s, "tokens": tokens}
+
+
+def disk_bandwidth(pack: Path, workdir: Path) -> tuple[float, str]:
+    """GB/s of O_DIRECT random whole-expert reads on this pack: fio, else expertd."""
+    from expertpack.client import bench_io
+    from expertpack.packtools.layout import ExpertKey, Manifest
+
+    m = Manifest.load(pack)
+    total = min(4 * 2**30, m.pack_size_bytes - m.data_start)
+    try:
+        piece = -(-m.max_stride // 4 // 4096) * 4096  # as expertd splits a block (--read-splits 4)
+        r = bench_io.run_fio(pack, m, piece=piece, splits=4, jobs=8, total=total)
+        return r.gb_per_s, "fio O_DIRECT, 8 jobs"
+    except SystemExit:
+        keys = [ExpertKey(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]
+        keys = random.Random(0).sample(keys, min(len(keys), total // m.max_stride))
+        r = bench_io.run_daemon(pack, m, keys, [keys[:m.model.n_expert_used]], 8, 4, workdir)
+        return r.gb_per_s, "expertd (fio not installed)"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dir", type=Path, default=REPO / "bench-out")
+    p.add_argument("--cache-gib", type=float, default=4.0)
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    p.add_argument("--decode", type=int, default=32, help="tokens decoded one at a time")
+    p.add_argument("--skip-resident", action="store_true", help="when the model does not fit on the device")
+    args = p.parse_args()
+
+    from expertpack.client import bench_io
+    from expertpack.packtools.build import BuildOptions, build_pack
+    from expertpack.packtools.layout import Manifest
+    from expertpack.packtools.synth.writer import SynthOptions, write_synth
+    from expertpack.worker.engine import Engine
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.preset}{f'-{args.layers}L' if args.layers else ''}"
+    src, pack = args.dir / f"{stem}.gguf", args.dir / f"{stem}.pack"
+    if not (pack / "manifest.json").exists():  # written last: an interrupted build resumes
+        if not src.exists():
+            print(f"synthesizing {src} ...", file=sys.stderr)
+            write_synth(src, SynthOptions(preset=args.preset, n_layer=args.layers, progress=False))
+        print(f"packing {pack} ...", file=sys.stderr)
+        build_pack(src, pack, BuildOptions(progress=False))
+    m = Manifest.load(pack)
+    expert_bytes = sum(l.payload_bytes * m.model.n_expert for l in m.layers)
+    workdir = Path(tempfile.mkdtemp(prefix="decode-streaming-"))
+    bandwidth, bandwidth_how = disk_bandwidth(pack, workdir)
+    prompt = list(range(100, 100 + args.prompt))
+
+    daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64)
+    try:
+        t0 = time.perf_counter()
+        engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
+                             name="bench-decode")
+        sync(args.device)
+        load_s = time.perf_counter() - t0
+        cache = engine.expert_cache
+        marks: dict[str, tuple[dict, int]] = {}
+
+        def mark(phase: str) -> None:
+            marks[phase] = (cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"])
+
+        streaming = run(engine, prompt, args.decode, args.device, mark)
+        n_slots, slot_bytes, pinned = cache.n_slots, cache.slot_bytes, cache.link.pinned
+        engine.close()
+        engine = cache = None  # the device memory goes back before the resident run
+    finally:
+        daemon.stop()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    def phase(name: str, before: str) -> dict:
+        (c1, r1), (c0, r0) = marks[name], marks[before]
+        looked = (c1["hits"] - c0["hits"]) + (c1["misses"] - c0["misses"])
+        return {"hit_rate": (c1["hits"] - c0["hits"]) / looked if looked else 0.0, "ssd_bytes": r1 - r0,
+                "stall_s": c1["stall_s"] - c0["stall_s"], "h2d_bytes": c1["h2d_bytes"] - c0["h2d_bytes"]}
+
+    pre, dec = phase("prefill", "start"), phase("decode", "prefill")
+    decode_tokens = args.decode - 1
+    ssd_per_token = dec["ssd_bytes"] / decode_tokens
+    io_bound_tps = bandwidth * 1e9 / ssd_per_token if ssd_per_token else float("inf")
+
+    resident = None
+    if not args.skip_resident:
+        engine = Engine.load(pack, args.device, resident_experts=True)
+        resident = run(engine, prompt, args.decode, args.device, lambda phase: None)
+        del engine
+    same = resident is None or resident["tokens"] == streaming["tokens"]
+    digest = hashlib.sha256(json.dumps(streaming["tokens"]).encode()).hexdigest()[:16]
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "none"
+
+    print(f"model     {stem} ({expert_bytes / 1e9:.2f} GB of experts, {m.model.n_expert} x {len(m.layers)} layers, "
+          f"top-{m.model.n_expert_used}) on {args.device} ({gpu})")
+    print(f"cache     {args.cache_gib:g} GiB = {n_slots} slots of {slot_bytes / 2**20:.2f} MiB "
+          f"({n_slots * slot_bytes / expert_bytes:.0%} of the experts), staging pinned: {pinned}; load {load_s:.1f} s")
+    print(f"disk      {bandwidth:.2f} GB/s ({bandwidth_how})")
+    print(f"{'':26}{'prefill tok/s':>14}{'decode tok/s':>14}{'hit rate':>10}{'SSD MB/token':>14}{'stall s/token':>15}")
+    print(f"{'streaming (expertd+cache)':26}{streaming['prefill_tps']:14.2f}{streaming['decode_tps']:14.2f}"
+          f"{dec['hit_rate']:10.1%}{ssd_per_token / 1e6:14.1f}{dec['stall_s'] / decode_tokens:15.3f}")
+    if resident:
+        print(f"{'every expert resident':26}{resident['prefill_tps']:14.2f}{resident['decode_tps']:14.2f}")
+    print(f"{'I/O bound (disk / SSD B per token)':40}{io_bound_tps:14.2f}")
+    print(f"argmax at every step identical to the resident run: {same if resident else 'not run'} (sha256 {digest})")
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    print(json.dumps({
+        "bench": "decode_streaming", "date": date.today().isoformat(), "commit": commit,
+        "machine": f"{platform.node()} {os.cpu_count()} cpu", "gpu": gpu, "device": args.device,
+        "torch": torch.__version__, "model": f"synth {args.preset}" + (f" --layers {args.layers}" if args.layers else ""),
+        "expert_bytes": expert_bytes, "cache_bytes": n_slots * slot_bytes, "slots": n_slots, "staging_pinned": pinned,
+        "disk_gb_per_s": round(bandwidth, 3), "disk_measured_by": bandwidth_how,
+        "streaming": {"prefill_tokens_per_s": round(streaming["prefill_tps"], 3),
+                      "decode_tokens_per_s": round(streaming["decode_tps"], 3), "prefill": pre, "decode": dec},
+        "resident": None if resident is None else {"prefill_tokens_per_s": round(resident["prefill_tps"], 3),
+                                                   "decode_tokens_per_s": round(resident["decode_tps"], 3)},
+        "io_bound_decode_tokens_per_s": round(io_bound_tps, 3), "ssd_bytes_per_decoded_token": ssd_per_token,
+        "argmax_identical": same, "argmax_sha256": digest,
+    }))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The expert cache's policy on its own: which slot a miss fills (empty ones first, then the least
+frequently selected expert, the least recently selected among equals, never one of the current
+step) and how many slots a byte budget buys, refusing a cache that cannot hold one step."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertpack.packtools.layout import ExpertKey
+from expertpack.worker.cache_policy import CachePolicy, CacheTooSmall, slot_count
+
+MIB = 2**20
+
+
+def filled(*keys: ExpertKey) -> CachePolicy:
+    policy = CachePolicy(len(keys))
+    for slot, key in enumerate(keys):
+        policy.place(slot, key)
+    return policy
+
+
+A, B, C, D, E = (ExpertKey(0, i) for i in range(5))
+
+
+def test_empty_slots_are_used_before_anything_is_evicted() -> None:
+    policy = CachePolicy(4)
+    policy.touch([A])
+    policy.place(2, A)
+    assert policy.victims(3, protected={B}) == [0, 1, 3]
+
+
+def test_the_least_frequently_used_expert_leaves_first() -> None:
+    policy = filled(A, B, C)
+    policy.touch([A, B])
+    policy.touch([A, C])
+    policy.touch([C])  # uses: A 2, B 1, C 2; B is also not the least recent
+    assert policy.victims(1, protected=set()) == [policy.slot_of[B]]
+
+
+def test_equal_use_counts_evict_the_least_recently_used() -> None:
+    policy = filled(A, B, C)
+    policy.touch([B])
+    policy.touch([C])
+    policy.touch([A])  # one use each; B is the oldest
+    assert policy.victims(1, protected=set()) == [policy.slot_of[B]]
+    assert policy.victims(2, protected=set()) == [policy.slot_of[B], policy.slot_of[C]]
+
+
+def test_frequency_counts_survive_eviction() -> None:
+    """LFU over the run: an expert evicted and brought back keeps its history."""
+    policy = filled(A, B)
+    for _ in range(3):
+        policy.touch([A])
+    policy.touch([B])
+    policy.touch([C])
+    assert policy.place(policy.victims(1, protected={C})[0], C) == B  # B (1 use) leaves, not A (3)
+    policy.touch([B])  # B again: 2 uses now, more than C's 1
+    assert policy.place(policy.victims(1, protected={B})[0], B) == C
+
+
+def test_the_current_step_is_never_evicted() -> None:
+    policy = filled(A, B, C)
+    policy.touch([A, B, C])
+    policy.touch([A, B, C])
+    policy.touch([D, E])  # D and E are rare and recent: still, A and B of the step stay
+    policy.place(policy.victims(1, protected={A, B, D, E})[0], D)
+    assert policy.holder.count(C) == 0 and {A, B, D} == set(policy.slot_of)
+    with pytest.raises(CacheTooSmall, match="2 experts to load but only 1 slots may be reused"):
+        policy.victims(2, protected={A, B, E})
+
+
+def test_place_reports_what_it_evicted() -> None:
+    policy = CachePolicy(1)
+    assert policy.place(0, A) is None
+    assert policy.place(0, B) == A
+    assert policy.slot_of == {B: 0} and policy.holder == [B]
+
+
+def test_slot_count_takes_the_smaller_of_the_budget_and_what_is_free() -> None:
+    payload = 3 * MIB
+    assert slot_count(100 * MIB, 1000 * MIB, 0, payload, needed=8) == 33
+    assert slot_count(100 * MIB, 60 * MIB, 10 * MIB, payload, needed=8) == 16  # free - reserve wins
+    assert slot_count(24 * MIB, 1000 * MIB, 0, payload, needed=8) == 8  # exactly one step
+
+
+def test_slot_count_refuses_a_cache_below_one_step() -> None:
+    with pytest.raises(CacheTooSmall, match=r"holds 7 experts .* can select 8; give it at least 24 MiB"):
+        slot_count(23 * MIB, 1000 * MIB, 0, 3 * MIB, needed=8)
+    with pytest.raises(CacheTooSmall, match="holds 0 experts"):
+        slot_count(100 * MIB, 10 * MIB, 20 * MIB, 3 * MIB, needed=8)  # the reserve exceeds what is free

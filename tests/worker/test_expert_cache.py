@@ -1,0 +1,235 @@
+"""The expert cache fed by a real expertd process (CPU: the "VRAM" is host memory, the policy, the
+protocol and the copies are the same code as on a GPU):
+
+- exactness: prompts through a cache of the minimum size (one step of one layer, so it evicts at
+  every layer and prefill comes in waves) give logits bit for bit equal to every expert resident,
+  and the same greedy tokens; the counters agree with the keys the router asked for and with the
+  daemon's own counters;
+- a cache that holds everything misses each expert once and then only hits;
+- the daemon SIGKILLed in the middle of a fetch: restarted, the worker reconnects and the tokens
+  are unchanged; left dead, the request fails with DaemonLost, and a later request, once the
+  daemon is back, is exact again;
+- refusals at load: a daemon serving another pack, a cache below one step.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from expertpack.client import FingerprintMismatch
+from expertpack.packtools.layout import ExpertKey, Manifest
+from expertpack.worker.cache_policy import CacheTooSmall
+from expertpack.worker.daemon_link import DaemonLost
+from expertpack.worker.engine import Engine
+
+from ..conftest import FIXTURES, Daemon, start_daemon
+
+MODELS = {  # fixture pack -> model of its reference prompt
+    "qwen3moe-a.Q4_K_M": "qwen3moe-a",
+    "deepseek3-a.Q4_K_M": "deepseek3-a",  # a dense leading layer, a shared expert, payloads that differ per layer
+    "gptoss-a.MXFP4_MOE": "gptoss-a",  # top-4, MXFP4, expert biases
+}
+N_NEW = 8
+
+
+def prompts(model: str) -> list[list[int]]:
+    """The fixture's prompt, then a second one whose experts partly overlap the first's."""
+    first = np.load(FIXTURES / "ref" / model / "prompt_ids.npy").tolist()
+    return [first, first[::-1][:12]]
+
+
+def greedy_run(engine: Engine, prompt: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """Logits of the prompt and of every decode step, and the greedy tokens."""
+    cache = engine.new_cache()
+    logits = [engine.forward(prompt, cache)]
+    tokens: list[int] = []
+    for _ in range(N_NEW):
+        tokens.append(int(logits[-1][-1].argmax()))
+        logits.append(engine.forward(tokens[-1:], cache))
+    return logits, tokens
+
+
+def minimal_cache_bytes(pack: Path) -> int:
+    manifest = Manifest.load(pack)
+    return manifest.model.n_expert_used * max(l.payload_bytes for l in manifest.layers)
+
+
+def daemon_for(pack: Path, tmp: Path, *extra: str) -> Daemon:
+    d = start_daemon(pack, tmp, "--stage-slots", "12", "--client-slots", "3", *extra)
+    d.wait_for("READY=1")
+    return d
+
+
+@pytest.fixture(scope="module")
+def resident(fixture_packs: dict[str, tuple[Path, Path]]) -> dict[str, Engine]:
+    return {name: Engine.load(fixture_packs[name][1], resident_experts=True) for name in MODELS}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_minimal_cache_is_bit_exact_and_counts_what_it_does(name: str, fixture_packs, resident, tmp_path: Path) -> None:
+    pack = fixture_packs[name][1]
+    d = daemon_for(pack, tmp_path)
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+    try:
+        cache = engine.expert_cache
+        assert cache.n_slots == Manifest.load(pack).model.n_expert_used
+        engine.model.moe.routing_log = {}
+        for prompt in prompts(MODELS[name]):
+            want_logits, want_tokens = greedy_run(resident[name], prompt)
+            got_logits, got_tokens = greedy_run(engine, prompt)
+            assert got_tokens == want_tokens
+            for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+                assert torch.equal(got, want), f"{name}: logits of step {step} differ from the resident run"
+
+        unique_per_call = [len(set(ids.flatten().tolist())) for calls in engine.model.moe.routing_log.values()
+                           for ids in calls]
+        stats = cache.stats()
+        c, daemon = stats["cache"], stats["daemon"]
+        assert c["hits"] + c["misses"] == sum(unique_per_call)
+        assert c["steps"] == sum(math.ceil(u / cache.n_slots) for u in unique_per_call)  # waves of n_slots
+        assert c["misses"] > 0
+        assert c["evictions"] == c["misses"] - cache.n_slots  # full after the first wave, then every miss evicts
+        assert daemon["ready"] == daemon["keys"] == c["misses"] and daemon["failed"] == 0
+        payloads = [l.payload_bytes for l in Manifest.load(pack).layers]
+        assert c["misses"] * min(payloads) <= c["h2d_bytes"] <= min(c["misses"] * max(payloads),
+                                                                     daemon["pack_read_bytes"])
+        assert c["resident_bytes"] == cache.n_slots * cache.slot_bytes and c["reconnects"] == 0
+        assert c["staging_pinned"] is False  # pinning is for a GPU; tests/gpu checks it there
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
+def test_a_cache_that_holds_everything_misses_each_expert_once(fixture_packs, resident, tmp_path: Path) -> None:
+    name = "qwen3moe-a.Q4_K_M"
+    pack = fixture_packs[name][1]
+    manifest = Manifest.load(pack)
+    d = daemon_for(pack, tmp_path)
+    everything = len(manifest.layers) * manifest.model.n_expert * max(l.payload_bytes for l in manifest.layers)
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=everything)
+    try:
+        cache = engine.expert_cache
+        engine.model.moe.routing_log = {}
+        prompt = prompts(MODELS[name])[0]
+        first_logits, _ = greedy_run(engine, prompt)
+        selected = {ExpertKey(layer, e) for layer, calls in engine.model.moe.routing_log.items()
+                    for ids in calls for e in ids.flatten().tolist()}
+        first = cache.counters.snapshot()
+        assert first["misses"] == len(selected) and first["evictions"] == 0
+        assert cache.resident_bytes == len(selected) * cache.slot_bytes
+
+        second_logits, _ = greedy_run(engine, prompt)  # the same request again: all hits
+        again = cache.counters.since(first)
+        assert again["misses"] == 0 and again["h2d_bytes"] == 0 and again["hits"] == first["hits"] + first["misses"]
+        assert all(torch.equal(a, b) for a, b in zip(first_logits, second_logits))
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
+def kill_during_a_fetch(engine: Engine, daemon: Daemon, on_fetch: int, then=None) -> None:
+    """SIGKILLs the daemon once the `on_fetch`-th fetch has handed out its first expert (the rest of
+    that request is then in flight or lost); `then` runs next, e.g. to start a new daemon. Later
+    fetches go through untouched."""
+    link = engine.expert_cache.link
+    real_fetch, calls = link.fetch, [0]
+
+    def fetch(keys):
+        calls[0] += 1
+        for i, expert in enumerate(real_fetch(keys)):
+            yield expert
+            if calls[0] == on_fetch and i == 0:
+                daemon.proc.send_signal(signal.SIGKILL)
+                daemon.proc.wait()
+                if then is not None:
+                    then()
+
+    link.fetch = fetch
+
+
+def test_daemon_killed_mid_fetch_and_restarted_changes_nothing(fixture_packs, resident, tmp_path: Path) -> None:
+    name = "qwen3moe-a.Q4_K_M"
+    pack = fixture_packs[name][1]
+    for sub in ("first", "second"):
+        (tmp_path / sub).mkdir()
+    first = daemon_for(pack, tmp_path / "first")
+    successor: list[Daemon] = []
+
+    def restart_soon() -> None:
+        def start() -> None:
+            time.sleep(0.5)
+            successor.append(daemon_for(pack, tmp_path / "second", "--endpoint", first.endpoint))
+        threading.Thread(target=start).start()
+
+    engine = Engine.load(pack, daemon=first.endpoint, cache_bytes=minimal_cache_bytes(pack), daemon_timeout_s=1.0)
+    try:
+        prompt = prompts(MODELS[name])[0]
+        kill_during_a_fetch(engine, first, on_fetch=10, then=restart_soon)
+        got_logits, got_tokens = greedy_run(engine, prompt)
+        want_logits, want_tokens = greedy_run(resident[name], prompt)
+        assert first.proc.returncode == -signal.SIGKILL and successor, "the daemon was not killed mid-generation"
+        assert engine.expert_cache.link.reconnects >= 1
+        assert got_tokens == want_tokens
+        assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+    finally:
+        engine.close()
+        first.notify.close()
+        for d in successor:
+            assert d.stop()[0] == 0
+
+
+def test_daemon_gone_for_good_fails_the_request_clearly(fixture_packs, resident, tmp_path: Path) -> None:
+    name = "qwen3moe-a.Q4_K_M"
+    pack = fixture_packs[name][1]
+    first = daemon_for(pack, tmp_path)
+    engine = Engine.load(pack, daemon=first.endpoint, cache_bytes=minimal_cache_bytes(pack),
+                         daemon_timeout_s=0.5, down_timeout_s=2.0)
+    try:
+        prompt = prompts(MODELS[name])[0]
+        kill_during_a_fetch(engine, first, on_fetch=3)
+        start = time.monotonic()
+        with pytest.raises(DaemonLost, match=r"has not answered for 2 s .* could not be fetched"):
+            greedy_run(engine, prompt)
+        assert time.monotonic() - start < 10
+        first.notify.close()
+
+        (tmp_path / "back").mkdir()
+        back = daemon_for(pack, tmp_path / "back", "--endpoint", first.endpoint)  # the daemon returns: the next request is exact
+        try:
+            got_logits, got_tokens = greedy_run(engine, prompt)
+            want_logits, want_tokens = greedy_run(resident[name], prompt)
+            assert got_tokens == want_tokens
+            assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+        finally:
+            engine.close()
+            assert back.stop()[0] == 0
+    finally:
+        engine.close()  # idempotent
+
+
+def test_a_daemon_serving_another_pack_is_refused(fixture_packs, tmp_path: Path) -> None:
+    d = daemon_for(fixture_packs["qwen3moe-a.Q2_K"][1], tmp_path)
+    try:
+        pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+        with pytest.raises(FingerprintMismatch, match="this expertd serves pack"):
+            Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+    finally:
+        assert d.stop()[0] == 0
+
+
+def test_a_cache_below_one_step_is_refused(fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    d = daemon_for(pack, tmp_path)
+    try:
+        with pytest.raises(CacheTooSmall, match="one layer can select 2"):
+            Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack) - 1)
+    finally:
+        assert d.stop()[0] == 0

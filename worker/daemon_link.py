@@ -1,0 +1,121 @@
+"""The worker's connection to expertd: fetches experts through the client library, reconnects with
+backoff when the daemon goes away and fetches again what had not arrived (reads are idempotent), and
+gives up with a clear error once the daemon has been gone longer than `down_timeout_s`. It also
+exposes the shared staging segment as a tensor, registered with CUDA (cudaHostRegister) when the
+worker runs on a GPU, so copies out of it are true async DMA."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator
+
+import torch
+
+from expertpack.client import DaemonUnavailable, Expert, ExpertClient
+from expertpack.packtools.layout import ExpertKey
+
+log = logging.getLogger("expert-worker")
+
+
+class DaemonLost(RuntimeError):
+    """expertd stayed unreachable past the timeout; the request fails, nothing wrong was computed."""
+
+
+class DaemonLink:
+    def __init__(self, endpoint: str, fingerprint: str | None, pin_for: torch.device, name: str = "expert-worker",
+                 timeout_s: float = 30.0, down_timeout_s: float = 60.0) -> None:
+        self.endpoint = endpoint
+        self.fingerprint = fingerprint
+        self.pin_for = pin_for
+        self.name = name
+        self.timeout_s = timeout_s
+        self.down_timeout_s = down_timeout_s
+        self.reconnects = 0
+        self.client: ExpertClient | None = None
+        self.staging: torch.Tensor | None = None  # the whole segment, uint8
+        self.pinned = False
+        self._registered: int | None = None
+        self._connect()
+
+    # ---- connection ---------------------------------------------------------------------------
+    def _connect(self) -> None:
+        self.client = ExpertClient(self.endpoint, name=self.name, timeout_s=self.timeout_s,
+                                   expect_fingerprint=self.fingerprint)
+        self.staging = torch.frombuffer(self.client.staging, dtype=torch.uint8)
+        self.pinned = False
+        if self.pin_for.type == "cuda":
+            self._register()
+
+    def _register(self) -> None:
+        """Page-locks the shared segment for the GPU: copies from it become DMA, not staged."""
+        assert self.staging is not None
+        ptr, size = self.staging.data_ptr(), self.staging.numel()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister of the staging failed (%s); copies will be pageable and slower", err)
+            return
+        self._registered = ptr
+        self.pinned = bool(self.staging.is_pinned())
+        if not self.pinned:
+            log.warning("the staging is registered but torch does not see it pinned; copies may be synchronous")
+
+    def _disconnect(self) -> None:
+        if self._registered is not None:
+            torch.cuda.synchronize()  # no copy may still read the segment
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+        self.staging = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def close(self) -> None:
+        self._disconnect()
+
+    @property
+    def slot_bytes(self) -> int:
+        assert self.client is not None
+        return self.client.welcome.slot_bytes
+
+    @property
+    def n_staging_slots(self) -> int:
+        assert self.client is not None
+        return len(self.client.slots)
+
+    def stats(self) -> dict | None:
+        """The daemon's STATS, or None while it is unreachable."""
+        if self.client is None:
+            return None
+        try:
+            return self.client.stats()
+        except DaemonUnavailable:
+            return None
+
+    # ---- fetching -----------------------------------------------------------------------------
+    def fetch(self, keys: list[ExpertKey]) -> Iterator[Expert]:
+        """Every key, as it arrives; across reconnects if the daemon restarts meanwhile. The caller
+        must release each expert (directly, or once a copy out of it has completed)."""
+        remaining = list(keys)
+        down_since: float | None = None
+        backoff = 0.05
+        while remaining:
+            try:
+                if self.client is None:
+                    self._connect()
+                    self.reconnects += 1
+                    log.info("reconnected to expertd at %s", self.endpoint)
+                for expert in self.client.fetch(remaining):
+                    remaining.remove(expert.key)
+                    down_since = None
+                    yield expert
+            except DaemonUnavailable as exc:
+                now = time.monotonic()
+                down_since = down_since or now
+                if now - down_since > self.down_timeout_s:
+                    raise DaemonLost(f"expertd at {self.endpoint} has not answered for {self.down_timeout_s:g} s "
+                                     f"({exc}); {len(remaining)} experts could not be fetched") from exc
+                log.warning("expertd unavailable (%s); retrying %d experts", exc, len(remaining))
+                self._disconnect()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)

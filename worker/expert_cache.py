@@ -1,0 +1,205 @@
+"""The VRAM expert cache fed by expertd, an ExpertSource like any other: one device allocation of
+`slot_count` slots of one expert block each. `load(layer, experts)` serves hits from their slots;
+misses get victims (CachePolicy: LFU, LRU among equals, never this step's experts), are fetched from
+the daemon in one request, and as each arrives its bytes are copied from the shared staging into its
+cache slot on a copy stream; the compute stream waits on each slot's event, and each staging slot is
+released once its copy is done (polled, not waited for, unless the client runs out of staging).
+On the CPU the same code runs with plain copies, so CI tests the policy and the protocol.
+Read-only: eviction never writes back."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from gguf import GGMLQuantizationType
+
+from expertpack.client import Expert
+from expertpack.packtools.layout import ExpertKey, Manifest
+
+from .cache_policy import CachePolicy, CacheTooSmall, slot_count
+from .daemon_link import DaemonLink
+from .model_files import ExpertWeights
+from .weights import QTensor
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0  # unique keys found resident, per step
+    misses: int = 0  # unique keys fetched, per step
+    evictions: int = 0
+    h2d_bytes: int = 0
+    stall_s: float = 0.0  # time load() spent waiting for misses
+    steps: int = 0
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+    def since(self, before: dict[str, float]) -> dict[str, float]:
+        """What happened after `before` (a snapshot): the per-request view of cumulative counters."""
+        return {k: v - before[k] for k, v in self.snapshot().items()}
+
+
+@dataclass
+class CopyRecord:
+    """One miss on its way in, for a timeline (recorded when `ExpertCache.timeline` is a list):
+    host times (perf_counter seconds) of its READY and of the copy call's return, whether the copy
+    was still running when the call returned (true async DMA), and when the device finished it."""
+    fetch: int  # which miss request of the run
+    key: ExpertKey
+    arrived_s: float
+    issued_s: float
+    running_at_issue: bool
+    _done: "torch.cuda.Event | None" = None
+    _ref: "tuple[torch.cuda.Event, float] | None" = None  # an event and the host time it completed
+
+    @property
+    def done_s(self) -> float:
+        if self._done is None:
+            return self.issued_s  # a synchronous copy (CPU)
+        ref_event, ref_host = self._ref
+        self._done.synchronize()
+        return ref_host + ref_event.elapsed_time(self._done) / 1000
+
+
+@dataclass
+class _Pending:
+    event: "torch.cuda.Event"
+    expert: Expert
+
+
+class ExpertCache:
+    def __init__(self, manifest: Manifest, link: DaemonLink, device: torch.device, cache_bytes: int,
+                 reserve_bytes: int = 0) -> None:
+        self.manifest = manifest
+        self.link = link
+        self.device = device
+        self.layers = {l.layer: l for l in manifest.layers}
+        self.slot_bytes = max(l.payload_bytes for l in manifest.layers)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else cache_bytes + reserve_bytes
+        every_expert = len(manifest.layers) * manifest.model.n_expert  # no use for more slots than that
+        self.n_slots = min(every_expert, slot_count(cache_bytes, free, reserve_bytes, self.slot_bytes,
+                                                    manifest.model.n_expert_used))
+        self.memory = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.policy = CachePolicy(self.n_slots)
+        self.counters = CacheCounters()
+        self.ready: dict[int, torch.cuda.Event] = {}  # slot -> event its last copy recorded
+        self._pending: deque[_Pending] = deque()  # staging slots whose copy may still run
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.timeline: list[CopyRecord] | None = None  # set to [] to record every miss (tests, benchmarks)
+        self._fetches = 0
+        self._ref: tuple[torch.cuda.Event, float] | None = None
+
+    @property
+    def capacity(self) -> int:
+        """The most experts one load() can hand out at once (ExpertFFN splits larger steps)."""
+        return self.n_slots
+
+    @property
+    def resident_bytes(self) -> int:
+        return len(self.policy.slot_of) * self.slot_bytes
+
+    def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
+        keys = [ExpertKey(layer, e) for e in experts]
+        if len(keys) > self.n_slots:
+            raise CacheTooSmall(f"{len(keys)} experts requested at once, the cache holds {self.n_slots}")
+        self.policy.touch(keys)
+        self.counters.steps += 1
+        misses = [k for k in keys if k not in self.policy.slot_of]
+        self.counters.hits += len(keys) - len(misses)
+        if misses:
+            self._fetch(misses, protected=set(keys))
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        out: dict[int, ExpertWeights] = {}
+        for key in keys:
+            slot = self.policy.slot_of[key]
+            if compute is not None and slot in self.ready:
+                compute.wait_event(self.ready[slot])
+            out[key.expert] = self._views(key, slot)
+        return out
+
+    # ---- misses --------------------------------------------------------------------------------
+    def _fetch(self, misses: list[ExpertKey], protected: set[ExpertKey]) -> None:
+        start = time.perf_counter()
+        victims = self.policy.victims(len(misses), protected)
+        self.counters.misses += len(misses)
+        self._fetches += 1
+        if self.timeline is not None and self.copy_stream is not None:
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record(self.copy_stream)
+            ref.synchronize()
+            self._ref = (ref, time.perf_counter())
+        free_slots = list(victims)
+        for expert in self.link.fetch(misses):
+            slot = free_slots.pop()
+            arrived = time.perf_counter()
+            self._copy_in(expert, slot, arrived)  # the slot is recorded as holding the expert only once its copy is issued
+            self.counters.evictions += self.policy.place(slot, expert.key) is not None
+            self._release_finished(keep_free=1)
+        self._release_finished(keep_free=0, wait=self.device.type != "cuda")
+        self.counters.stall_s += time.perf_counter() - start
+
+    def _copy_in(self, expert: Expert, slot: int, arrived: float) -> None:
+        dst = self.memory[slot * self.slot_bytes: slot * self.slot_bytes + expert.nbytes]
+        self.counters.h2d_bytes += expert.nbytes
+        if self.copy_stream is None:
+            dst.copy_(torch.frombuffer(expert.data, dtype=torch.uint8))
+            expert.release()
+            if self.timeline is not None:
+                self.timeline.append(CopyRecord(self._fetches, expert.key, arrived, time.perf_counter(), False))
+            return
+        staging = self.link.staging
+        assert staging is not None
+        base = expert.slot * self.link.slot_bytes
+        src = staging[base: base + expert.nbytes]
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the slot's old readers are done
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event(enable_timing=self.timeline is not None)
+            event.record(self.copy_stream)
+        if self.timeline is not None:
+            self.timeline.append(CopyRecord(self._fetches, expert.key, arrived, time.perf_counter(),
+                                            not event.query(), event, self._ref))
+        self.ready[slot] = event
+        self._pending.append(_Pending(event, expert))
+
+    def _release_finished(self, keep_free: int, wait: bool = False) -> None:
+        """Gives back staging slots whose copy is done. If the client has fewer than `keep_free`
+        staging slots left for the rest of the fetch, waits for the oldest copy."""
+        if self._pending and self._pending[0].expert.client is not self.link.client:
+            # The daemon went away and the link reconnected: it synchronized the device before
+            # unmapping, so those copies are complete, and their leases died with the old session.
+            self._pending = deque(p for p in self._pending if p.expert.client is self.link.client)
+        while self._pending and self._pending[0].event.query():
+            self._pending.popleft().expert.release()
+        while self._pending and len(self._pending) > self.link.n_staging_slots - keep_free:
+            oldest = self._pending.popleft()
+            oldest.event.synchronize()
+            oldest.expert.release()
+        if wait:
+            while self._pending:
+                self._pending.popleft().expert.release()
+
+    def _views(self, key: ExpertKey, slot: int) -> ExpertWeights:
+        base = slot * self.slot_bytes
+        entry = self.layers[key.layer]
+        return {r.role: QTensor(r.tensor, GGMLQuantizationType[r.ggml_type], tuple(r.shape),
+                                self.memory[base + r.offset: base + r.offset + r.nbytes])
+                for r in entry.roles}
+
+    def stats(self) -> dict:
+        """The cache's cumulative counters and state, and the daemon's counters next to them (None
+        while the daemon is unreachable)."""
+        return {"cache": {**self.counters.snapshot(), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
+                          "resident_bytes": self.resident_bytes, "staging_pinned": self.link.pinned,
+                          "reconnects": self.link.reconnects},
+                "daemon": (self.link.stats() or {}).get("counters")}
+
+    def close(self) -> None:
+        if self.copy_stream is not None:
+            torch.cuda.synchronize(self.device)
+        self._release_finished(keep_free=0, wait=True)
+        self.link.close()
