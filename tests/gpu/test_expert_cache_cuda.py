@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
-from expertpack.packtools.layout import Manifest
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
 from expertpack.worker.engine import Engine
 
 from ..conftest import FIXTURES, start_daemon
+from ..worker.test_expert_cache import greedy_run as greedy
+from ..worker.test_expert_cache import minimal_cache_bytes
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]
@@ -29,21 +30,6 @@ FIXTURE_MODELS = {"qwen3moe-a": "qwen3moe-a.Q4_K_M.gguf", "gptoss-a": "gptoss-a.
 def pack_of(src: Path, out: Path) -> Path:
     build_pack(src, out, BuildOptions(progress=False, safety_margin_bytes=0))
     return out
-
-
-def minimal_cache_bytes(pack: Path) -> int:
-    manifest = Manifest.load(pack)
-    return manifest.model.n_expert_used * max(l.payload_bytes for l in manifest.layers)
-
-
-def greedy(engine: Engine, prompt: list[int], n: int = 6) -> tuple[list[torch.Tensor], list[int]]:
-    cache = engine.new_cache()
-    logits = [engine.forward(prompt, cache)]
-    tokens: list[int] = []
-    for _ in range(n):
-        tokens.append(int(logits[-1][-1].argmax()))
-        logits.append(engine.forward(tokens[-1:], cache))
-    return logits, tokens
 
 
 @pytest.fixture(scope="module")

@@ -46,12 +46,12 @@ def prompts(model: str) -> list[list[int]]:
     return [first, first[::-1][:12]]
 
 
-def greedy_run(engine: Engine, prompt: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+def greedy_run(engine: Engine, prompt: list[int], n: int = N_NEW) -> tuple[list[torch.Tensor], list[int]]:
     """Logits of the prompt and of every decode step, and the greedy tokens."""
     cache = engine.new_cache()
     logits = [engine.forward(prompt, cache)]
     tokens: list[int] = []
-    for _ in range(N_NEW):
+    for _ in range(n):
         tokens.append(int(logits[-1][-1].argmax()))
         logits.append(engine.forward(tokens[-1:], cache))
     return logits, tokens
