@@ -32,8 +32,8 @@ test: $(STAMP) system-tools
 test-fast: $(STAMP) system-tools
 	$(PY) -m pytest -q -m "not slow" tests
 
-# The main job end to end on a tiny built-in model (scripts/demo.sh says what it does). The worker
-# and the HTTP API join it as they land.
+# The main job end to end on a tiny built-in model, on the CPU: synth, pack, expertd, expert-worker,
+# one chat request over HTTP (scripts/demo.sh says what it does).
 demo: $(STAMP)
 	scripts/demo.sh
 

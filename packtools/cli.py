@@ -108,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and a JSON line",
                            description="io: expertd against fio and the buffered path on one pack "
-                                       "(`expertpack bench io --help`).")
-    bench.add_argument("kind", choices=("io",))
+                                       "(`expertpack bench io --help`); serve: the reference serving protocol "
+                                       "against an OpenAI-compatible endpoint (`expertpack bench serve --help`).")
+    bench.add_argument("kind", choices=("io", "serve"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(run=_bench)
     return p
@@ -192,9 +193,9 @@ def _eval(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     # The benchmarks drive the daemon and its client: imported only here, so the offline tools
     # keep depending on nothing above packtools.
-    from expertpack.client import bench_io
+    from expertpack.client import bench_io, bench_serve
 
-    return bench_io.main(args.rest)
+    return (bench_io if args.kind == "io" else bench_serve).main(args.rest)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,294 @@
+"""expert-worker as users run it: a real expertd and a real expert-worker process on a fixture
+model's pack, spoken to with the official `openai` client (nobody here wrote it):
+
+- completions and chat, streamed and not, give the greedy text the in-process engine gives;
+- usage carries the token counts, the rates, the hit rate and the bytes read;
+- /metrics parses with prometheus_client's own parser and counts what happened;
+- bad requests get OpenAI-style 400/404 errors and the server keeps serving;
+- the daemon killed during a generation: restarted, the request completes with the same text;
+  left dead, the request fails with a clear 503 and the worker stays up and serves again once
+  the daemon is back; SIGTERM stops the worker cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from expertpack.packtools.layout import Manifest
+from expertpack.worker.chat_template import ChatTemplate
+from expertpack.worker.engine import Engine
+from expertpack.worker.sampling import Sampler
+from expertpack.worker.tokenizer import load_tokenizer
+
+from ..conftest import BIN, Daemon, run_cli, start_daemon
+
+PACK = "qwen3moe-a.Q4_K_M"  # carries Qwen's chat template
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def post(self, path: str, body: bytes) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str) -> Worker:
+    port = free_port()
+    log_path = tmp / "worker.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(BIN / "expert-worker"), "--pack", str(pack), "--daemon", endpoint, "--device",
+                                 "cpu", "--port", str(port), "--model-name", "fixture", "--cache-vram-mib", "1", *extra],
+                                stdout=log, stderr=log)
+    w = Worker(proc, port, log_path)
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"expert-worker exited {proc.returncode}: {w.log}")
+        try:
+            if w.get("/health")[0] == 200:
+                return w
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"expert-worker never became healthy: {w.log}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def served(fixture_packs, tmp_path_factory: pytest.TempPathFactory):
+    pack = fixture_packs[PACK][1]
+    tmp = tmp_path_factory.mktemp("served")
+    daemon = start_daemon(pack, tmp, "--client-slots", "4")
+    daemon.wait_for("READY=1")
+    worker = start_worker(pack, daemon.endpoint, tmp)
+    yield pack, daemon, worker
+    assert worker.stop() == 0, worker.log
+    assert "stopped" in worker.log and "Traceback" not in worker.log
+    assert daemon.stop()[0] == 0
+
+
+@pytest.fixture(scope="module")
+def local(served) -> tuple[Engine, object]:
+    engine = Engine.load(served[0])
+    return engine, load_tokenizer(engine.files.metadata)
+
+
+def local_greedy(local, prompt_ids: list[int], n: int) -> str:
+    engine, tokenizer = local
+    tokens, _ = engine.generate(prompt_ids, n, Sampler(), stop=set(tokenizer.stop_ids))
+    return tokenizer.decode(tokens)
+
+
+def local_chat_ids(local, messages) -> list[int]:
+    engine, tokenizer = local
+    text = ChatTemplate(engine.files.metadata).render(messages)
+    return tokenizer.encode(text)
+
+
+def test_completions_match_the_in_process_engine(served, local) -> None:
+    _, _, worker = served
+    client = worker.client()
+    prompt = "The quick brown fox"
+    want = local_greedy(local, local[1].encode(prompt), 12)
+    got = client.completions.create(model="fixture", prompt=prompt, max_tokens=12, temperature=0)
+    assert got.choices[0].text == want
+    assert got.usage.prompt_tokens == len(local[1].encode(prompt)) and got.usage.completion_tokens >= 1
+    extra = got.model_extra
+    assert extra["timings"]["prompt_per_second"] > 0 and extra["expertpack"]["ssd_bytes"] > 0
+    assert 0 <= extra["expertpack"]["hit_rate"] <= 1
+
+    pieces, finish = [], None
+    for chunk in client.completions.create(model="fixture", prompt=prompt, max_tokens=12, temperature=0, stream=True):
+        pieces.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == want and finish == got.choices[0].finish_reason
+
+    ids = local[1].encode(prompt)
+    by_ids = client.completions.create(model="fixture", prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == want
+
+
+def test_chat_matches_the_in_process_engine(served, local) -> None:
+    _, _, worker = served
+    client = worker.client()
+    want = local_greedy(local, local_chat_ids(local, CHAT), 10)
+    got = client.chat.completions.create(model="fixture", messages=CHAT, max_tokens=10, temperature=0)
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want
+    stream = client.chat.completions.create(model="fixture", messages=CHAT, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+
+
+def test_ignore_eos_gives_exactly_max_tokens_and_models_lists_the_model(served) -> None:
+    _, _, worker = served
+    client = worker.client()
+    got = client.completions.create(model="fixture", prompt="a", max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 20 and got.choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list()] == ["fixture"]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served) -> None:
+    _, _, worker = served
+    client = worker.client()
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model="fixture", prompt="hi", max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model="fixture", messages=CHAT, n=2)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="fixture", messages=[])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="fixture", prompt="hi", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="prompt token ids"):
+        client.completions.create(model="fixture", prompt=[1, 10**7])
+    status, body = worker.post("/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    ok = client.completions.create(model="fixture", prompt="still here", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_metrics_parse_and_count(served) -> None:
+    _, _, worker = served
+    client = worker.client()
+    before = metric_values(worker)
+    got = client.completions.create(model="fixture", prompt="count me", max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    after = metric_values(worker)
+    assert after["expertpack_completion_tokens_total"] - before["expertpack_completion_tokens_total"] == 4
+    assert after["expertpack_prompt_tokens_total"] - before["expertpack_prompt_tokens_total"] == got.usage.prompt_tokens
+    looked = sum(after[k] - before[k] for k in ("expertpack_cache_hits_total", "expertpack_cache_misses_total"))
+    assert looked > 0 and after["expertpack_cache_h2d_bytes_total"] > before["expertpack_cache_h2d_bytes_total"]
+    assert after["expertpack_daemon_up"] == 1 and after["expertpack_daemon_read_bytes_total"] > 0
+    m = Manifest.load(served[0])
+    slots = min(len(m.layers) * m.model.n_expert, 2**20 // max(l.payload_bytes for l in m.layers))
+    assert after["expertpack_cache_slots"] == slots
+
+
+def metric_values(worker: Worker) -> dict[str, float]:
+    status, text = worker.get("/metrics")
+    assert status == 200
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def test_daemon_killed_during_a_generation(fixture_packs, local, tmp_path: Path) -> None:
+    pack = fixture_packs[PACK][1]
+    for sub in ("a", "b", "c"):
+        (tmp_path / sub).mkdir()
+    first = start_daemon(pack, tmp_path / "a")
+    first.wait_for("READY=1")
+    worker = start_worker(pack, first.endpoint, tmp_path / "a", "--daemon-timeout-s", "1",
+                          "--daemon-down-timeout-s", "4")
+    client = worker.client()
+    prompt = "A long story begins"
+    want = local_greedy(local, local[1].encode(prompt), 48)
+    later: list[Daemon] = []
+    try:
+        # Restarted soon after: the worker reconnects and the text is the text.
+        pieces = []
+        stream = client.completions.create(model="fixture", prompt=prompt, max_tokens=48, temperature=0, stream=True)
+        for i, chunk in enumerate(stream):
+            pieces.append(chunk.choices[0].text)
+            if i == 0:
+                first.proc.send_signal(signal.SIGKILL)
+                first.proc.wait()
+                threading.Timer(0.5, lambda: later.append(
+                    start_daemon(pack, tmp_path / "b", "--endpoint", first.endpoint))).start()
+        assert "".join(pieces) == want
+        assert "reconnected to expertd" in worker.log
+
+        # Gone for good: a clear 503, and the worker stays up.
+        later[0].wait_for("READY=1")
+        later[0].proc.send_signal(signal.SIGKILL)
+        later[0].proc.wait()
+        with pytest.raises(openai.APIStatusError, match="expert storage unavailable") as err:
+            client.completions.create(model="fixture", prompt=prompt, max_tokens=8, temperature=0)
+        assert err.value.status_code == 503
+        assert worker.get("/health")[0] == 503 and worker.proc.poll() is None
+
+        back = start_daemon(pack, tmp_path / "c", "--endpoint", first.endpoint)
+        later.append(back)
+        back.wait_for("READY=1")
+        again = client.completions.create(model="fixture", prompt=prompt, max_tokens=48, temperature=0)
+        assert again.choices[0].text == want
+    finally:
+        assert worker.stop() == 0, worker.log
+        first.notify.close()
+        for d in later:
+            d.stop()
+
+
+def test_bench_serve_replays_the_protocol(served, tmp_path: Path) -> None:
+    _, _, worker = served
+    proc = run_cli("bench", "serve", "--endpoint", worker.url, "--max-tokens", "5", "--out", tmp_path,
+                   "--label", "fixture on CPU", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "bench-serve.json").read_text())
+    assert report["model"] == "fixture" and len(report["requests"]) == 10
+    assert all(r["completion_tokens"] == 5 and r["rates_from"] == "server" for r in report["requests"])
+    for name in ("instruction", "multiple-choice"):
+        s = report["summary"][name]
+        assert s["requests"] == 5 and s["decode_tokens_per_s"] > 0 and 0 <= s["hit_rate"] <= 1
+        assert s["ssd_gb_per_token"] is not None
+        assert name in proc.stdout
+    assert (tmp_path / "bench-serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    down = run_cli("bench", "serve", "--endpoint", "http://127.0.0.1:9", "--out", tmp_path)
+    assert down.returncode == 2 and "is the server running" in down.stderr and "Traceback" not in down.stderr

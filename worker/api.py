@@ -1,0 +1,301 @@
+"""The OpenAI-compatible HTTP API of expert-worker (FastAPI): /v1/completions and
+/v1/chat/completions, streamed (server-sent events) or not, /v1/models, /health and /metrics.
+
+One generation runs at a time, in a worker thread so the event loop keeps answering; others wait
+their turn (nothing is dropped). The turn is taken inside the thread: a streamed request whose
+client went away keeps it until its generation has noticed and stopped. Bad requests get OpenAI-style errors (400 invalid_request_error,
+404 for an unknown model); a daemon that stays away fails the request with 503 and the server
+keeps serving. Beside the standard `usage`, responses carry llama-server's `timings` (so one
+benchmark client reads both) and an `expertpack` object: unique-key hit rate and SSD bytes read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from expertpack.client import ClientError
+
+from .chat_template import ChatTemplate, ChatTemplateError
+from .daemon_link import DaemonLost
+from .generation import Completion, ContextExceeded, Generator, Request as GenRequest
+from .metrics import ServeCounters, render
+from .sampling import Sampler
+
+log = logging.getLogger("expert-worker")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send fields we ignore (user, metadata, ...)
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False  # llama-server's and vLLM's extension: generate exactly max_tokens
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+
+
+class WorkerService:
+    """What the routes share: the generator, the model's name and template, the turn lock."""
+
+    def __init__(self, generator: Generator, model_name: str) -> None:
+        self.generator = generator
+        self.model_name = model_name
+        self.counters = ServeCounters()
+        self._turn = threading.Lock()
+        try:
+            self.template: ChatTemplate | None = ChatTemplate(generator.engine.files.metadata)
+        except ChatTemplateError as exc:
+            log.warning("%s; /v1/chat/completions will refuse requests", exc)
+            self.template = None
+
+    def generate(self, req: GenRequest, on_text=None, cancelled=lambda: False) -> Completion:
+        """In a worker thread: waits for the turn, then generates."""
+        with self._turn:
+            return self.generator.run(req, on_text, cancelled)
+
+    def daemon_stats(self) -> dict | None:
+        cache = self.generator.engine.expert_cache
+        return None if cache is None else cache.link.stats()
+
+
+def create_app(service: WorkerService) -> FastAPI:
+    app = FastAPI(title="expert-worker", description="OpenAI-compatible API of an expertpack worker")
+    tokenizer = service.generator.tokenizer
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        service.counters.count(request.url.path, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request body"))
+        return await api_error(request, ApiError(400, message, param=where))
+
+    def check_model(body: _Common) -> None:
+        if body.model != service.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist; this worker serves "
+                                f"`{service.model_name}`", param="model", code="model_not_found")
+        if body.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if body.logprobs:
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+
+    def gen_request(body: _Common, prompt_ids: list[int], max_tokens: int | None) -> GenRequest:
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
+            raise ApiError(400, f"prompt token ids must lie in 0..{tokenizer.vocab_size - 1}", param="prompt")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stop) > 4:
+            raise ApiError(400, "at most 4 stop sequences", param="stop")
+        max_tokens = max_tokens or min(16 if isinstance(body, CompletionBody) else 1 << 30,
+                                       service.generator.n_ctx - len(prompt_ids))
+        try:
+            service.generator.check_fits(len(prompt_ids), max_tokens)
+        except ContextExceeded as exc:
+            raise ApiError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+        sampler = Sampler(body.temperature, body.top_k, body.top_p, body.seed if body.seed is not None else 0)
+        return GenRequest(prompt_ids, max_tokens, sampler, stop, body.ignore_eos)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        check_model(body)
+        if body.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, "one prompt per request", param="prompt")
+            prompt = prompt[0]
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        req = gen_request(body, ids, body.max_tokens)
+        return await respond(request, body, req, "text_completion", "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request) -> Response:
+        check_model(body)
+        if service.template is None:
+            raise ApiError(400, "this model carries no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
+        try:
+            text = service.template.render(messages)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        starts_with_bos = bool(service.template.bos_token) and text.startswith(service.template.bos_token)
+        ids = tokenizer.encode(text, add_special=not starts_with_bos)
+        req = gen_request(body, ids, body.max_completion_tokens or body.max_tokens)
+        return await respond(request, body, req, "chat.completion", "chatcmpl")
+
+    async def respond(request: Request, body: _Common, req: GenRequest, kind: str, prefix: str) -> Response:
+        rid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
+        head = {"id": rid, "created": created, "model": service.model_name}
+        chat_kind = kind == "chat.completion"
+        if not body.stream:
+            completion = await run_turn(request.url.path, req)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": completion.text},
+                       "finish_reason": completion.finish_reason, "logprobs": None} if chat_kind else
+                      {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
+                       "logprobs": None})
+            return JSONResponse({**head, "object": kind, "choices": [choice], **_usage_fields(completion)})
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(stream(request, head, kind + (".chunk" if chat_kind else ""), chat_kind, req,
+                                        include_usage), media_type="text/event-stream")
+
+    async def run_turn(path: str, req: GenRequest) -> Completion:
+        start = time.perf_counter()
+        try:
+            completion = await asyncio.to_thread(service.generate, req)
+        except (DaemonLost, ClientError) as exc:
+            raise ApiError(503, f"expert storage unavailable: {exc}", kind="server_error",
+                           code="daemon_unavailable") from None
+        account(path, 200, completion, time.perf_counter() - start)
+        return completion
+
+    async def stream(request: Request, head: dict, kind: str, chat_kind: bool, req: GenRequest,
+                     include_usage: bool) -> AsyncIterator[str]:
+        def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
+            if chat_kind:
+                d: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+                    {} if delta is None else {"content": delta})
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            return _sse({**head, "object": kind, "choices": [choice]})
+
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        stop = threading.Event()
+        start = time.perf_counter()
+        if chat_kind:
+            yield chunk(None, first=True)
+        work = asyncio.ensure_future(asyncio.to_thread(
+            service.generate, req, lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece), stop.is_set))
+        work.add_done_callback(lambda _: pieces.put_nowait(None))
+        try:
+            while (piece := await pieces.get()) is not None:
+                yield chunk(piece)
+            completion = await work
+        except (DaemonLost, ClientError) as exc:
+            service.counters.count(request.url.path, 503)
+            yield _sse(ApiError(503, f"expert storage unavailable: {exc}", kind="server_error",
+                                code="daemon_unavailable").body())
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            stop.set()  # the client went away, or we are done: the generation stops at its next token
+        account(request.url.path, 200, completion, time.perf_counter() - start)
+        final = json.loads(chunk(None, completion.finish_reason)[len("data: "):])
+        yield _sse({**final, **{k: v for k, v in _usage_fields(completion).items() if k != "usage"}})
+        if include_usage:
+            yield _sse({**head, "object": kind, "choices": [], "usage": _usage_fields(completion)["usage"]})
+        yield "data: [DONE]\n\n"
+
+    def account(path: str, status: int, completion: Completion, seconds: float) -> None:
+        c, u = service.counters, completion.usage
+        c.count(path, status)
+        c.prompt_tokens += u.prompt_tokens
+        c.completion_tokens += u.completion_tokens
+        c.request_seconds_sum += seconds
+        c.request_seconds_count += 1
+        c.prefill_seconds += u.prefill_s
+        c.decode_seconds += u.decode_s
+        log.info("%s: %d prompt + %d completion tokens, prefill %.1f tok/s, decode %.2f tok/s, hit rate %s, "
+                 "%.1f MB read", path, u.prompt_tokens, u.completion_tokens, u.prefill_tokens_per_s,
+                 u.decode_tokens_per_s, "-" if u.hit_rate is None else f"{u.hit_rate:.1%}", u.ssd_bytes / 1e6)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
+                                            "owned_by": "expertpack"}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        cache = service.generator.engine.expert_cache
+        if cache is None:
+            return JSONResponse({"status": "ok"})
+        up = await asyncio.to_thread(service.daemon_stats) is not None
+        return JSONResponse({"status": "ok" if up else "degraded", "daemon": "up" if up else "unreachable"},
+                            status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        cache = service.generator.engine.expert_cache
+        stats = None if cache is None else await asyncio.to_thread(cache.stats)
+        return PlainTextResponse(render(service.counters, stats and stats["cache"], stats and stats["daemon"]),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _text_of(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ApiError(400, f"content parts of type {part.get('type')!r} are not supported (text only)",
+                           param="messages")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def _usage_fields(c: Completion) -> dict[str, Any]:
+    u = c.usage
+    return {
+        "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                  "total_tokens": u.prompt_tokens + u.completion_tokens},
+        "timings": {"prompt_n": u.prompt_tokens, "prompt_ms": u.prefill_s * 1e3,
+                    "prompt_per_second": u.prefill_tokens_per_s, "predicted_n": u.completion_tokens,
+                    "predicted_ms": u.decode_s * 1e3, "predicted_per_second": u.decode_tokens_per_s},
+        "expertpack": {"hit_rate": u.hit_rate, "ssd_bytes": u.ssd_bytes, "cache": u.cache},
+    }
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,75 @@
+"""The worker's counters in the Prometheus text exposition format (version 0.0.4), for /metrics:
+requests, tokens and latency from the HTTP side, the expert cache's counters and state, and the
+daemon's read bytes and errors as it last reported them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServeCounters:
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, status code) -> count
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    request_seconds_sum: float = 0.0
+    request_seconds_count: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def count(self, endpoint: str, status: int) -> None:
+        key = (endpoint, str(status))
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+
+def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:
+    if labels:
+        inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        return f"{name}{{{inner}}} {value}"
+    return f"{name} {value}"
+
+
+def render(serve: ServeCounters, cache: dict | None, daemon: dict | None) -> str:
+    """cache: ExpertCache.stats()["cache"] (None without one); daemon: its counters (None when down)."""
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[float, dict[str, str] | None]],
+               suffix: str = "") -> None:
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(_line(name + suffix, v, labels) for v, labels in samples)
+
+    metric("expertpack_requests", "counter", "HTTP requests answered, by endpoint and status code.",
+           [(n, {"endpoint": e, "code": c}) for (e, c), n in sorted(serve.requests.items())], "_total")
+    metric("expertpack_prompt_tokens", "counter", "Prompt tokens prefilled.", [(serve.prompt_tokens, None)], "_total")
+    metric("expertpack_completion_tokens", "counter", "Tokens generated.", [(serve.completion_tokens, None)], "_total")
+    out.append("# HELP expertpack_request_seconds Wall time of generation requests, queueing included.")
+    out.append("# TYPE expertpack_request_seconds summary")
+    out.append(_line("expertpack_request_seconds_sum", serve.request_seconds_sum))
+    out.append(_line("expertpack_request_seconds_count", serve.request_seconds_count))
+    metric("expertpack_prefill_seconds", "counter", "Time spent in prefill.", [(serve.prefill_seconds, None)], "_total")
+    metric("expertpack_decode_seconds", "counter", "Time spent decoding after the first token.",
+           [(serve.decode_seconds, None)], "_total")
+    if cache is not None:
+        for key, help_text in (("hits", "Unique experts of a step found in the cache."),
+                               ("misses", "Unique experts of a step fetched from expertd."),
+                               ("evictions", "Experts evicted to make room."),
+                               ("h2d_bytes", "Expert bytes copied from the staging into the cache."),
+                               ("stall_s", "Seconds the model waited for missing experts.")):
+            name = {"stall_s": "expertpack_cache_stall_seconds", "h2d_bytes": "expertpack_cache_h2d_bytes"}.get(
+                key, f"expertpack_cache_{key}")
+            metric(name, "counter", help_text, [(cache[key], None)], "_total")
+        metric("expertpack_cache_resident_bytes", "gauge", "Bytes of experts held in the cache.",
+               [(cache["resident_bytes"], None)])
+        metric("expertpack_cache_slots", "gauge", "Expert slots of the cache.", [(cache["slots"], None)])
+        metric("expertpack_daemon_reconnects", "counter", "Times the worker reconnected to expertd.",
+               [(cache["reconnects"], None)], "_total")
+    metric("expertpack_daemon_up", "gauge", "1 when expertd answered the last STATS.", [(int(daemon is not None), None)])
+    if daemon is not None:
+        metric("expertpack_daemon_read_bytes", "counter", "Bytes expertd read from the pack (all clients).",
+               [(daemon["pack_read_bytes"], None)], "_total")
+        metric("expertpack_daemon_io_errors", "counter", "Pack reads that failed in expertd.",
+               [(daemon["io_errors"], None)], "_total")
+        metric("expertpack_daemon_failed", "counter", "Keys expertd answered with FAIL (errors, cancels).",
+               [(daemon["failed"], None)], "_total")
+    return "\n".join(out) + "\n"
