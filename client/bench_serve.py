@@ -189,13 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  warning: {r.completion_tokens} completion tokens, not {args.max_tokens} (the server "
                           "may not honour ignore_eos)", file=sys.stderr)
                 results.append(r)
-        summary = summarize(results)
-        args.out.mkdir(parents=True, exist_ok=True)
-        title = f"{args.label or model} — {args.max_tokens} tokens per request, temperature 0"
-        chart(summary, args.out / "bench-serve.png", title)
     except ServeError as exc:
         print(f"expertpack bench serve: {exc}", file=sys.stderr)
         return 2
+    summary = summarize(results)
 
     def fmt(v: float | None, pattern: str) -> str:
         return "n/a" if v is None else pattern.format(v)
@@ -207,9 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     report = {"bench": "serve", "date": date.today().isoformat(), "endpoint": args.endpoint, "model": model,
               "label": args.label, "max_tokens": args.max_tokens, "summary": summary,
               "requests": [asdict(r) for r in results]}
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench-serve.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out / 'bench-serve.json'} and {args.out / 'bench-serve.png'}", file=sys.stderr)
     print(json.dumps({k: v for k, v in report.items() if k != "requests"}))
+    try:  # last: a machine without matplotlib still gets the table and the JSON
+        chart(summary, args.out / "bench-serve.png",
+              f"{args.label or model} — {args.max_tokens} tokens per request, temperature 0")
+    except ServeError as exc:
+        print(f"expertpack bench serve: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out / 'bench-serve.json'} and {args.out / 'bench-serve.png'}", file=sys.stderr)
     return 0
 
 
