@@ -3,8 +3,8 @@
 # and pack a Qwen3-30B-A3B-shaped model (LAYERS of its 48 layers), measure it with
 # bench/decode_streaming.py (streaming vs resident vs the I/O bound, cache CACHE_GIB), then start
 # expertd and expert-worker (CUDA, the same cache) and replay `expertpack bench serve` with
-# MAX_TOKENS per request. Needs .whl carried along (../shared/device/wheels.sh plus jinja2,
-# markupsafe and matplotlib with its dependencies). Usage there:
+# MAX_TOKENS per request. Needs .whl carried along (../shared/device/wheels.sh plus jinja2 and
+# markupsafe; that machine has matplotlib). Usage there:
 #   bash bench/serve_on_device.sh LAYERS CACHE_GIB MAX_TOKENS
 set -euo pipefail
 layers=${1:-48}
