@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API of expert-worker (FastAPI): /v1/completions and
 /v1/chat/completions, streamed (server-sent events) or not, /v1/models, /health and /metrics.
 
-One generation runs at a time, in a worker thread so the event loop keeps answering; others wait
-their turn (nothing is dropped). The turn is taken inside the thread: a streamed request whose
-client went away keeps it until its generation has noticed and stopped. Bad requests get OpenAI-style errors (400 invalid_request_error,
+One generation runs at a time, on the service's own one-thread executor so the event loop (and
+/health, /metrics) keeps answering; others wait their turn, nothing is dropped. A request whose
+client went away stops at its next token (or never starts); at shutdown every generation stops. Bad requests get OpenAI-style errors (400 invalid_request_error,
 404 for an unknown model); a daemon that stays away fails the request with 503 and the server
 keeps serving. Beside the standard `usage`, responses carry llama-server's `timings` (so one
 benchmark client reads both) and an `expertpack` object: unique-key hit rate and SSD bytes read."""
@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
@@ -78,23 +80,33 @@ class ChatBody(_Common):
 
 
 class WorkerService:
-    """What the routes share: the generator, the model's name and template, the turn lock."""
+    """What the routes share: the generator, the model's name and template, the one generation
+    thread, and the flag that stops every generation at shutdown."""
 
     def __init__(self, generator: Generator, model_name: str) -> None:
         self.generator = generator
         self.model_name = model_name
         self.counters = ServeCounters()
-        self._turn = threading.Lock()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self.stopping = threading.Event()
         try:
             self.template: ChatTemplate | None = ChatTemplate(generator.engine.files.metadata)
         except ChatTemplateError as exc:
             log.warning("%s; /v1/chat/completions will refuse requests", exc)
             self.template = None
 
-    def generate(self, req: GenRequest, on_text=None, cancelled=lambda: False) -> Completion:
-        """In a worker thread: waits for the turn, then generates."""
-        with self._turn:
-            return self.generator.run(req, on_text, cancelled)
+    async def generate(self, req: GenRequest, on_text=None, gone: threading.Event | None = None) -> Completion:
+        """Runs on the generation thread when its turn comes; `gone` set: the client left."""
+        gone = gone or threading.Event()
+        cancelled = lambda: gone.is_set() or self.stopping.is_set()  # noqa: E731
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.generator.run, req, on_text, cancelled)
+
+    def shutdown(self) -> None:
+        """Stops the generation in flight at its next token and waits for it (the engine may then
+        be closed); requests still queued are dropped with the server."""
+        self.stopping.set()
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     def daemon_stats(self) -> dict | None:
         cache = self.generator.engine.expert_cache
@@ -129,6 +141,9 @@ def create_app(service: WorkerService) -> FastAPI:
     def gen_request(body: _Common, prompt_ids: list[int], max_tokens: int | None) -> GenRequest:
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) >= service.generator.n_ctx:
+            raise ApiError(400, f"This model's maximum context length is {service.generator.n_ctx} tokens; the prompt "
+                                f"alone has {len(prompt_ids)}.", param="messages", code="context_length_exceeded")
         if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
             raise ApiError(400, f"prompt token ids must lie in 0..{tokenizer.vocab_size - 1}", param="prompt")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -140,7 +155,8 @@ def create_app(service: WorkerService) -> FastAPI:
             service.generator.check_fits(len(prompt_ids), max_tokens)
         except ContextExceeded as exc:
             raise ApiError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
-        sampler = Sampler(body.temperature, body.top_k, body.top_p, body.seed if body.seed is not None else 0)
+        seed = body.seed if body.seed is not None else random.getrandbits(63)  # unseeded: different each time
+        sampler = Sampler(body.temperature, body.top_k, body.top_p, seed)
         return GenRequest(prompt_ids, max_tokens, sampler, stop, body.ignore_eos)
 
     @app.post("/v1/completions")
@@ -177,7 +193,7 @@ def create_app(service: WorkerService) -> FastAPI:
         head = {"id": rid, "created": created, "model": service.model_name}
         chat_kind = kind == "chat.completion"
         if not body.stream:
-            completion = await run_turn(request.url.path, req)
+            completion = await run_turn(request, req)
             choice = ({"index": 0, "message": {"role": "assistant", "content": completion.text},
                        "finish_reason": completion.finish_reason, "logprobs": None} if chat_kind else
                       {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
@@ -187,15 +203,27 @@ def create_app(service: WorkerService) -> FastAPI:
         return StreamingResponse(stream(request, head, kind + (".chunk" if chat_kind else ""), chat_kind, req,
                                         include_usage), media_type="text/event-stream")
 
-    async def run_turn(path: str, req: GenRequest) -> Completion:
+    async def run_turn(request: Request, req: GenRequest) -> Completion:
         start = time.perf_counter()
+        gone = threading.Event()
+        watcher = asyncio.ensure_future(watch_disconnect(request, gone))
         try:
-            completion = await asyncio.to_thread(service.generate, req)
+            completion = await service.generate(req, gone=gone)
         except (DaemonLost, ClientError) as exc:
             raise ApiError(503, f"expert storage unavailable: {exc}", kind="server_error",
                            code="daemon_unavailable") from None
-        account(path, 200, completion, time.perf_counter() - start)
+        except Exception as exc:
+            log.exception("generation failed")
+            raise ApiError(500, f"generation failed: {exc}", kind="server_error") from None
+        finally:
+            watcher.cancel()
+        account(request.url.path, 200, completion, time.perf_counter() - start)
         return completion
+
+    async def watch_disconnect(request: Request, gone: threading.Event) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+        gone.set()
 
     async def stream(request: Request, head: dict, kind: str, chat_kind: bool, req: GenRequest,
                      include_usage: bool) -> AsyncIterator[str]:
@@ -210,25 +238,33 @@ def create_app(service: WorkerService) -> FastAPI:
 
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        stop = threading.Event()
+        gone = threading.Event()
         start = time.perf_counter()
         if chat_kind:
             yield chunk(None, first=True)
-        work = asyncio.ensure_future(asyncio.to_thread(
-            service.generate, req, lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece), stop.is_set))
+        work = asyncio.ensure_future(service.generate(
+            req, lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece), gone))
         work.add_done_callback(lambda _: pieces.put_nowait(None))
         try:
             while (piece := await pieces.get()) is not None:
                 yield chunk(piece)
             completion = await work
-        except (DaemonLost, ClientError) as exc:
-            service.counters.count(request.url.path, 503)
-            yield _sse(ApiError(503, f"expert storage unavailable: {exc}", kind="server_error",
-                                code="daemon_unavailable").body())
+        except Exception as exc:
+            unavailable = isinstance(exc, (DaemonLost, ClientError))
+            if not unavailable:
+                log.exception("generation failed")
+            error = ApiError(503 if unavailable else 500, f"expert storage unavailable: {exc}" if unavailable else
+                             f"generation failed: {exc}", kind="server_error",
+                             code="daemon_unavailable" if unavailable else None)
+            service.counters.count(request.url.path, error.status)
+            yield _sse(error.body())
             yield "data: [DONE]\n\n"
             return
         finally:
-            stop.set()  # the client went away, or we are done: the generation stops at its next token
+            gone.set()  # the client went away, or we are done: the generation stops at its next token
+            if not work.done():  # the client left mid-stream: counted (as nginx's 499) once it stopped
+                work.add_done_callback(lambda f: f.cancelled() or f.exception() or account(
+                    request.url.path, 499, f.result(), time.perf_counter() - start))
         account(request.url.path, 200, completion, time.perf_counter() - start)
         final = json.loads(chunk(None, completion.finish_reason)[len("data: "):])
         yield _sse({**final, **{k: v for k, v in _usage_fields(completion).items() if k != "usage"}})
@@ -245,8 +281,8 @@ def create_app(service: WorkerService) -> FastAPI:
         c.request_seconds_count += 1
         c.prefill_seconds += u.prefill_s
         c.decode_seconds += u.decode_s
-        log.info("%s: %d prompt + %d completion tokens, prefill %.1f tok/s, decode %.2f tok/s, hit rate %s, "
-                 "%.1f MB read", path, u.prompt_tokens, u.completion_tokens, u.prefill_tokens_per_s,
+        log.info("%s %d: %d prompt + %d completion tokens, prefill %.1f tok/s, decode %.2f tok/s, hit rate %s, "
+                 "%.1f MB read", path, status, u.prompt_tokens, u.completion_tokens, u.prefill_tokens_per_s,
                  u.decode_tokens_per_s, "-" if u.hit_rate is None else f"{u.hit_rate:.1%}", u.ssd_bytes / 1e6)
 
     @app.get("/v1/models")

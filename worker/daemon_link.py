@@ -2,17 +2,22 @@
 backoff when the daemon goes away and fetches again what had not arrived (reads are idempotent), and
 gives up with a clear error once the daemon has been gone longer than `down_timeout_s`. It also
 exposes the shared staging segment as a tensor, registered with CUDA (cudaHostRegister) when the
-worker runs on a GPU, so copies out of it are true async DMA."""
+worker runs on a GPU, so copies out of it are true async DMA.
+
+A ZeroMQ socket belongs to one thread at a time: every use of the client holds the link's lock.
+stats() (for /health and /metrics, from other threads) never waits for a fetch: while one runs it
+answers what the daemon said last."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Iterator
 
 import torch
 
-from expertpack.client import DaemonUnavailable, Expert, ExpertClient
+from expertpack.client import ClientError, DaemonUnavailable, Expert, ExpertClient
 from expertpack.packtools.layout import ExpertKey
 
 log = logging.getLogger("expert-worker")
@@ -36,12 +41,16 @@ class DaemonLink:
         self.staging: torch.Tensor | None = None  # the whole segment, uint8
         self.pinned = False
         self._registered: int | None = None
+        self._lock = threading.RLock()
+        self._last_stats: dict | None = None
         self._connect()
 
     # ---- connection ---------------------------------------------------------------------------
-    def _connect(self) -> None:
-        self.client = ExpertClient(self.endpoint, name=self.name, timeout_s=self.timeout_s,
-                                   expect_fingerprint=self.fingerprint)
+    def _connect(self, timeout_s: float | None = None) -> None:
+        client = ExpertClient(self.endpoint, name=self.name, timeout_s=timeout_s or self.timeout_s,
+                              expect_fingerprint=self.fingerprint)
+        client.timeout_s = self.timeout_s
+        self.client = client
         self.staging = torch.frombuffer(self.client.staging, dtype=torch.uint8)
         self.pinned = False
         if self.pin_for.type == "cuda":
@@ -51,7 +60,8 @@ class DaemonLink:
         """Page-locks the shared segment for the GPU: copies from it become DMA, not staged."""
         assert self.staging is not None
         ptr, size = self.staging.data_ptr(), self.staging.numel()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        with torch.cuda.device(self.pin_for):
+            err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
         if int(err) != 0:
             log.warning("cudaHostRegister of the staging failed (%s); copies will be pageable and slower", err)
             return
@@ -62,8 +72,9 @@ class DaemonLink:
 
     def _disconnect(self) -> None:
         if self._registered is not None:
-            torch.cuda.synchronize()  # no copy may still read the segment
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            torch.cuda.synchronize(self.pin_for)  # no copy may still read the segment
+            with torch.cuda.device(self.pin_for):
+                torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
         self.staging = None
         if self.client is not None:
@@ -71,7 +82,8 @@ class DaemonLink:
             self.client = None
 
     def close(self) -> None:
-        self._disconnect()
+        with self._lock:
+            self._disconnect()
 
     @property
     def slot_bytes(self) -> int:
@@ -84,18 +96,36 @@ class DaemonLink:
         return len(self.client.slots)
 
     def stats(self) -> dict | None:
-        """The daemon's STATS, or None while it is unreachable."""
-        if self.client is None:
-            return None
+        """The daemon's STATS, or None while it is unreachable. Never waits for a fetch in another
+        thread (it answers the last STATS then); reconnects, briefly, if the link is down."""
+        if not self._lock.acquire(blocking=False):
+            return self._last_stats
         try:
-            return self.client.stats()
-        except DaemonUnavailable:
-            return None
+            if self.client is None:
+                self._connect(timeout_s=min(2.0, self.timeout_s))
+                self.reconnects += 1
+                log.info("reconnected to expertd at %s", self.endpoint)
+            patient, self.client.timeout_s = self.client.timeout_s, min(2.0, self.timeout_s)
+            try:
+                self._last_stats = self.client.stats()
+            finally:
+                self.client.timeout_s = patient
+        except ClientError as exc:
+            log.debug("stats: %s", exc)
+            self._disconnect()
+            self._last_stats = None
+        finally:
+            self._lock.release()
+        return self._last_stats
 
     # ---- fetching -----------------------------------------------------------------------------
     def fetch(self, keys: list[ExpertKey]) -> Iterator[Expert]:
         """Every key, as it arrives; across reconnects if the daemon restarts meanwhile. The caller
         must release each expert (directly, or once a copy out of it has completed)."""
+        with self._lock:
+            yield from self._fetch(keys)
+
+    def _fetch(self, keys: list[ExpertKey]) -> Iterator[Expert]:
         remaining = list(keys)
         down_since: float | None = None
         backoff = 0.05

@@ -18,12 +18,22 @@ import torch
 from gguf import GGMLQuantizationType
 
 from expertpack.client import Expert
-from expertpack.packtools.layout import ExpertKey, Manifest
+from expertpack.packtools.layout import ALIGNMENT, ExpertKey, Manifest
 
 from .cache_policy import CachePolicy, CacheTooSmall, slot_count
 from .daemon_link import DaemonLink
 from .model_files import ExpertWeights
 from .weights import QTensor
+
+
+def slot_bytes(manifest: Manifest) -> int:
+    """One cache slot: the largest expert block, rounded up to the pack's alignment so that slots
+    start where blocks start on disk and every role keeps its alignment (typed views, DMA)."""
+    return -(-max(l.payload_bytes for l in manifest.layers) // ALIGNMENT) * ALIGNMENT
+
+
+class CacheError(RuntimeError):
+    """The daemon answered with something this cache did not ask for."""
 
 
 @dataclass
@@ -78,7 +88,7 @@ class ExpertCache:
         self.link = link
         self.device = device
         self.layers = {l.layer: l for l in manifest.layers}
-        self.slot_bytes = max(l.payload_bytes for l in manifest.layers)
+        self.slot_bytes = slot_bytes(manifest)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else cache_bytes + reserve_bytes
         every_expert = len(manifest.layers) * manifest.model.n_expert  # no use for more slots than that
         self.n_slots = min(every_expert, slot_count(cache_bytes, free, reserve_bytes, self.slot_bytes,
@@ -133,7 +143,13 @@ class ExpertCache:
             ref.synchronize()
             self._ref = (ref, time.perf_counter())
         free_slots = list(victims)
+        wanted = set(misses)
         for expert in self.link.fetch(misses):
+            if expert.key not in wanted or expert.nbytes != self.layers[expert.key.layer].payload_bytes:
+                expert.release()
+                raise CacheError(f"expertd delivered {expert!r}, which this request did not ask for, or not in "
+                                 f"that size; nothing of it was used")
+            wanted.discard(expert.key)
             slot = free_slots.pop()
             arrived = time.perf_counter()
             self._copy_in(expert, slot, arrived)  # the slot is recorded as holding the expert only once its copy is issued

@@ -53,7 +53,7 @@ class Usage:
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token or string) or "length"
+    finish_reason: str  # "stop" (a stop token or string), "length", or "cancelled" (nobody is waiting)
     usage: Usage
 
 
@@ -92,8 +92,10 @@ class Generator:
         stops = set() if req.ignore_eos else set(self.tokenizer.stop_ids)
         finish = "length"
         start = time.perf_counter()
-        logits = self.engine.forward(req.prompt_ids, kv)[-1]
         ids: list[int] = []
+        if cancelled():  # the client left while this request waited its turn
+            return Completion("", ids, "cancelled", usage)
+        logits = self.engine.forward(req.prompt_ids, kv)[-1]
         while len(ids) < req.max_tokens and not cancelled():
             token = req.sampler(logits)
             if not ids:
@@ -129,12 +131,11 @@ class _TextStream:
     def add(self, ids: list[int]) -> bool:
         """True when a stop string appeared (the text is then cut before it)."""
         text = self.tokenizer.decode(ids)
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                self.final = text[:at]
-                self._emit(self.final)
-                return True
+        hits = [at for at in (text.find(s) for s in self.stop) if at >= 0]
+        if hits:  # the earliest stop string wins, whichever comes first in the list
+            self.final = text[:min(hits)]
+            self._emit(self.final)
+            return True
         safe = len(text)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: the next token completes it
             safe = len(text.rstrip("\ufffd"))

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                  cache.n_slots, cache.slot_bytes / 2**20, cache.resident_bytes / 2**20,
                  "yes" if cache.link.pinned else "no", generator.n_ctx, time.perf_counter() - start,
                  args.host, args.port)
-        app = create_app(WorkerService(generator, name))
+        service = WorkerService(generator, name)
+        app = create_app(service)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=int(args.port), log_level="warning",
                                                timeout_graceful_shutdown=60))
         # uvicorn handles SIGTERM/SIGINT (stop accepting, finish the request in flight), then
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: None)
         server.run()
+        service.shutdown()  # the generation thread is done with the engine before it is closed
         log.info("stopped")
         return 0
     finally:

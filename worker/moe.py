@@ -40,7 +40,7 @@ class ExpertFFN:
         out = torch.zeros_like(h)
         # A source with a capacity (a cache) gets the step in waves it can hold; each wave is
         # computed before the next is loaded. Every selected expert is computed either way.
-        wave = getattr(self.source, "capacity", None) or len(experts)
+        wave = getattr(self.source, "capacity", None) or len(experts) or 1
         for start in range(0, len(experts), wave):
             group = experts[start:start + wave]
             loaded = self.source.load(layer, group)

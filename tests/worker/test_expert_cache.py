@@ -29,6 +29,7 @@ from expertpack.packtools.layout import ExpertKey, Manifest
 from expertpack.worker.cache_policy import CacheTooSmall
 from expertpack.worker.daemon_link import DaemonLost
 from expertpack.worker.engine import Engine
+from expertpack.worker.expert_cache import slot_bytes
 
 from ..conftest import FIXTURES, Daemon, start_daemon
 
@@ -59,7 +60,7 @@ def greedy_run(engine: Engine, prompt: list[int], n: int = N_NEW) -> tuple[list[
 
 def minimal_cache_bytes(pack: Path) -> int:
     manifest = Manifest.load(pack)
-    return manifest.model.n_expert_used * max(l.payload_bytes for l in manifest.layers)
+    return manifest.model.n_expert_used * slot_bytes(manifest)
 
 
 def daemon_for(pack: Path, tmp: Path, *extra: str) -> Daemon:
@@ -113,7 +114,7 @@ def test_a_cache_that_holds_everything_misses_each_expert_once(fixture_packs, re
     pack = fixture_packs[name][1]
     manifest = Manifest.load(pack)
     d = daemon_for(pack, tmp_path)
-    everything = len(manifest.layers) * manifest.model.n_expert * max(l.payload_bytes for l in manifest.layers)
+    everything = len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest)
     engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=everything)
     try:
         cache = engine.expert_cache

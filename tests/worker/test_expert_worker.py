@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from expertpack.packtools.layout import Manifest
 from expertpack.worker.chat_template import ChatTemplate
 from expertpack.worker.engine import Engine
+from expertpack.worker.expert_cache import slot_bytes
 from expertpack.worker.sampling import Sampler
 from expertpack.worker.tokenizer import load_tokenizer
 
@@ -214,7 +215,7 @@ def test_metrics_parse_and_count(served) -> None:
     assert looked > 0 and after["expertpack_cache_h2d_bytes_total"] > before["expertpack_cache_h2d_bytes_total"]
     assert after["expertpack_daemon_up"] == 1 and after["expertpack_daemon_read_bytes_total"] > 0
     m = Manifest.load(served[0])
-    slots = min(len(m.layers) * m.model.n_expert, 2**20 // max(l.payload_bytes for l in m.layers))
+    slots = min(len(m.layers) * m.model.n_expert, 2**20 // slot_bytes(m))
     assert after["expertpack_cache_slots"] == slots
 
 
@@ -292,3 +293,34 @@ def test_bench_serve_replays_the_protocol(served, tmp_path: Path) -> None:
 
     down = run_cli("bench", "serve", "--endpoint", "http://127.0.0.1:9", "--out", tmp_path)
     assert down.returncode == 2 and "is the server running" in down.stderr and "Traceback" not in down.stderr
+
+
+def test_a_prompt_beyond_the_context_is_refused_without_max_tokens(served) -> None:
+    _, _, worker = served
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as err:
+        worker.client().completions.create(model="fixture", prompt=[5] * 50_000)
+    assert err.value.body["code"] == "context_length_exceeded"
+
+
+def test_health_and_metrics_answer_during_a_generation_and_a_dropped_stream_stops(served) -> None:
+    _, _, worker = served
+    http = urllib.request.urlopen(urllib.request.Request(
+        worker.url + "/v1/completions", json.dumps({"model": "fixture", "prompt": "on and on", "max_tokens": 3000,
+                                                     "temperature": 0, "ignore_eos": True, "stream": True}).encode(),
+        {"Content-Type": "application/json"}), timeout=60)
+    for _ in range(3):
+        assert http.readline().startswith(b"data:") and http.readline() == b"\n"
+    # The generation thread is busy: the event loop and the daemon link still answer.
+    assert worker.get("/health")[0] == 200
+    status, text = worker.get("/metrics")
+    assert status == 200 and "expertpack_daemon_up 1" in text
+    http.close()  # the client goes away mid-stream
+    client = worker.client()
+    done = client.completions.create(model="fixture", prompt="next", max_tokens=2, temperature=0)
+    assert done.usage.completion_tokens >= 1
+    deadline = time.monotonic() + 60
+    while "/v1/completions 499:" not in worker.log and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dropped = [line for line in worker.log.splitlines() if "/v1/completions 499:" in line]
+    assert dropped, "the abandoned stream was never accounted for"
+    assert int(dropped[-1].split(" + ")[1].split()[0]) < 3000, f"the abandoned stream ran on: {dropped[-1]}"
