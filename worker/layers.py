@@ -83,6 +83,7 @@ class KVCache:
     keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [S, Hkv, d]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     length: int = 0  # tokens before the current forward pass
+    state: dict[int, object] = field(default_factory=dict)  # layer -> an architecture's own cache (compressors)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self.keys:

@@ -31,6 +31,10 @@ class ExpertFFN:
         self.source = source
         self.expert_mlp = expert_mlp
         self.routing_log: dict[int, list[torch.Tensor]] | None = None  # layer -> ids per call, when set
+        # Layers whose experts follow from the token ids alone (DeepSeek-V4's hash layers): layer ->
+        # table [n_vocab, k]. Their experts are known as soon as the tokens are, before the layer
+        # runs: what a prefetcher can fetch ahead.
+        self.static_routes: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [T, D], ids/weights [T, k] -> [T, D]."""

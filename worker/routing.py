@@ -4,6 +4,7 @@ functions, each the formula of one family of models, tested against a naive per-
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,3 +43,24 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * scale
+
+
+def sqrtsoftplus_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 top-k layers: scores sqrt(softplus(logit)); the correction bias decides the
+    selection only; the chosen scores, renormalized, times the routed scaling factor."""
+    scores = F.softplus(logits.to(torch.float32)).sqrt()
+    ids = (scores + bias).topk(k, dim=-1).indices
+    return ids, _renormalized(scores.gather(1, ids), scale)
+
+
+def sqrtsoftplus_hashed(logits: torch.Tensor, table: torch.Tensor, tokens: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 hash layers: the experts are table[token] (a fixed token-id -> experts table,
+    known before the layer runs); the weights are their sqrt-softplus scores, renormalized."""
+    scores = F.softplus(logits.to(torch.float32)).sqrt()
+    ids = table[tokens].to(torch.int64)
+    return ids, _renormalized(scores.gather(1, ids), scale)
+
+
+def _renormalized(weights: torch.Tensor, scale: float) -> torch.Tensor:
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale

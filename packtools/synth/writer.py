@@ -197,6 +197,9 @@ def _truncated(meta: dict[str, Any], n_layer: int | None) -> dict[str, Any]:
         raise ExpertpackError(f"--layers must be between 1 and {full}")
     out = {k: (v[:n_layer] if isinstance(v, list) and len(v) == full else v) for k, v in meta.items()}
     out["block_count"] = n_layer
+    for key in ("leading_dense_block_count", "hash_layer_count"):  # counts of leading layers
+        if key in out:
+            out[key] = min(out[key], n_layer)
     return out
 
 

@@ -66,3 +66,20 @@ def test_resident_experts_equal_read_per_use_on_cuda() -> None:
     c = cpu.forward(tokens, cpu.new_cache())
     print(f"CUDA vs CPU, Q4_K_M: max |diff| {(a.cpu() - c).abs().max():.3g}")
     assert (a.cpu() - c).abs().max() < 1e-3
+
+
+def test_deepseek4_on_cuda_matches_transformers() -> None:
+    """Hyper-connections, the three attention kinds (the long prompt reaches HCA), hash routing."""
+    ds4 = FIXTURES / "flagship" / "deepseek4"
+    ref = json.loads((ds4 / "reference.json").read_text())
+    engine = Engine.load(ds4 / "dsv4-tiny.BF16.gguf", "cuda")
+    for name in ("short", "long"):
+        hf = ref["reference_transformers"]["prompts"][name]
+        ids = ref["prompts"][name]["ids"]
+        want = np.load(ds4 / "logits" / f"transformers_{name}.f32.npy")
+        got = engine.forward(ids + hf["greedy_ids"], engine.new_cache()).cpu().numpy()
+        diff = np.abs(got - want)
+        print(f"deepseek4 {name} on CUDA: max |diff| {diff.max():.3g}")
+        assert diff.max() <= 1e-4
+        tokens, _ = engine.generate(ids, len(hf["greedy_ids"]), Sampler())
+        assert tokens == hf["greedy_ids"]

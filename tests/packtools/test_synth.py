@@ -140,6 +140,9 @@ def test_deepseek_v4_flash_has_the_real_expert_block() -> None:
     assert {t.ggml_type.name for t in experts} == {"MXFP4"}
     ratios = next(f for f in plan.metadata if f.key == "deepseek4.attention.compress_ratios").value
     assert len(ratios) == 2
+    # three hash-routed layers in the real model; a 2-layer cut cannot have more than 2
+    assert next(f for f in plan.metadata if f.key == "deepseek4.hash_layer_count").value == 2
+    assert not any(t.spec.name.startswith("blk.2.") for t in plan.tensors)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import deepseek2, gpt_oss, llama, qwen2moe, qwen3moe
+from . import deepseek2, deepseek4, gpt_oss, llama, qwen2moe, qwen3moe
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3moe": qwen3moe,
@@ -13,6 +13,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
     "gpt-oss": gpt_oss,
     "deepseek2": deepseek2,
+    "deepseek4": deepseek4,
 }
 
 

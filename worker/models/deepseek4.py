@@ -1,0 +1,151 @@
+"""DeepSeek-V4 (`deepseek4`, DeepSeek-V4-Flash): a residual of `hc` hyper-connected streams; per
+layer an attention block (sliding window, CSA or HCA by `compress_ratios`, see
+compressed_attention.py) and a MoE block, each entered and left through a hyper-connection. MoE:
+sqrt-softplus scores; the first `hash_layer_count` layers take their experts from a fixed
+token-id table (known before the layer runs: registered as static routes in the expert seam), the
+others the top-k of the scores plus a correction bias that decides selection only; weights are the
+chosen scores renormalized times the routed scale; experts and the shared expert use SwiGLU with
+the gate clamped from above and up clamped both ways. Sliding layers use plain RoPE; compressed
+layers a YaRN RoPE of their own base with no attention factor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..compressed_attention import AttentionShape, LayerState, attention
+from ..config import Key, read_args
+from ..hyper_connections import HyperConnection
+from ..layers import KVCache, Rope, RopeStyle, rms_norm
+from ..model_files import ModelFiles
+from ..moe import ExpertFFN
+from ..routing import sqrtsoftplus_hashed, sqrtsoftplus_topk
+from ..weights import linear
+
+
+@dataclass(frozen=True)
+class Args:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    head_dim: int
+    rope_dim: int
+    rope_base: float
+    compress_rope_base: float
+    rope_factor: float
+    rope_original_context: int
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+    eps: float
+    window: int
+    compress_ratios: list
+    o_groups: int
+    index_heads: int
+    index_dim: int
+    index_topk: int
+    n_expert_used: int
+    weights_scale: float
+    n_hash: int
+    clamp_exp: list
+    clamp_shexp: list
+    hc: int
+    hc_iters: int
+    hc_eps: float
+
+
+KEYS = {
+    "n_layer": Key("block_count"),
+    "n_embd": Key("embedding_length"),
+    "n_head": Key("attention.head_count"),
+    "head_dim": Key("attention.key_length"),
+    "rope_dim": Key("rope.dimension_count"),
+    "rope_base": Key("rope.freq_base", 10000.0),
+    "compress_rope_base": Key("attention.compress_rope_freq_base"),
+    "rope_factor": Key("rope.scaling.factor", 1.0),
+    "rope_original_context": Key("rope.scaling.original_context_length", 4096),
+    "yarn_beta_fast": Key("rope.scaling.yarn_beta_fast", 32.0),
+    "yarn_beta_slow": Key("rope.scaling.yarn_beta_slow", 1.0),
+    "eps": Key("attention.layer_norm_rms_epsilon"),
+    "window": Key("attention.sliding_window"),
+    "compress_ratios": Key("attention.compress_ratios"),
+    "o_groups": Key("attention.output_group_count"),
+    "index_heads": Key("attention.indexer.head_count"),
+    "index_dim": Key("attention.indexer.key_length"),
+    "index_topk": Key("attention.indexer.top_k"),
+    "n_expert_used": Key("expert_used_count"),
+    "weights_scale": Key("expert_weights_scale", 1.0),
+    "n_hash": Key("hash_layer_count", 0),
+    "clamp_exp": Key("swiglu_clamp_exp"),
+    "clamp_shexp": Key("swiglu_clamp_shexp"),
+    "hc": Key("hyper_connection.count"),
+    "hc_iters": Key("hyper_connection.sinkhorn_iterations"),
+    "hc_eps": Key("hyper_connection.epsilon"),
+}
+
+
+def clamped_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Model:
+    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+        a = self.args = read_args(Args, files.arch, files.metadata, KEYS)
+        self.w = w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.device = device
+        self.main_rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM)
+        self.compress_rope = Rope(a.rope_dim, a.compress_rope_base, RopeStyle.NORM, a.rope_factor,
+                                  a.rope_original_context, a.yarn_beta_fast, a.yarn_beta_slow)  # no mscale
+        self.shapes = [AttentionShape(a.n_head, a.head_dim, a.window, int(a.compress_ratios[i]), a.o_groups,
+                                      a.index_heads, a.index_dim, a.index_topk, a.eps) for i in range(a.n_layer)]
+
+        def hc(prefix: str) -> HyperConnection:
+            return HyperConnection(w[prefix + "_fn.weight"].dequant(), w[prefix + "_base.weight"].dequant(),
+                                   w[prefix + "_scale.weight"].dequant(), a.hc, a.hc_iters, a.hc_eps, a.eps)
+
+        self.hc_attn = [hc(f"blk.{i}.hc_attn") for i in range(a.n_layer)]
+        self.hc_ffn = [hc(f"blk.{i}.hc_ffn") for i in range(a.n_layer)]
+        self.hc_head = hc("output_hc")
+        self.moe = ExpertFFN(files.experts, self._expert)
+        self.tables = {i: w[f"blk.{i}.ffn_gate_tid2eid.weight"].ints().to(device) for i in range(a.n_hash)}
+        self.moe.static_routes.update(self.tables)
+        self._limit = 0.0  # the layer's expert clamp, set before each MoE call
+
+    def _expert(self, x: torch.Tensor, e: dict) -> torch.Tensor:
+        return linear(clamped_swiglu(x, linear(x, e["gate"]), linear(x, e["up"]), self._limit), e["down"])
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
+        a, w = self.args, self.w
+        x = w["token_embd.weight"].rows(tokens)  # [T, D]
+        streams = x[:, None, :].expand(-1, a.hc, -1).contiguous()
+        for i in range(a.n_layer):
+            p = f"blk.{i}."
+            state = cache.state.setdefault(i, LayerState())
+            rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
+            pre, post, comb = self.hc_attn[i].weights(streams)
+            h = rms_norm(HyperConnection.collapse(streams, pre), w[p + "attn_norm.weight"].dequant(), a.eps)
+            out = attention(w, p, h, cache.length, state, self.shapes[i], rope)
+            streams = HyperConnection.expand(streams, out, post, comb)
+
+            pre, post, comb = self.hc_ffn[i].weights(streams)
+            h = rms_norm(HyperConnection.collapse(streams, pre), w[p + "ffn_norm.weight"].dequant(), a.eps)
+            streams = HyperConnection.expand(streams, self._moe(i, h, tokens), post, comb)
+        cache.length += len(tokens)
+        x = rms_norm(self.hc_head.head(streams), w["output_norm.weight"].dequant(), a.eps)
+        return linear(x, w["output.weight"])
+
+    def _moe(self, i: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        a, w, p = self.args, self.w, f"blk.{i}."
+        logits = linear(h, w[p + "ffn_gate_inp.weight"])
+        if i in self.tables:
+            ids, weights = sqrtsoftplus_hashed(logits, self.tables[i], tokens, a.weights_scale)
+        else:
+            ids, weights = sqrtsoftplus_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used,
+                                             a.weights_scale)
+        self._limit = float(a.clamp_exp[i])
+        routed = self.moe(i, h, ids, weights)
+        shared = clamped_swiglu(h, linear(h, w[p + "ffn_gate_shexp.weight"]), linear(h, w[p + "ffn_up_shexp.weight"]),
+                                float(a.clamp_shexp[i]))
+        return routed + linear(shared, w[p + "ffn_down_shexp.weight"])
