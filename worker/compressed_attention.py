@@ -38,6 +38,9 @@ class CompressorState:
 class LayerState:
     raw: torch.Tensor | None = None  # [S, d]: the last window - 1 raw (roped) entries
     compressors: dict[str, CompressorState] = field(default_factory=dict)
+    # Positions whose last indexer pick was a tie (the k-th and the next score equal, often both
+    # exactly 0 after ReLU): which entry joins there is a convention, not arithmetic.
+    indexer_ties: list[int] = field(default_factory=list)
 
 
 def rope_tail(x: torch.Tensor, rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -164,6 +167,16 @@ def _indexer_picks(w: dict, p: str, x: torch.Tensor, qr: torch.Tensor, positions
     weights = linear(x, w[p + "indexer.proj.weight"]) * shape.index_heads ** -0.5  # [T, heads]
     index = (scores * weights[..., None]).sum(dim=1)  # [T, n]
     future = torch.arange(n, device=x.device)[None, :] >= threshold
-    top = index.masked_fill(future, float("-inf")).topk(min(shape.index_topk, n), dim=-1).indices
+    # torch.topk, as transformers picks. Entries often tie (ReLU makes many scores exactly 0) and
+    # topk leaves ties unspecified: a tie at the last pick may go either way on another device or
+    # tensor shape (prefill vs decode). Those positions are recorded.
+    k = min(shape.index_topk, n)
+    masked = index.masked_fill(future, float("-inf"))
+    top = masked.topk(k, dim=-1).indices
     picked.scatter_(1, top, True)
+    if k < n:
+        last = masked.gather(1, top).min(dim=-1).values
+        next_best = masked.masked_fill(picked, float("-inf")).max(dim=-1).values
+        tie = (last == next_best) & (next_best > float("-inf"))
+        state.indexer_ties.extend(positions[tie.cpu()].tolist())
     return picked & ~future

@@ -77,9 +77,15 @@ def test_deepseek4_on_cuda_matches_transformers() -> None:
         hf = ref["reference_transformers"]["prompts"][name]
         ids = ref["prompts"][name]["ids"]
         want = np.load(ds4 / "logits" / f"transformers_{name}.f32.npy")
-        got = engine.forward(ids + hf["greedy_ids"], engine.new_cache()).cpu().numpy()
-        diff = np.abs(got - want)
-        print(f"deepseek4 {name} on CUDA: max |diff| {diff.max():.3g}")
-        assert diff.max() <= 1e-4
+        cache = engine.new_cache()
+        got = engine.forward(ids + hf["greedy_ids"], cache).cpu().numpy()
+        diff = np.abs(got - want).max(axis=1)
+        ties = sorted({pos for state in cache.state.values() for pos in state.indexer_ties})
+        late = np.arange(len(got)) >= (ties[0] if ties else len(got))
+        print(f"deepseek4 {name} on CUDA: max |diff| {diff[~late].max():.3g} before the first indexer tie "
+              f"(position {ties[0] if ties else '-'}), {diff.max():.3g} overall")
+        # CUDA's topk may break the indexer's ties (tests/worker/test_deepseek4.py) the other way;
+        # rows before the first tie owe nothing to it.
+        assert diff[~late].max() <= 1e-4 and diff.max() <= 0.02
         tokens, _ = engine.generate(ids, len(hf["greedy_ids"]), Sampler())
         assert tokens == hf["greedy_ids"]
