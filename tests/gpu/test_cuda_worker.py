@@ -89,3 +89,19 @@ def test_deepseek4_on_cuda_matches_transformers() -> None:
         assert diff[~late].max() <= 1e-4 and diff.max() <= 0.02
         tokens, _ = engine.generate(ids, len(hf["greedy_ids"]), Sampler())
         assert tokens == hf["greedy_ids"]
+
+
+def test_kimi_k3_on_cuda_matches_its_float64_reference() -> None:
+    """KDA states, gated NoPE MLA, attention residuals, the latent MoE (Q2_K/Q3_K experts)."""
+    k3 = FIXTURES / "flagship" / "kimi-k3"
+    ref = json.loads((k3 / "reference.json").read_text())
+    engine = Engine.load(k3 / "k3-tiny.Q2_K.gguf", "cuda")
+    for name in ("short", "long"):
+        ids = ref["prompts"][name]["ids"]
+        greedy = ref["llama_cpp_outputs"]["Q2_K"]["prompts"][name]["greedy_ids"]
+        want = np.load(k3 / "logits" / f"dequant_Q2_K_{name}.f16.npy").astype(np.float32)
+        got = engine.forward(ids + greedy, engine.new_cache()).cpu().numpy()
+        print(f"kimi-k3 Q2_K {name} on CUDA: max |diff| {np.abs(got - want).max():.3g} (float16 reference)")
+        assert np.abs(got - want).max() <= 3e-3
+        tokens, _ = engine.generate(ids, 1, Sampler())
+        assert tokens == greedy[:1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import deepseek2, deepseek4, gpt_oss, llama, qwen2moe, qwen3moe
+from . import deepseek2, deepseek4, gpt_oss, kimi_k3, llama, qwen2moe, qwen3moe
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3moe": qwen3moe,
@@ -14,6 +14,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "gpt-oss": gpt_oss,
     "deepseek2": deepseek2,
     "deepseek4": deepseek4,
+    "kimi-k3": kimi_k3,
 }
 
 
