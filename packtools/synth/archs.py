@@ -237,6 +237,59 @@ def deepseek4(m: Meta) -> list[TensorSpec]:
     return _global(m, head) + out
 
 
+def kimi_k3(m: Meta) -> list[TensorSpec]:
+    """Kimi-K3: KDA layers (head_count_kv 0) and gated NoPE MLA layers, attention-residual scores,
+    dense leading layers, then a latent MoE (experts on `expert_latent_length`) with shared experts."""
+    h, e, n_head = m("embedding_length"), m("expert_count"), m("attention.head_count")
+    hd, kernel = m("kda.head_dim"), m("ssm.conv_kernel")
+    d_inner = n_head * hd
+    rope, kv_lora, q_lora = m("rope.dimension_count"), m("attention.kv_lora_rank"), m("attention.q_lora_rank")
+    k_mla, v_mla = m("attention.key_length_mla"), m("attention.value_length_mla")
+    n_dense, latent = m("leading_dense_block_count", 0), m("expert_latent_length")
+    ff_exp, n_shared = m("expert_feed_forward_length"), m("expert_shared_count", 0)
+    kv_heads = m("attention.head_count_kv")
+    out = []
+    for i in range(m("block_count")):
+        b = f"blk.{i}."
+        out += [TensorSpec(b + "attn_norm.weight", (h,), Kind.NORM),
+                TensorSpec(b + "ffn_norm.weight", (h,), Kind.NORM),
+                TensorSpec(b + "attn_res_score.weight", (h,), Kind.F32),
+                TensorSpec(b + "ffn_res_score.weight", (h,), Kind.F32)]
+        if kv_heads[i] == 0:  # Kimi Delta Attention
+            out += [TensorSpec(f"{b}attn_{n}.weight", (h, d_inner), Kind.MATRIX) for n in "qkv"]
+            out += [TensorSpec(f"{b}ssm_conv1d_{n}.weight", (kernel, 1, d_inner, 1), Kind.F32) for n in "qkv"]
+            out += [TensorSpec(b + "ssm_f_a.weight", (h, hd), Kind.MATRIX),
+                    TensorSpec(b + "ssm_f_b.weight", (hd, d_inner), Kind.MATRIX),
+                    TensorSpec(b + "ssm_beta.weight", (h, n_head), Kind.MATRIX),
+                    TensorSpec(b + "ssm_a", (n_head,), Kind.F32),
+                    TensorSpec(b + "ssm_dt.bias", (d_inner,), Kind.F32),
+                    TensorSpec(b + "ssm_g.weight", (h, d_inner), Kind.MATRIX),
+                    TensorSpec(b + "ssm_norm.weight", (hd,), Kind.NORM),
+                    TensorSpec(b + "attn_output.weight", (d_inner, h), Kind.MATRIX)]
+        else:  # gated MLA without positional encoding
+            out += [TensorSpec(b + "attn_q_a.weight", (h, q_lora), Kind.MATRIX),
+                    TensorSpec(b + "attn_q_a_norm.weight", (q_lora,), Kind.NORM),
+                    TensorSpec(b + "attn_q_b.weight", (q_lora, n_head * k_mla), Kind.MATRIX),
+                    TensorSpec(b + "attn_kv_a_mqa.weight", (h, kv_lora + rope), Kind.MATRIX),
+                    TensorSpec(b + "attn_kv_a_norm.weight", (kv_lora,), Kind.NORM),
+                    TensorSpec(b + "attn_k_b.weight", (k_mla - rope, kv_lora, n_head), Kind.MATRIX),
+                    TensorSpec(b + "attn_v_b.weight", (kv_lora, v_mla, n_head), Kind.MATRIX),
+                    TensorSpec(b + "attn_gate.weight", (h, n_head * v_mla), Kind.MATRIX),
+                    TensorSpec(b + "attn_output.weight", (n_head * v_mla, h), Kind.MATRIX)]
+        if i < n_dense:
+            out += _ffn(b, "", h, m("feed_forward_length"))
+            continue
+        out += [TensorSpec(b + "ffn_gate_inp.weight", (h, e), Kind.ROUTER),
+                TensorSpec(b + "exp_probs_b.bias", (e,), Kind.F32),
+                TensorSpec(b + "ffn_routed_down.weight", (h, latent), Kind.MATRIX),
+                TensorSpec(b + "ffn_routed_norm.weight", (latent,), Kind.NORM),
+                TensorSpec(b + "ffn_routed_up.weight", (latent, h), Kind.MATRIX),
+                *_routed(i, latent, latent, ff_exp, e)]
+        if n_shared:
+            out += _ffn(b, "_shexp", h, ff_exp * n_shared)
+    return _global(m, [TensorSpec("output_res_score.weight", (h,), Kind.F32)]) + out
+
+
 # The one place that says which architectures synth can write.
 ARCHS: dict[str, Callable[[Meta], list[TensorSpec]]] = {
     "qwen3moe": qwen3moe,
@@ -245,4 +298,5 @@ ARCHS: dict[str, Callable[[Meta], list[TensorSpec]]] = {
     "gpt-oss": gpt_oss,
     "deepseek2": deepseek2,
     "deepseek4": deepseek4,
+    "kimi-k3": kimi_k3,
 }

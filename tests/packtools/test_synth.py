@@ -30,6 +30,7 @@ ARCH_FIXTURES = {
     "gpt-oss": "gguf/gptoss-a/gptoss-a.MXFP4.gguf",
     "deepseek2": "gguf/deepseek3-a/deepseek3-a.BF16.gguf",
     "deepseek4": "flagship/deepseek4/dsv4-tiny.BF16.gguf",
+    "kimi-k3": "flagship/kimi-k3/k3-tiny.BF16.gguf",
 }
 
 
@@ -130,6 +131,23 @@ def test_split_set_matches_the_single_file(tmp_path: Path, tiny_gguf: Path) -> N
         sorted((t.name, t.shape, t.type_name) for t in single.tensors)
     assert {k: f.value for k, f in split.metadata.items()} == {k: f.value for k, f in single.metadata.items()}
     assert "general.architecture" not in {f.name for f in GGUFReader(shards[1]).fields.values()}
+
+
+def test_a_38_shard_set_packs_and_verifies(tmp_path: Path, tiny_gguf: Path) -> None:
+    """Kimi-K3 ships as 38 shards: a synthetic set of as many packs from its first shard, with the
+    layout of the single file, and verifies."""
+    from expertpack.packtools.build import BuildOptions, build_pack
+    from expertpack.packtools.layout import Manifest
+
+    shards = write_synth(tmp_path / "many.gguf", SynthOptions(preset="tiny", shards=38, progress=False))
+    assert len(shards) == 38 and shards[0].name == "many-00001-of-00038.gguf"
+    build_pack(shards[0], tmp_path / "split", BuildOptions(progress=False, safety_margin_bytes=0))
+    build_pack(tiny_gguf, tmp_path / "single", BuildOptions(progress=False, safety_margin_bytes=0))
+    split, single = Manifest.load(tmp_path / "split"), Manifest.load(tmp_path / "single")
+    assert [f.name for f in split.source_files] == [p.name for p in shards]
+    assert [(l.layer, l.stride, l.payload_bytes) for l in split.layers] == \
+        [(l.layer, l.stride, l.payload_bytes) for l in single.layers]
+    assert run_cli("verify", tmp_path / "split").returncode == 0
 
 
 def test_deepseek_v4_flash_has_the_real_expert_block() -> None:
