@@ -28,8 +28,8 @@ import torch
 from expertpack.worker.engine import Engine
 from expertpack.worker.sampling import Sampler
 
-from ..conftest import FIXTURES, start_daemon
-from .test_expert_cache import greedy_run, minimal_cache_bytes
+from ..conftest import FIXTURES
+from .test_expert_cache import assert_served_equals_direct
 
 DS4 = FIXTURES / "flagship" / "deepseek4"
 REF = json.loads((DS4 / "reference.json").read_text())
@@ -97,20 +97,5 @@ def test_q2k_matches_its_dequantized_reference(name: str) -> None:
     assert np.abs(got - want).max() <= 2e-3
 
 
-def test_through_expertd_with_a_minimal_cache_is_bit_exact(bf16: Engine, fixture_packs, tmp_path: Path) -> None:
-    pack = fixture_packs["dsv4-tiny.BF16"][1]
-    d = start_daemon(pack, tmp_path, "--client-slots", "4")
-    d.wait_for("READY=1")
-    try:
-        direct = Engine.load(pack)
-        served = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
-        try:
-            want_logits, want_tokens = greedy_run(direct, prompt("long"), 6)
-            got_logits, got_tokens = greedy_run(served, prompt("long"), 6)
-            assert served.expert_cache.counters.evictions > 0
-        finally:
-            served.close()
-        assert got_tokens == want_tokens
-        assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
-    finally:
-        assert d.stop()[0] == 0
+def test_through_expertd_with_a_minimal_cache_is_bit_exact(fixture_packs, tmp_path: Path) -> None:
+    assert_served_equals_direct(fixture_packs["dsv4-tiny.BF16"][1], prompt("long"), tmp_path)

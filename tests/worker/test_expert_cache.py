@@ -234,3 +234,22 @@ def test_a_cache_below_one_step_is_refused(fixture_packs, tmp_path: Path) -> Non
             Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack) - 1)
     finally:
         assert d.stop()[0] == 0
+
+
+def assert_served_equals_direct(pack: Path, prompt: list[int], tmp: Path) -> None:
+    """The pack through a real expertd and a minimal cache gives the in-process run's logits bit
+    for bit, and its greedy tokens (for the architectures' own tests)."""
+    d = daemon_for(pack, tmp)
+    try:
+        direct = Engine.load(pack)
+        served = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+        try:
+            want_logits, want_tokens = greedy_run(direct, prompt, 6)
+            got_logits, got_tokens = greedy_run(served, prompt, 6)
+            assert served.expert_cache.counters.evictions > 0
+        finally:
+            served.close()
+        assert got_tokens == want_tokens
+        assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+    finally:
+        assert d.stop()[0] == 0

@@ -28,8 +28,8 @@ import torch
 from expertpack.worker.engine import Engine
 from expertpack.worker.sampling import Sampler
 
-from ..conftest import FIXTURES, start_daemon
-from .test_expert_cache import greedy_run, minimal_cache_bytes
+from ..conftest import FIXTURES
+from .test_expert_cache import assert_served_equals_direct
 
 K3 = FIXTURES / "flagship" / "kimi-k3"
 REF = json.loads((K3 / "reference.json").read_text())
@@ -88,19 +88,4 @@ def test_greedy_and_decode_through_the_states(engines, tag: str, name: str) -> N
 
 
 def test_through_expertd_with_a_minimal_cache_is_bit_exact(fixture_packs, tmp_path: Path) -> None:
-    pack = fixture_packs["k3-tiny.Q2_K"][1]  # Q2_K gate/up and Q3_K down experts, kept verbatim
-    d = start_daemon(pack, tmp_path, "--client-slots", "4")
-    d.wait_for("READY=1")
-    try:
-        direct = Engine.load(pack)
-        served = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
-        try:
-            want_logits, want_tokens = greedy_run(direct, REF["prompts"]["long"]["ids"], 6)
-            got_logits, got_tokens = greedy_run(served, REF["prompts"]["long"]["ids"], 6)
-            assert served.expert_cache.counters.evictions > 0
-        finally:
-            served.close()
-        assert got_tokens == want_tokens
-        assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
-    finally:
-        assert d.stop()[0] == 0
+    assert_served_equals_direct(fixture_packs["k3-tiny.Q2_K"][1], REF["prompts"]["long"]["ids"], tmp_path)  # Q2_K gate/up and Q3_K down experts, kept verbatim

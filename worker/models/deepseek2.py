@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..config import Key, read_args
 from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..mla import mla_keys_values, mla_query
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import sigmoid_group_topk, softmax_topk
@@ -29,7 +30,6 @@ class Args:
     n_head: int
     n_expert_used: int
     n_dense: int
-    q_lora: int
     kv_lora: int
     key_mla: int  # per-head query/key width: nope + rope
     value_mla: int
@@ -54,7 +54,6 @@ KEYS = {
     "n_head": Key("attention.head_count"),
     "n_expert_used": Key("expert_used_count"),
     "n_dense": Key("leading_dense_block_count", 0),
-    "q_lora": Key("attention.q_lora_rank", 0),
     "kv_lora": Key("attention.kv_lora_rank"),
     "key_mla": Key("attention.key_length_mla"),
     "value_mla": Key("attention.value_length_mla"),
@@ -94,18 +93,9 @@ class Model:
 
     def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, p, t = self.args, self.w, f"blk.{i}.", len(h)
-        if a.q_lora:
-            q = linear(rms_norm(linear(h, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"].dequant(), a.eps),
-                       w[p + "attn_q_b.weight"])
-        else:
-            q = linear(h, w[p + "attn_q.weight"])
-        q = q.reshape(t, a.n_head, a.key_mla)
+        q = mla_query(w, p, h, a.n_head, a.key_mla, a.eps)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
-        kv = linear(h, w[p + "attn_kv_a_mqa.weight"])  # [T, kv_lora + rope]
-        c = rms_norm(kv[:, :a.kv_lora], w[p + "attn_kv_a_norm.weight"].dequant(), a.eps)
-        k_pe = kv[:, None, a.kv_lora:]  # [T, 1, rope]: one rotary key shared by every head
-        k_nope = torch.einsum("tc,hcn->thn", c, w[p + "attn_k_b.weight"].dequant())  # [T, H, nope]
-        value = torch.einsum("tc,hvc->thv", c, w[p + "attn_v_b.weight"].dequant())  # [T, H, v]
+        k_nope, k_pe, value = mla_keys_values(w, p, h, a.kv_lora, a.eps)  # k_pe: one rotary key for every head
         q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(t, a.n_head, a.rope_dim)], dim=-1)

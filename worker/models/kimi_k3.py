@@ -17,6 +17,7 @@ import torch
 from ..config import Key, read_args
 from ..kda import kda
 from ..layers import KVCache, attention, rms_norm
+from ..mla import mla_keys_values, mla_query
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import sigmoid_group_topk
@@ -30,7 +31,6 @@ class Args:
     kv_heads: list
     n_expert_used: int
     n_dense: int
-    q_lora: int
     kv_lora: int
     key_mla: int
     value_mla: int
@@ -51,7 +51,6 @@ KEYS = {
     "kv_heads": Key("attention.head_count_kv"),
     "n_expert_used": Key("expert_used_count"),
     "n_dense": Key("leading_dense_block_count", 0),
-    "q_lora": Key("attention.q_lora_rank", 0),
     "kv_lora": Key("attention.kv_lora_rank"),
     "key_mla": Key("attention.key_length_mla"),
     "value_mla": Key("attention.value_length_mla"),
@@ -79,7 +78,6 @@ class Model:
         if a.kda_lower_bound == float("-inf"):
             raise ValueError("kimi-k3: a KDA gate without kda.gate_lower_bound (Kimi-Linear's form) is not supported")
         self.w = {name: t.to(device) for name, t in files.trunk.items()}
-        self.nope = a.key_mla - a.rope_dim
         self.moe = ExpertFFN(files.experts, self._expert)
         self.device = device
 
@@ -100,17 +98,9 @@ class Model:
     # ---- blocks ----------------------------------------------------------------------------------
     def _mla(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, p, t = self.args, self.w, f"blk.{i}.", len(h)
-        if a.q_lora:
-            q = linear(rms_norm(linear(h, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"].dequant(), a.eps),
-                       w[p + "attn_q_b.weight"])
-        else:
-            q = linear(h, w[p + "attn_q.weight"])
-        q = q.reshape(t, a.n_head, a.key_mla)
-        kv = linear(h, w[p + "attn_kv_a_mqa.weight"])
-        c = rms_norm(kv[:, :a.kv_lora], w[p + "attn_kv_a_norm.weight"].dequant(), a.eps)
-        k_pe = kv[:, None, a.kv_lora:].expand(t, a.n_head, a.rope_dim)  # shared by the heads, never rotated
-        k_nope = torch.einsum("tc,hcn->thn", c, w[p + "attn_k_b.weight"].dequant())
-        value = torch.einsum("tc,hvc->thv", c, w[p + "attn_v_b.weight"].dequant())
+        q = mla_query(w, p, h, a.n_head, a.key_mla, a.eps)
+        k_nope, k_pe, value = mla_keys_values(w, p, h, a.kv_lora, a.eps)
+        k_pe = k_pe.expand(t, a.n_head, a.rope_dim)  # shared by the heads, never rotated
         key, value = cache.append(i, torch.cat([k_nope, k_pe], dim=-1), value)
         o = attention(q, key, value, cache.length, a.key_mla ** -0.5).reshape(t, -1)
         o = o * torch.sigmoid(linear(h, w[p + "attn_gate.weight"]))  # the output gate reads the normed input
