@@ -1,6 +1,6 @@
 """The tokenizer rebuilt from GGUF metadata reproduces the reference prompt ids (made by each model's
-own HF tokenizer) for byte-level BPE with three different pre-tokenizers and for a SentencePiece
-vocabulary, and round-trips text."""
+own HF tokenizer) for byte-level BPE with five different pre-tokenizers (the flagship fixtures'
+deepseek-v3 and kimi-k2 among them) and for a SentencePiece vocabulary, and round-trips text."""
 
 from __future__ import annotations
 
@@ -32,6 +32,16 @@ def test_prompt_ids_equal_the_models_own_tokenizer(model: str) -> None:
     tok = load_tokenizer(metadata(model))
     hf = json.loads((FIXTURES / "ref" / model / "hf_ref.json").read_text())
     assert tok.encode(hf["prompt_text"]) == np.load(FIXTURES / "ref" / model / "prompt_ids.npy").tolist()
+
+
+@pytest.mark.parametrize("gguf", ["deepseek4/dsv4-tiny.Q2_K.gguf", "kimi-k3/k3-tiny.Q2_K.gguf"])
+def test_flagship_prompt_ids_equal_the_references(gguf: str) -> None:
+    path = FIXTURES / "flagship" / gguf
+    tok = load_tokenizer({k: f.value for k, f in open_source(path).metadata.items()})
+    ref = json.loads((path.parent / "reference.json").read_text())
+    for prompt in ref["prompts"].values():  # the texts spell out their BOS
+        assert tok.encode(prompt["text"], add_special=False) == prompt["ids"]
+        assert tok.decode(tok.encode("ünïcödé – 東京 and 12345")) == "ünïcödé – 東京 and 12345"
 
 
 @pytest.mark.parametrize("model", sorted(CASES))
