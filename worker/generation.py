@@ -130,6 +130,8 @@ class _TextStream:
 
     def add(self, ids: list[int]) -> bool:
         """True when a stop string appeared (the text is then cut before it)."""
+        if not self.stop and self.on_text is None:
+            return False  # nobody reads text before the end: decode once, in finish()
         text = self.tokenizer.decode(ids)
         hits = [at for at in (text.find(s) for s in self.stop) if at >= 0]
         if hits:  # the earliest stop string wins, whichever comes first in the list

@@ -39,10 +39,9 @@ def kda(w: dict, p: str, x: torch.Tensor, state: KdaState | None, n_head: int, h
     """x [T, D] (the normalized layer input) -> [T, D], and the state after these tokens."""
     t, d_inner = x.shape[0], n_head * head_dim
     if state is None:
-        zeros = x.new_zeros((0, d_inner))
         kernel = w[p + "ssm_conv1d_q.weight"].dequant().numel() // d_inner
-        state = KdaState({n: x.new_zeros((kernel - 1, d_inner)) for n in "qkv"} if kernel > 1 else
-                         {n: zeros for n in "qkv"}, x.new_zeros((n_head, head_dim, head_dim)))
+        state = KdaState({n: x.new_zeros((kernel - 1, d_inner)) for n in "qkv"},
+                         x.new_zeros((n_head, head_dim, head_dim)))
     conv: dict[str, torch.Tensor] = {}
     new_past: dict[str, torch.Tensor] = {}
     for n in "qkv":
