@@ -14,6 +14,7 @@ import os
 import queue
 import signal
 import socket
+import stat
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ class ExpertDaemon:
         assert config.pack is not None
         self.config = config
         self._closed = False
+        self._socket_inode: tuple[int, int] | None = None  # the socket file this daemon bound, once bound
         self.pack: OpenPack = open_pack(config.pack, config.direct_io, config.read_splits)
         self.manifest = self.pack.manifest
         self.layers = {l.layer: l for l in self.manifest.layers}
@@ -128,14 +130,12 @@ class ExpertDaemon:
                 if not path.parent.is_dir():
                     raise ValueError(f"{cfg.endpoint}: directory {path.parent} does not exist "
                                      "(systemd creates it with RuntimeDirectory=expertpack)")
-                if path.exists():
-                    if _someone_listens(path):
-                        raise ValueError(f"{cfg.endpoint}: another expertd is serving on {path}")
-                    log.warning("removing %s, left by an expertd that is gone", path)
-                    path.unlink()
+                _remove_stale_socket(path)
             sock.bind(cfg.endpoint)
             if cfg.endpoint.startswith("ipc://"):
-                os.chmod(cfg.endpoint.removeprefix("ipc://"), 0o660)  # group shared with workers
+                path = Path(cfg.endpoint.removeprefix("ipc://"))
+                os.chmod(path, 0o660)  # group shared with workers
+                self._socket_inode = _inode(path)
             return sock
         except BaseException:
             sock.close(0)  # an open socket would hang the context's term() in close()
@@ -503,7 +503,9 @@ class ExpertDaemon:
         if router is not None:
             router.close()
             if self.config.endpoint.startswith("ipc://"):
-                Path(self.config.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+                path = Path(self.config.endpoint.removeprefix("ipc://"))
+                if self._socket_inode is not None and _inode(path) == self._socket_inode:
+                    path.unlink()  # ours; whatever another process put there since is left alone
         if getattr(self, "ctx", None) is not None:
             self.ctx.term()
         if getattr(self, "readers", None) is not None:
@@ -513,6 +515,32 @@ class ExpertDaemon:
         if getattr(self, "_wake", None) is not None:
             os.close(self._wake)
         self.pack.close()
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the socket file at `path`, or None when nothing or something else is there."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Removes the unix socket a killed expertd left at `path`. Only a socket nobody answers is
+    removed: a live one, or anything that is not a socket (a pack file named by mistake), is an
+    error naming the path and nothing is touched."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ValueError(f"{path} exists and is not a socket; expertd binds a socket there and never removes "
+                         f"other files: choose another --endpoint, or move the file away")
+    if _someone_listens(path):
+        raise ValueError(f"ipc://{path}: another expertd is serving on {path}")
+    log.warning("removing %s, a socket left by an expertd that is gone", path)
+    path.unlink()
 
 
 def _someone_listens(path: Path) -> bool:

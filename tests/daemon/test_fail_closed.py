@@ -144,3 +144,19 @@ def test_help_documents_every_key() -> None:
                  "--direct-io", "--heartbeat-interval-s", "--heartbeat-timeout-s", "--curve-secret-key-file",
                  "--log-level", "--config"):
         assert flag in proc.stdout
+
+
+@pytest.mark.parametrize("victim", ["experts.pack", "manifest.json", "a-directory"])
+def test_endpoint_on_a_file_that_is_not_a_socket_touches_nothing(tiny_pack: Path, tmp_path: Path, victim: str) -> None:
+    """An endpoint naming the pack itself (or any file or folder that is not a socket) is refused
+    with the path named; nothing is removed, the pack still verifies byte for byte."""
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    target = pack / victim
+    if victim == "a-directory":
+        target.mkdir()
+    before = None if target.is_dir() else target.read_bytes()
+    proc = run_expertd("--pack", str(pack), "--endpoint", f"ipc://{target}")
+    assert_refused(proc, str(target), "is not a socket")
+    assert target.exists() and (target.is_dir() or target.read_bytes() == before)
+    assert subprocess.run([str(BIN / "expertpack"), "verify", str(pack)], capture_output=True).returncode == 0
