@@ -16,7 +16,7 @@ import signal
 import socket
 import stat
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +38,7 @@ log = logging.getLogger("expertd")
 MAX_QUEUED_KEYS = 4 * p.MAX_KEYS  # per client: pending + in flight
 SEND_HWM = MAX_QUEUED_KEYS + 1024  # every queued key may end in one message
 DRAIN_TIMEOUT_S = 10.0  # at shutdown, how long in-flight reads may take to finish
+MAX_GONE = 4096  # routing ids of clients whose connection closed, remembered for their late messages
 
 
 @dataclass(eq=False)
@@ -89,6 +90,9 @@ class ExpertDaemon:
         self.fetch_latency = Histogram()
         self.sessions: dict[bytes, Session] = {}
         self._fd_peer: dict[int, bytes] = {}  # connection fd -> routing id of the peer on it
+        # Clients whose connection closed: a RELEASE or CANCEL they sent just before closing is read
+        # after the disconnect and is the tail of a clean close, not a protocol error. Bounded.
+        self._gone: OrderedDict[bytes, None] = OrderedDict()
         self.stopping = False
         self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         try:
@@ -218,6 +222,9 @@ class ExpertDaemon:
         elif isinstance(msg, p.Hello):
             self._hello(identity, msg)
         elif identity not in self.sessions:
+            if identity in self._gone and isinstance(msg, (p.Release, p.Cancel)):
+                log.debug("%s from %r after its connection closed: nothing to do", msg.op.name, identity)
+                return
             self._error(identity, p.ErrorCode.NO_SESSION, f"{msg.op.name} before HELLO")
         elif isinstance(msg, p.Fetch):
             self._fetch(self.sessions[identity], msg)
@@ -244,6 +251,7 @@ class ExpertDaemon:
             return
         if identity in self.sessions:
             self._drop(identity, "said HELLO again")
+        self._gone.pop(identity, None)
         slots = self.staging.pool.lease(identity, self.config.client_slots)
         if slots is None:
             self._error(identity, p.ErrorCode.NO_SLOTS,
@@ -423,6 +431,10 @@ class ExpertDaemon:
         session = self.sessions.pop(identity, None)
         if session is None:
             return
+        if why != "said HELLO again":
+            self._gone[identity] = None
+            if len(self._gone) > MAX_GONE:
+                self._gone.popitem(last=False)
         session.closed = True
         session.free.clear()
         session.pending = (deque(), deque())

@@ -251,3 +251,16 @@ def test_tcp_needs_curve_and_works_with_it(tiny_pack: Path, tmp_path: Path) -> N
             ExpertClient(d.endpoint, curve_server_key=wrong_public, timeout_s=1)
     finally:
         assert d.stop()[0] == 0
+
+
+def test_clean_client_exits_are_not_protocol_errors(daemon: Daemon) -> None:
+    """A client that fetches, releases and closes leaves its last RELEASE behind its disconnect;
+    the daemon sees the disconnect first. That is a clean close, not an error."""
+    for i in range(200):
+        with ExpertClient(daemon.endpoint, name=f"clean{i}") as client:
+            for expert in client.fetch([(i % 4, i % 16), ((i + 1) % 4, (i + 5) % 16)]):
+                expert.release()
+    stats = wait_stats(daemon.endpoint, lambda s: s["slots"]["unleased"] == 48 - 8)
+    assert stats["counters"]["clients_total"] == 201
+    assert stats["counters"]["protocol_errors"] == 0, stats["counters"]
+    assert stats["slots"]["unleased"] == 48 - 8 and stats["slots"]["leased"] == 0
