@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from expertpack.packtools.layout import ALIGNMENT, PACK_FILE, LayerLayout, Manifest, PackHeader, layout_problems
+from expertpack.packtools.layout import ALIGNMENT, PACK_FILE, LayerLayout, Manifest, PackHeader, manifest_problems
 
 
 class PackContractError(RuntimeError):
@@ -50,9 +50,7 @@ def split_ranges(length: int, pieces: int) -> tuple[tuple[int, int], ...]:
 def open_pack(pack_dir: Path, direct_io: bool, read_splits: int) -> OpenPack:
     """Raises PackContractError (or ManifestError) with one clear message on any problem."""
     manifest = Manifest.load(pack_dir)
-    problems = layout_problems(manifest)
-    if not manifest.fingerprint_matches():
-        problems.append("manifest.json was modified after the build (its fingerprint does not match)")
+    problems = manifest_problems(manifest)
     if problems:
         raise PackContractError(f"{pack_dir}: the pack breaks the layout contract: {'; '.join(problems)}")
     path = pack_dir / PACK_FILE

@@ -279,9 +279,37 @@ def plan_layers(roles_by_layer: dict[int, list[RoleSpec]], n_expert: int) -> tup
     return tuple(layers), cursor
 
 
+MAX_EXPERTS = 1 << 31  # the wire protocol's expert index is below this
+
+
+def manifest_problems(manifest: Manifest) -> list[str]:
+    """Every reason not to trust `manifest`: edited after the build, model counts out of range, a
+    layout that breaks the contract. The one check every reader runs (expertd refuses to start on
+    any, verify reports them and hashes only the blocks the manifest can describe)."""
+    problems = []
+    if not manifest.fingerprint_matches():
+        problems.append("manifest.json was modified after the build (its content no longer matches its fingerprint)")
+    problems.extend(model_problems(manifest.model))
+    problems.extend(layout_problems(manifest))
+    return problems
+
+
+def model_problems(model: ModelInfo) -> list[str]:
+    problems = []
+    if not 1 <= model.n_expert <= MAX_EXPERTS:
+        problems.append(f"model.n_expert {model.n_expert} is not in 1..{MAX_EXPERTS}")
+    if not 1 <= model.n_expert_used <= model.n_expert:
+        problems.append(f"model.n_expert_used {model.n_expert_used} is not in 1..n_expert ({model.n_expert})")
+    outside = [l for l in model.moe_layers if l >= model.n_layer]
+    if outside:
+        problems.append(f"model.moe_layers {outside[:8]} are not below n_layer ({model.n_layer})")
+    return problems
+
+
 def layout_problems(manifest: Manifest) -> list[str]:
     """Every violation of the alignment and non-overlap contract; empty when the layout is sound.
-    The daemon runs this at start, verify runs it before hashing."""
+    Part of manifest_problems; the layout alone bounds the work a reader does (every block lies
+    inside the pack's size, one hash per expert)."""
     problems: list[str] = []
     if manifest.data_start % ALIGNMENT or manifest.data_start < HEADER.size:
         problems.append(f"data_start {manifest.data_start} is not a multiple of {ALIGNMENT} past the header")

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from expertpack.packtools.layout import PACK_FILE, TRUNK_FILE, ExpertKey, Manifest
+from expertpack.packtools.layout import PACK_FILE, TRUNK_FILE, ExpertKey, Manifest, fingerprint_of
 from expertpack.packtools.verify import verify_pack
 
-from ..conftest import run_cli
+from ..conftest import BIN, run_cli
 
 
 @pytest.fixture
@@ -131,3 +132,28 @@ def test_malformed_manifest_is_one_line(pack_copy: Path, edit, needle: str) -> N
     for command in ("verify", "inspect"):
         proc = run_cli(command, pack_copy)
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("refingerprint", [False, True])
+def test_a_huge_expert_count_is_refused_by_verify_and_expertd_alike(pack_copy: Path, tmp_path: Path,
+                                                                     refingerprint: bool) -> None:
+    """n_expert = 10**12 (also in a manifest whose fingerprint was recomputed to match): verify
+    reports it at once instead of looping over a trillion blocks, with the same words as expertd's
+    refusal; both run the one manifest check."""
+    path = pack_copy / "manifest.json"
+    data = json.loads(path.read_text())
+    data["model"]["n_expert"] = 10**12
+    if refingerprint:
+        data["fingerprint"] = fingerprint_of(data)
+    path.write_text(json.dumps(data))
+    proc = run_cli("verify", "--quiet", pack_copy, timeout=30)
+    assert proc.returncode == 1, proc
+    problems = [line.removeprefix("problem: ") for line in proc.stdout.splitlines() if line.startswith("problem: ")]
+    assert any("model.n_expert 1000000000000 is not in 1.." in p for p in problems), proc.stdout
+    assert any("past the pack size" in p for p in problems), proc.stdout
+    daemon = subprocess.run([str(BIN / "expertd"), "--pack", str(pack_copy), "--endpoint", f"ipc://{tmp_path}/s.sock"],
+                            capture_output=True, text=True, timeout=30)
+    assert daemon.returncode == 2 and "Traceback" not in daemon.stderr
+    shared = [p for p in problems if "n_expert" in p or "past the pack size" in p or "modified" in p]
+    assert len(shared) >= 2 + (not refingerprint)
+    assert all(p in daemon.stderr for p in shared), (shared, daemon.stderr)
