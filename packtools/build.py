@@ -71,9 +71,15 @@ def default_output(src: Path) -> Path:
 
 def build_pack(src: Path, out: Path, options: BuildOptions = BuildOptions()) -> Manifest:
     plan = plan_build(src)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    with _lock(out), _Interrupts() as interrupts:
-        return _Builder(plan, out, options, interrupts).run()
+    try:
+        with _lock(out), _Interrupts() as interrupts:
+            return _Builder(plan, out, options, interrupts).run()
+    except DiskSpaceError:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # the build made it and put nothing in it
+        raise
 
 
 class _Builder:
@@ -150,18 +156,24 @@ class _Builder:
         nonce = hashlib.sha256(os.urandom(32)).hexdigest()
         placeholder = ("pending" + nonce)[:64]
         trunk_path = self.path(TRUNK_FILE, True)
-        layout = gguf_stream.write_header(
-            trunk_path,
-            plan.source.arch,
-            [*plan.trunk_metadata, string_field(TRUNK_FINGERPRINT_KEY, placeholder)],
-            plan.trunk_tensors,
-        )
-        self._check_disk(plan.pack_size_bytes + layout.size_bytes - trunk_path.stat().st_size)
-        _allocate(trunk_path, layout.size_bytes)
         pack_path = self.path(PACK_FILE, True)
-        pack_path.unlink(missing_ok=True)
-        _allocate(pack_path, plan.pack_size_bytes)
-        _fsync_dir(self.out)
+        try:
+            layout = gguf_stream.write_header(
+                trunk_path,
+                plan.source.arch,
+                [*plan.trunk_metadata, string_field(TRUNK_FINGERPRINT_KEY, placeholder)],
+                plan.trunk_tensors,
+            )
+            self._check_disk(plan.pack_size_bytes + layout.size_bytes - trunk_path.stat().st_size)
+            _allocate(trunk_path, layout.size_bytes)
+            pack_path.unlink(missing_ok=True)
+            _allocate(pack_path, plan.pack_size_bytes)
+            _fsync_dir(self.out)
+        except BaseException:
+            # No checkpoint refers to them yet: a refused or interrupted start leaves nothing behind.
+            trunk_path.unlink(missing_ok=True)
+            pack_path.unlink(missing_ok=True)
+            raise
         state = BuildState(
             plan_id=self.plan_id,
             placeholder=placeholder,

@@ -183,6 +183,16 @@ def test_not_enough_disk(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "not enough free space" in proc.stderr and "--safety-margin-gib" in proc.stderr
     assert run_cli("verify", out, "-q").returncode != 0
+    assert not out.exists(), list(out.iterdir())  # no trunk.gguf.partial, no experts.pack.partial, no folder
+
+
+def test_not_enough_disk_in_an_existing_folder_leaves_it_as_it_was(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = run_cli("build", SINGLE, "-o", out, "-q", "--safety-margin-gib", "1000000")
+    assert proc.returncode == 2 and "not enough free space" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def test_output_present_needs_force(tmp_path: Path) -> None:
