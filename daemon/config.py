@@ -5,6 +5,7 @@ reported together."""
 from __future__ import annotations
 
 import argparse
+import math
 import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -12,6 +13,19 @@ from typing import Any
 
 DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+# The range of every numeric key. Staging is further capped at start by the host's memory (what the
+# pack's block size makes of stage_slots is only known then); heartbeats are bounded by ZeroMQ's
+# HEARTBEAT_TTL (a 16-bit count of deciseconds).
+RANGES: dict[str, tuple[float, float]] = {
+    "stage_slots": (1, 1 << 20),
+    "client_slots": (1, 1 << 20),
+    "read_threads": (1, 256),
+    "read_splits": (1, 64),
+    "heartbeat_interval_s": (0.01, 600.0),
+    "heartbeat_timeout_s": (0.02, 6553.0),
+}
 
 
 class ConfigError(ValueError):
@@ -36,12 +50,16 @@ class DaemonConfig:
         out = []
         if self.pack is None:
             out.append("pack: no pack directory given (--pack DIR or `pack = ...` in the config file)")
-        for name in ("stage_slots", "client_slots", "read_threads", "read_splits"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for name, (low, high) in RANGES.items():
+            value = getattr(self, name)
+            if not (math.isfinite(value) and low <= value <= high):
+                if low == 1 and value < 1 and isinstance(value, int):
+                    out.append(f"{name}: must be at least 1, got {value}")
+                else:
+                    out.append(f"{name}: must lie in {low:g}..{high:g}, got {value!r}")
         if self.client_slots > self.stage_slots:
             out.append(f"client_slots ({self.client_slots}) cannot exceed stage_slots ({self.stage_slots})")
-        if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             out.append("heartbeat_timeout_s must exceed heartbeat_interval_s, both positive")
         if self.log_level not in LOG_LEVELS:
             out.append(f"log_level: one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

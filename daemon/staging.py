@@ -109,12 +109,40 @@ def remove_orphans() -> list[Path]:
     return removed
 
 
+def lockable_bytes() -> tuple[int, str]:
+    """What the host can give the staging now, and what bounds it: the RAM available (psutil when
+    installed, else /proc/meminfo) and the free space of /dev/shm, whichever is smaller."""
+    try:
+        import psutil  # optional: a runtime dependency of expertd only if listed in pyproject
+        available = int(psutil.virtual_memory().available)
+    except ImportError:
+        available = _meminfo_available()
+    shm = os.statvfs(SHM_DIR)
+    shm_free = shm.f_bavail * shm.f_frsize
+    if shm_free < available:
+        return shm_free, f"{SHM_DIR} has {shm_free:,} bytes free"
+    return available, f"the host has {available:,} bytes of memory available"
+
+
+def _meminfo_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class StagingSegment:
     """Creates (O_EXCL), maps and mlocks the segment; `close` unmaps and unlinks it."""
 
     def __init__(self, n_slots: int, slot_bytes: int, name: str | None = None) -> None:
         if slot_bytes % SLOT_ALIGNMENT:
             raise StagingError(f"slot size {slot_bytes} is not a multiple of {SLOT_ALIGNMENT}")
+        limit, why = lockable_bytes()
+        if n_slots * slot_bytes > limit:
+            raise StagingError(f"stage_slots {n_slots} x {slot_bytes:,}-byte slots need {n_slots * slot_bytes:,} "
+                               f"bytes of locked memory, but {why}; lower stage_slots (at most "
+                               f"{limit // slot_bytes} fit now)")
         self.name = name or f"expertpack-{os.getpid()}-{secrets.token_hex(4)}"
         self.slot_bytes = slot_bytes
         self.size_bytes = n_slots * slot_bytes

@@ -109,6 +109,12 @@ def test_edited_manifest_is_refused(tiny_pack: Path, tmp_path: Path) -> None:
     (("--endpoint", "tcp://127.0.0.1:5555"), ("needs curve_secret_key_file", "refused")),
     (("--endpoint", "inproc://x"), ("ipc:// or tcp://",)),
     (("--log-level", "loud"), ("log_level",)),
+    (("--heartbeat-timeout-s", "inf"), ("heartbeat_timeout_s: must lie in",)),
+    (("--heartbeat-timeout-s", "nan"), ("heartbeat_timeout_s: must lie in",)),
+    (("--heartbeat-interval-s", "-1"), ("heartbeat_interval_s: must lie in",)),
+    (("--read-threads", "100000"), ("read_threads: must lie in 1..256",)),
+    (("--read-splits", "1000"), ("read_splits: must lie in",)),
+    (("--stage-slots", "1000000000"), ("stage_slots: must lie in",)),
 ])
 def test_bad_configuration(tiny_pack: Path, args: tuple[str, ...], needles: tuple[str, ...]) -> None:
     pack = ("--pack", str(tiny_pack)) if args else ()
@@ -160,3 +166,19 @@ def test_endpoint_on_a_file_that_is_not_a_socket_touches_nothing(tiny_pack: Path
     assert_refused(proc, str(target), "is not a socket")
     assert target.exists() and (target.is_dir() or target.read_bytes() == before)
     assert subprocess.run([str(BIN / "expertpack"), "verify", str(pack)], capture_output=True).returncode == 0
+
+
+def test_staging_beyond_the_host_memory_is_refused_before_anything_is_made(tiny_pack: Path, tmp_path: Path) -> None:
+    import os
+
+    import psutil
+
+    slots = 1 << 20  # the most the configuration takes
+    need = slots * Manifest.load(tiny_pack).max_stride
+    assert need > psutil.virtual_memory().available, "this host could lock the staging: the test needs a bigger pack"
+    before = set(os.listdir("/dev/shm"))
+    proc = run_expertd("--pack", str(tiny_pack), "--endpoint", f"ipc://{tmp_path}/s.sock", "--stage-slots", str(slots),
+                       "--client-slots", "1")
+    assert_refused(proc, "bytes of locked memory", "lower stage_slots", "fit now")
+    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("expertpack-")}
+    assert not (tmp_path / "s.sock").exists()
