@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -19,12 +20,31 @@ EXIT_INTERRUPTED = 130
 
 log = logging.getLogger("expertpack")
 
+# The range of every numeric flag (by its argparse dest), checked before any work: nan, inf and
+# negatives are refused with one line.
+RANGES: dict[str, tuple[float, float]] = {
+    "safety_margin_gib": (0.0, float(1 << 30)),
+    "checkpoint_every_s": (0.1, 86400.0),
+    "threads": (1, 1024),
+    "vram_gib": (0.001, float(1 << 20)),
+    "layers": (1, 1 << 16),
+    "shards": (1, 9999),
+    "seed": (0, (1 << 63) - 1),
+    "greedy": (0, 1 << 24),
+    "temperature": (0.0, 100.0),
+    "top_k": (0, 1 << 31),
+    "top_p": (0.0, 1.0),
+    "cache_vram_mib": (1, 1 << 24),
+    "cache_reserve_mib": (0, 1 << 24),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
                         format="expertpack: %(message)s")
     try:
+        _check_ranges(args)
         return args.run(args)
     except ExpertpackError as exc:
         from .build import BuildInterrupted
@@ -37,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"expertpack {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for dest, (low, high) in RANGES.items():
+        value = getattr(args, dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not (math.isfinite(v) and low <= v <= high):
+                raise ExpertpackError(f"--{dest.replace('_', '-')} must lie in {low:g}..{high:g}, got {v!r}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -254,3 +254,23 @@ def test_a_source_that_cannot_be_read_fails_instead_of_hanging(tmp_path: Path) -
     with pytest.raises(FileNotFoundError):
         for _ in read_chunks(tmp_path / "gone.gguf", 0, 1 << 20, hashlib.sha256()):
             pass
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("build", SINGLE, "--safety-margin-gib", "nan"), "--safety-margin-gib"),
+    (("build", SINGLE, "--safety-margin-gib", "inf"), "--safety-margin-gib"),
+    (("build", SINGLE, "--safety-margin-gib", "-1"), "--safety-margin-gib"),
+    (("build", SINGLE, "--checkpoint-every-s", "0"), "--checkpoint-every-s"),
+    (("build", SINGLE, "--threads", "0"), "--threads"),
+    (("inspect", SINGLE, "--vram-gib", "-8"), "--vram-gib"),
+    (("eval", SINGLE, "--text", "hi", "--top-p", "nan"), "--top-p"),
+    (("synth", "--preset", "tiny", "-o", "x.gguf", "--shards", "0"), "--shards"),
+])
+def test_numeric_flags_out_of_range_are_one_line(tmp_path: Path, args: tuple, needle: str) -> None:
+    out = tmp_path / "out"
+    args = tuple(tmp_path / a if a == "x.gguf" else a for a in args)
+    proc = run_cli(*args, *(("-o", out) if args[0] == "build" else ()))
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr and needle in lines[0] and "must lie in" in lines[0], lines
+    assert not out.exists() and not (tmp_path / "x.gguf").exists()
