@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from expertpack.packtools.units import plain_number
+
 DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -56,7 +58,7 @@ class DaemonConfig:
                 if low == 1 and value < 1 and isinstance(value, int):
                     out.append(f"{name}: must be at least 1, got {value}")
                 else:
-                    out.append(f"{name}: must lie in {low:g}..{high:g}, got {value!r}")
+                    out.append(f"{name}: must lie in {plain_number(low)}..{plain_number(high)}, got {value!r}")
         if self.client_slots > self.stage_slots:
             out.append(f"client_slots ({self.client_slots}) cannot exceed stage_slots ({self.stage_slots})")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .errors import ExpertpackError
-from .units import GIB
+from .units import GIB, plain_number
 
 EXIT_DAMAGED = 1
 EXIT_USAGE = 2
@@ -34,7 +34,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
     "top_k": (0, 1 << 31),
     "top_p": (0.0, 1.0),
-    "cache_vram_mib": (1, 1 << 24),
+    "cache_vram_mib": (0, 1 << 24),
     "cache_reserve_mib": (0, 1 << 24),
 }
 
@@ -64,7 +64,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         for v in value if isinstance(value, list) else [value]:
             if v is not None and not (math.isfinite(v) and low <= v <= high):
-                raise ExpertpackError(f"--{dest.replace('_', '-')} must lie in {low:g}..{high:g}, got {v!r}")
+                raise ExpertpackError(f"--{dest.replace('_', '-')} must lie in {plain_number(low)}..{plain_number(high)}, got {v!r}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,3 +18,8 @@ def human_bytes(n: float) -> str:
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of `multiple` that is >= n."""
     return -(-n // multiple) * multiple
+
+
+def plain_number(x: float) -> str:
+    """1048576 -> '1,048,576', 0.5 -> '0.5', 6553.0 -> '6,553': for ranges in messages."""
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"

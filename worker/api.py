@@ -57,7 +57,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)  # what torch's generator takes
     ignore_eos: bool = False  # llama-server's and vLLM's extension: generate exactly max_tokens
 
 
@@ -121,6 +121,12 @@ def create_app(service: WorkerService) -> FastAPI:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         service.counters.count(request.url.path, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's doing: still an OpenAI-style body (starlette logs the traceback).
+        return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                 kind="server_error"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

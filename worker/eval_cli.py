@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from typing import NoReturn
 
 import numpy as np
 
@@ -17,20 +18,25 @@ from expertpack.client import ClientError
 from .cache_policy import CacheTooSmall
 from .daemon_link import DaemonLost
 from .engine import Engine
+from .main import SettingsError, pick_device
 from .sampling import Sampler
 from .tokenizer import load_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        args.device = pick_device(args.device)
+    except SettingsError as exc:
+        _fail(str(exc))
+    try:
         engine = Engine.load(args.model, args.device, daemon=args.daemon, cache_bytes=args.cache_vram_mib << 20,
                              reserve_bytes=args.cache_reserve_mib << 20, name="expertpack-eval")
     except (ClientError, CacheTooSmall, ValueError) as exc:
-        raise SystemExit(f"expertpack eval: {exc}") from None
+        _fail(str(exc))
     try:
         return _run(args, engine)
     except DaemonLost as exc:
-        raise SystemExit(f"expertpack eval: {exc}") from None
+        _fail(str(exc))
     finally:
         engine.close()
 
@@ -43,11 +49,11 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
         try:
             prompt = [int(t) for t in args.tokens.split(",") if t.strip()]
         except ValueError:
-            raise SystemExit(f"expertpack eval: --tokens must be comma-separated integers, got {args.tokens!r}")
+            _fail(f"--tokens must be comma-separated integers, got {args.tokens!r}")
     vocab = engine.model.w["token_embd.weight"].shape[1]
     bad = [t for t in prompt if not 0 <= t < vocab]
     if not prompt or bad:
-        raise SystemExit(f"expertpack eval: prompt must be non-empty token ids in 0..{vocab - 1}; bad: {bad[:5]}")
+        _fail(f"prompt must be non-empty token ids in 0..{vocab - 1}; bad: {bad[:5]}")
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     start = time.perf_counter()
     tokens, logits = engine.generate(prompt, args.greedy, sampler) if args.greedy else \
@@ -73,3 +79,9 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
                   f"evictions, {c['h2d_bytes'] / 1e6:.1f} MB copied in, {c['stall_s']:.2f} s waiting for expertd")
         print(f"{engine.files.arch} on {args.device}, {seconds:.2f} s", file=sys.stderr)
     return 0
+
+
+def _fail(message: str) -> NoReturn:
+    """Bad input or an unusable environment: one line, exit 2 (as every expertpack command)."""
+    print(f"expertpack eval: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 import time
 import tomllib
 from pathlib import Path
+
+from expertpack.packtools.units import plain_number
 
 DESCRIPTION = """\
 Serves a packed MoE model over an OpenAI-compatible HTTP API (/v1/completions,
@@ -24,6 +27,21 @@ DEFAULTS = {
     "cache_reserve_mib": 1024, "host": "127.0.0.1", "port": 8000, "tokenizer": None, "model_name": None,
     "daemon_timeout_s": 30.0, "daemon_down_timeout_s": 60.0, "log_level": "info",
 }
+
+
+# Every numeric setting's type and range, checked (flags and config file alike) before torch loads.
+RANGES: dict[str, tuple[type, float, float]] = {
+    "cache_vram_mib": (int, 0, 1 << 24),  # 0: refused by the cache with the size it needs
+    "cache_reserve_mib": (int, 0, 1 << 24),
+    "port": (int, 1, 65535),
+    "daemon_timeout_s": (float, 0.1, 3600.0),
+    "daemon_down_timeout_s": (float, 0.0, 86400.0),
+}
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class SettingsError(ValueError):
+    """A bad flag or config file value; main prints it as one line and exits 2."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,26 +72,71 @@ def parser() -> argparse.ArgumentParser:
 
 
 def settings(argv: list[str] | None) -> argparse.Namespace:
+    """Flags over the config file over DEFAULTS; raises SettingsError listing every problem."""
     p = parser()
     args = p.parse_args(argv)
     merged = dict(DEFAULTS)
     if args.config is not None:
         try:
             table = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            p.error(f"{args.config}: {exc}")
+        except OSError as exc:
+            raise SettingsError(f"{args.config}: cannot read ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"{args.config}: not valid TOML ({exc})") from None
         unknown = set(table) - set(DEFAULTS)
         if unknown:
-            p.error(f"{args.config}: unknown keys {', '.join(sorted(unknown))}; known: {', '.join(DEFAULTS)}")
+            raise SettingsError(f"{args.config}: unknown keys {', '.join(sorted(unknown))}; known: "
+                                f"{', '.join(DEFAULTS)}")
         merged.update(table)
     merged.update({k: v for k, v in vars(args).items() if v is not None and k in DEFAULTS})
+    problems = []
     if merged["pack"] is None:
-        p.error("--pack is required (or `pack` in the config file)")
+        problems.append("--pack is required (or `pack` in the config file)")
+    for name, (kind, low, high) in RANGES.items():
+        value = merged[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            problems.append(f"{name}: expected {kind.__name__}, got {value!r}")
+        elif not (math.isfinite(value) and low <= value <= high):
+            problems.append(f"{name}: must lie in {plain_number(low)}..{plain_number(high)}, got {value!r}")
+    for name in ("pack", "daemon", "device", "host", "tokenizer", "model_name", "log_level"):
+        if merged[name] is not None and not isinstance(merged[name], (str, Path)):
+            problems.append(f"{name}: expected a string, got {merged[name]!r}")
+    if str(merged["log_level"]).lower() not in LOG_LEVELS:
+        problems.append(f"log_level: one of {', '.join(LOG_LEVELS)}, got {merged['log_level']!r}")
+    if problems:
+        raise SettingsError("; ".join(problems))
     return argparse.Namespace(**merged)
 
 
+def pick_device(requested: str | None) -> str:
+    """cpu, cuda or cuda:N, checked against what this machine has (torch is imported by now)."""
+    import torch
+
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise SettingsError(f"--device {requested!r}: expected cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return str(device)
+    if device.type != "cuda":
+        raise SettingsError(f"--device {requested!r}: expert-worker runs on cpu or cuda, not {device.type}")
+    if not torch.cuda.is_available():
+        raise SettingsError(f"--device {requested}: no CUDA device is usable here (torch {torch.__version__}, "
+                            f"CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise SettingsError(f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA devices "
+                            f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return str(device)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = settings(argv)
+    try:
+        args = settings(argv)
+    except SettingsError as exc:
+        print(f"expert-worker: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=str(args.log_level).upper(), stream=sys.stderr,
                         format="expert-worker[%(process)d] %(levelname)s %(message)s")
     log = logging.getLogger("expert-worker")
@@ -90,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     from .generation import Generator
     from .tokenizer import TokenizerError, load_tokenizer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = pick_device(args.device)
+    except SettingsError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     pack = Path(args.pack)
     name = args.model_name or pack.name
     start = time.perf_counter()

@@ -198,6 +198,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served) -> 
         client.completions.create(model="fixture", prompt=[1, 10**7])
     status, body = worker.post("/v1/chat/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = worker.post("/v1/chat/completions", json.dumps(
+        {"model": "fixture", "messages": CHAT, "max_tokens": 2, "seed": 2**64}).encode())
+    assert status == 400 and body["error"]["param"] == "seed", body
     ok = client.completions.create(model="fixture", prompt="still here", max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens >= 1
 
@@ -324,3 +327,31 @@ def test_health_and_metrics_answer_during_a_generation_and_a_dropped_stream_stop
     dropped = [line for line in worker.log.splitlines() if "/v1/completions 499:" in line]
     assert dropped, "the abandoned stream was never accounted for"
     assert int(dropped[-1].split(" + ")[1].split()[0]) < 3000, f"the abandoned stream ran on: {dropped[-1]}"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--device", "bogus"), "--device 'bogus': expected cpu, cuda or cuda:N"),
+    (("--device", "cuda:99"), "--device cuda:99"),
+    (("--device", "meta"), "runs on cpu or cuda"),
+    (("--daemon-timeout-s", "inf"), "daemon_timeout_s: must lie in"),
+    (("--daemon-down-timeout-s", "nan"), "daemon_down_timeout_s: must lie in"),
+    (("--cache-vram-mib", "-5"), "cache_vram_mib: must lie in"),
+    (("--port", "70000"), "port: must lie in 1..65,535"),
+    (("--log-level", "loud"), "log_level"),
+])
+def test_bad_settings_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], needle: str) -> None:
+    proc = subprocess.run([str(BIN / "expert-worker"), "--pack", str(tmp_path / "no-pack"), "--daemon",
+                           f"ipc://{tmp_path}/none.sock", *args], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert needle in lines[0], lines
+
+
+def test_bad_config_file_values_are_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "worker.toml"
+    config.write_text('pack = "/nowhere"\nport = "eighty"\ncache_vram_mib = 1.5\n')
+    proc = subprocess.run([str(BIN / "expert-worker"), "--config", str(config)], capture_output=True, text=True,
+                          timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "port: expected int, got 'eighty'" in lines[0] and "cache_vram_mib: expected int" in lines[0]
