@@ -122,9 +122,81 @@ def _read(path: Path) -> GGUFReader:
     except ValueError as exc:
         if "GGMLQuantizationType" in str(exc):
             raise SourceError(f"{path}: unknown ggml type ({exc}); this gguf version cannot read it") from exc
-        raise SourceError(f"{path}: not a valid GGUF file ({exc})") from exc
+        reason = truncation(path) or f"not a valid GGUF file ({exc})"
+        raise SourceError(f"{path}: {reason}") from exc
     except (OSError, IndexError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{path}: not a valid or complete GGUF file ({type(exc).__name__}: {exc})") from exc
+        reason = truncation(path) or f"not a valid or complete GGUF file ({type(exc).__name__}: {exc})"
+        raise SourceError(f"{path}: {reason}") from exc
+
+
+# GGUF value types -> bytes of one scalar (STRING = 8 and ARRAY = 9 are read apart).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def truncation(path: Path) -> str | None:
+    """Why gguf-py could not read `path`, in words, when the reason is that the file is cut short:
+    inside its header, or before the end of the tensor data its header describes. None when the
+    file is not a GGUF at all or is complete (the reader's own message then stands)."""
+    raw = path.read_bytes()[: 64 << 20]  # headers are far smaller; bounded for a hostile file
+    size = path.stat().st_size
+    at = 0
+
+    def take(n: int) -> bytes:
+        nonlocal at
+        if at + n > len(raw):
+            raise EOFError
+        at += n
+        return raw[at - n:at]
+
+    def u32() -> int:
+        return int.from_bytes(take(4), "little")
+
+    def u64() -> int:
+        return int.from_bytes(take(8), "little")
+
+    def skip_value(vtype: int) -> int | None:
+        if vtype == 8:
+            take(u64())
+            return None
+        if vtype == 9:
+            sub, count = u32(), u64()
+            for _ in range(count):
+                skip_value(sub)
+            return None
+        if vtype not in _SCALAR_BYTES:
+            raise ValueError
+        return int.from_bytes(take(_SCALAR_BYTES[vtype]), "little")
+
+    if raw[:4] != b"GGUF"[:len(raw[:4])]:
+        return None  # not a GGUF (or a cut one): the reader's message stands
+    try:
+        take(4)
+        u32()  # version
+        n_tensors, n_kv = u64(), u64()
+        alignment = 32
+        for _ in range(n_kv):
+            key = take(u64())
+            value = skip_value(u32())
+            if key == b"general.alignment" and value:
+                alignment = value
+        end = 0
+        for _ in range(n_tensors):
+            name = take(u64()).decode("utf-8", "replace")
+            dims = [u64() for _ in range(u32())]
+            ggml_type, offset = u32(), u64()
+            block, type_size = GGML_QUANT_SIZES.get(GGMLQuantizationType(ggml_type), (1, 0))
+            n = int(np.prod(dims, dtype=np.float64))
+            if offset + n // block * type_size > end:
+                end, last = offset + n // block * type_size, name
+        data_start = -(-at // alignment) * alignment
+    except EOFError:
+        return f"truncated inside its GGUF header (the file ends at byte {size:,}); copy or download it again"
+    except (ValueError, OverflowError):
+        return None
+    if data_start + end > size:
+        return (f"truncated: its GGUF tensors end at byte {data_start + end:,} (the last is {last}) but the file has "
+                f"{size:,} bytes; copy or download it again")
+    return None
 
 
 def _shard(path: Path) -> Shard:

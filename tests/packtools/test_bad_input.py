@@ -62,6 +62,22 @@ def test_truncated_gguf(tmp_path: Path) -> None:
     assert_fails_cleanly(src, tmp_path / "out", "cut.gguf", "truncated")
 
 
+@pytest.mark.parametrize("keep,needle", [
+    (20_000, "truncated inside its GGUF header (the file ends at byte 20,000)"),
+    (1_048_576, "truncated: its GGUF tensors end at byte"),
+    (-100, "truncated: its GGUF tensors end at byte"),
+])
+def test_a_cut_gguf_says_it_is_cut_not_numpy(tmp_path: Path, keep: int, needle: str) -> None:
+    data = SINGLE.read_bytes()
+    src = tmp_path / "short.gguf"
+    src.write_bytes(data[:keep])
+    for command in ("build", "inspect"):
+        proc = run_cli(command, src, *(("-o", tmp_path / "out", "-q") if command == "build" else ()))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert needle in lines[0] and "reshape" not in lines[0] and "dtype" not in lines[0], lines[0]
+
+
 def test_header_cut_short(tmp_path: Path) -> None:
     src = tmp_path / "short.gguf"
     src.write_bytes(SINGLE.read_bytes()[:200])
