@@ -8,6 +8,7 @@ import argparse
 import logging
 import math
 import signal
+import socket
 import sys
 import time
 import tomllib
@@ -140,7 +141,33 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=str(args.log_level).upper(), stream=sys.stderr,
                         format="expert-worker[%(process)d] %(levelname)s %(message)s")
     log = logging.getLogger("expert-worker")
+    try:
+        listener = bind_listener(str(args.host), int(args.port))
+    except OSError as exc:
+        log.error("cannot start: cannot listen on %s:%d (%s)", args.host, args.port, exc.strerror or exc)
+        return 2
+    try:
+        return _serve(args, listener, log)
+    finally:
+        listener.close()
 
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before the model loads so a port already taken is known at once;
+    uvicorn listens on it once the worker is ready (until then connections are refused)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logger) -> int:
     import torch  # after argument parsing: --help stays instant
     import uvicorn
 
@@ -190,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         # the daemon link is closed and the exit status is 0.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: None)
-        server.run()
+        server.run(sockets=[listener])
         service.shutdown()  # the generation thread is done with the engine before it is closed
         log.info("stopped")
         return 0

@@ -355,3 +355,17 @@ def test_bad_config_file_values_are_one_line(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "port: expected int, got 'eighty'" in lines[0] and "cache_vram_mib: expected int" in lines[0]
+
+
+def test_a_port_already_taken_is_refused_before_loading(served, tmp_path: Path) -> None:
+    pack, daemon, _ = served
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([str(BIN / "expert-worker"), "--pack", str(pack), "--daemon", daemon.endpoint,
+                               "--device", "cpu", "--port", str(port), "--cache-vram-mib", "1"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "Address already in use" in proc.stderr
+    assert "serving" not in proc.stderr and "Traceback" not in proc.stderr
