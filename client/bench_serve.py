@@ -7,7 +7,11 @@ MMLU-style multiple-choice questions; temperature 0 and exactly --max-tokens com
 decode rates come from the server's `timings` when it reports them (llama-server, expert-worker),
 else from the client's clock (time to first token; the rest). The unique-key hit rate and the SSD
 bytes come from expert-worker's `expertpack` object (n/a elsewhere). Prints a table per set and
-writes bench-serve.json and bench-serve.png (matplotlib) into --out."""
+writes bench-serve.json and bench-serve.png (matplotlib) into --out.
+
+`--compare A.json B.json ...` draws earlier runs side by side instead (expert-worker's,
+llama-server's, ...): one table, one chart (bench-serve-compare.png), "n/a" where a server reported
+no hit rate."""
 
 from __future__ import annotations
 
@@ -140,40 +144,139 @@ def summarize(results: list[Result]) -> dict[str, dict]:
     return out
 
 
-def chart(summary: dict[str, dict], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise ServeError("the chart needs matplotlib: pip install 'expertpack[bench]'") from None
+def make_report(endpoint: str, model: str, label: str, max_tokens: int, results: list[Result]) -> dict:
+    """What bench-serve.json holds."""
+    return {"bench": "serve", "date": date.today().isoformat(), "endpoint": endpoint, "model": model,
+            "label": label, "max_tokens": max_tokens, "summary": summarize(results),
+            "requests": [asdict(r) for r in results]}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One bench-serve.json: a system's summary per set, under the name it was given."""
+    label: str
+    summary: dict[str, dict]
+    conditions: dict  # endpoint, model, max_tokens, date: what the report says besides
+
+    @classmethod
+    def from_report(cls, report: dict, fallback_label: str = "") -> "Run":
+        return cls(report.get("label") or report.get("model") or fallback_label, report["summary"],
+                   {k: report.get(k) for k in ("endpoint", "model", "max_tokens", "date")})
+
+    @classmethod
+    def load(cls, path: Path) -> "Run":
+        try:
+            report = json.loads(path.read_text())
+            return cls.from_report(report, path.stem)
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise ServeError(f"{path}: not a bench-serve.json ({exc})") from None
+
+
+def _fmt(v: float | None, pattern: str) -> str:
+    return "n/a" if v is None else pattern.format(v)
+
+
+def table(runs: list[Run]) -> str:
+    width = max([6, *(len(r.label) for r in runs)]) + 2
+    lines = [f"{'system':<{width}}{'set':<17}{'requests':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'hit rate':>10}"
+             f"{'SSD GB/token':>14}"]
+    for name in SETS:
+        for run in runs:
+            s = run.summary.get(name)
+            if s is None:
+                continue
+            lines.append(f"{run.label:<{width}}{name:<17}{s['requests']:>9}{s['prefill_tokens_per_s']:>15.2f}"
+                         f"{s['decode_tokens_per_s']:>14.2f}{_fmt(s['hit_rate'], '{:.1%}'):>10}"
+                         f"{_fmt(s['ssd_gb_per_token'], '{:.3f}'):>14}")
+    return "\n".join(lines)
+
+
+CHART_PANELS = (("prefill_tokens_per_s", "prefill tokens/s", "{:.2f}"),
+                ("decode_tokens_per_s", "decode tokens/s", "{:.2f}"),
+                ("hit_rate", "unique-key hit rate", "{:.0%}"))
+CHART_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
+
+
+def figure(runs: list[Run], title: str):
+    """Per panel: the sets along x, one bar per run; a value a server did not report reads n/a."""
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(summary)
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-    for ax, key, label in zip(axes, ("prefill_tokens_per_s", "decode_tokens_per_s", "hit_rate"),
-                              ("prefill tokens/s", "decode tokens/s", "unique-key hit rate")):
-        values = [summary[n][key] or 0.0 for n in names]
-        ax.bar(names, values, color=["#4c72b0", "#dd8452"][:len(names)])
+    names = [n for n in SETS if any(n in r.summary for r in runs)]
+    width = 0.8 / len(runs)
+    fig, axes = plt.subplots(1, len(CHART_PANELS), figsize=(4 + 4 * len(CHART_PANELS), 4.5))
+    for ax, (key, label, pattern) in zip(axes, CHART_PANELS):
+        for i, run in enumerate(runs):
+            xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(names))]
+            values = [(run.summary.get(n) or {}).get(key) for n in names]
+            ax.bar(xs, [v or 0.0 for v in values], width, label=run.label, color=CHART_COLORS[i % len(CHART_COLORS)])
+            for x, v in zip(xs, values):
+                ax.text(x, v or 0.0, _fmt(v, pattern), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(names)), names)
         ax.set_title(label)
-        for i, v in enumerate(values):
-            ax.text(i, v, f"{v:.2f}" if key != "hit_rate" else f"{v:.0%}", ha="center", va="bottom")
+        ax.margins(y=0.1)  # room for the values above the bars
+    if len(runs) > 1:
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(runs), fontsize=9)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07 if len(runs) > 1 else 0, 1, 1))
+    return fig
+
+
+def chart(runs: list[Run], path: Path, title: str) -> None:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ServeError("the chart needs matplotlib: pip install 'expertpack[bench]'") from None
+    fig = figure(runs, title)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def compare(paths: list[Path], out: Path) -> int:
+    """Earlier runs side by side: the table, the JSON line, then the chart."""
+    runs = [Run.load(p) for p in paths]
+    seen: dict[str, int] = {}
+    for i, run in enumerate(runs):  # two runs under one name would merge in the chart's legend
+        seen[run.label] = seen.get(run.label, 0) + 1
+        if seen[run.label] > 1:
+            runs[i] = Run(f"{run.label} ({seen[run.label]})", run.summary, run.conditions)
+    max_tokens = sorted({r.conditions["max_tokens"] for r in runs}, key=str)
+    if len(max_tokens) > 1:
+        print(f"expertpack bench serve: warning: the runs differ in --max-tokens {max_tokens}", file=sys.stderr)
+    print(table(runs))
+    print(json.dumps({"bench": "serve-compare", "date": date.today().isoformat(),
+                      "runs": [{"file": str(p), "label": r.label, **r.conditions, "summary": r.summary}
+                               for p, r in zip(paths, runs)]}))
+    out.mkdir(parents=True, exist_ok=True)
+    png = out / "bench-serve-compare.png"
+    chart(runs, png, f"{' vs '.join(r.label for r in runs)} — {'/'.join(map(str, max_tokens))} tokens per request")
+    print(f"wrote {png}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="expertpack bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000 (or …/v1)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--endpoint", help="the server's base URL, e.g. http://127.0.0.1:8000 (or …/v1)")
+    what.add_argument("--compare", nargs="+", type=Path, metavar="JSON",
+                      help="draw these bench-serve.json files side by side instead of running")
     p.add_argument("--model", help="model id to ask for (default: the first of /v1/models)")
     p.add_argument("--max-tokens", type=int, default=200, help="completion tokens per request (default 200)")
-    p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench-serve.json and .png")
+    p.add_argument("--out", type=Path, default=Path("bench-out"),
+                   help="folder for bench-serve.json and .png (bench-serve-compare.png with --compare)")
     p.add_argument("--label", default="", help="a name for this system in the outputs (e.g. 'expertpack 4 GiB')")
     p.add_argument("--api-key", help="sent as a bearer token (llama-server --api-key)")
     p.add_argument("--timeout-s", type=float, default=3600, help="per request (default 3600)")
     args = p.parse_args(argv)
+    if args.compare:
+        try:
+            return compare(args.compare, args.out)
+        except ServeError as exc:
+            print(f"expertpack bench serve: {exc}", file=sys.stderr)
+            return 2
     base = args.endpoint.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     try:
@@ -192,24 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     except ServeError as exc:
         print(f"expertpack bench serve: {exc}", file=sys.stderr)
         return 2
-    summary = summarize(results)
-
-    def fmt(v: float | None, pattern: str) -> str:
-        return "n/a" if v is None else pattern.format(v)
-
-    print(f"{'set':<17}{'requests':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'hit rate':>10}{'SSD GB/token':>14}")
-    for name, s in summary.items():
-        print(f"{name:<17}{s['requests']:>9}{s['prefill_tokens_per_s']:>15.2f}{s['decode_tokens_per_s']:>14.2f}"
-              f"{fmt(s['hit_rate'], '{:.1%}'):>10}{fmt(s['ssd_gb_per_token'], '{:.3f}'):>14}")
-    report = {"bench": "serve", "date": date.today().isoformat(), "endpoint": args.endpoint, "model": model,
-              "label": args.label, "max_tokens": args.max_tokens, "summary": summary,
-              "requests": [asdict(r) for r in results]}
+    report = make_report(args.endpoint, model, args.label, args.max_tokens, results)
+    run = Run.from_report(report)
+    print(table([run]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench-serve.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "requests"}))
     try:  # last: a machine without matplotlib still gets the table and the JSON
-        chart(summary, args.out / "bench-serve.png",
-              f"{args.label or model} — {args.max_tokens} tokens per request, temperature 0")
+        chart([run], args.out / "bench-serve.png",
+              f"{run.label} — {args.max_tokens} tokens per request, temperature 0")
     except ServeError as exc:
         print(f"expertpack bench serve: {exc}", file=sys.stderr)
         return 2
