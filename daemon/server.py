@@ -9,6 +9,7 @@ mistaken for the old one. A message that fails validation gets ERROR and changes
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
@@ -81,6 +82,7 @@ class ExpertDaemon:
         self.config = config
         self._closed = False
         self._socket_inode: tuple[int, int] | None = None  # the socket file this daemon bound, once bound
+        self._lock_fd: int | None = None  # flock on <socket>.lock: one expertd per ipc endpoint, start to exit
         self.pack: OpenPack = open_pack(config.pack, config.direct_io, config.read_splits)
         self.manifest = self.pack.manifest
         self.layers = {l.layer: l for l in self.manifest.layers}
@@ -134,6 +136,7 @@ class ExpertDaemon:
                 if not path.parent.is_dir():
                     raise ValueError(f"{cfg.endpoint}: directory {path.parent} does not exist "
                                      "(systemd creates it with RuntimeDirectory=expertpack)")
+                self._lock_fd = _lock_endpoint(path)
                 _remove_stale_socket(path)
             sock.bind(cfg.endpoint)
             if cfg.endpoint.startswith("ipc://"):
@@ -518,6 +521,9 @@ class ExpertDaemon:
                 path = Path(self.config.endpoint.removeprefix("ipc://"))
                 if self._socket_inode is not None and _inode(path) == self._socket_inode:
                     path.unlink()  # ours; whatever another process put there since is left alone
+        if self._lock_fd is not None:
+            _lock_path(Path(self.config.endpoint.removeprefix("ipc://"))).unlink(missing_ok=True)  # still held
+            os.close(self._lock_fd)
         if getattr(self, "ctx", None) is not None:
             self.ctx.term()
         if getattr(self, "readers", None) is not None:
@@ -536,6 +542,41 @@ def _inode(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+
+
+def _lock_path(socket_path: Path) -> Path:
+    return socket_path.with_name(socket_path.name + ".lock")
+
+
+def _lock_endpoint(socket_path: Path) -> int:
+    """Takes the flock that makes this the only expertd between checking `socket_path` and
+    removing it at exit: two daemons started at once on one endpoint would otherwise each take the
+    other's fresh socket for a stale one. The lock file is removed at exit while still held, so a
+    waiter that opened the old file retries on the new one."""
+    lock = _lock_path(socket_path)
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ValueError(f"{lock}: cannot create expertd's lock file next to the socket ({exc.strerror})") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != 0:
+            os.close(fd)
+            raise ValueError(f"{lock} exists and is not an expertd lock file (an empty file); choose another "
+                             "--endpoint, or move the file away")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"ipc://{socket_path}: another expertd is serving (or starting) on {socket_path} "
+                             f"(it holds {lock})") from None
+        try:
+            current = os.stat(lock, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        if current is not None and (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+        os.close(fd)  # the holder removed it as it exited: take the new one
 
 
 def _remove_stale_socket(path: Path) -> None:

@@ -264,3 +264,25 @@ def test_clean_client_exits_are_not_protocol_errors(daemon: Daemon) -> None:
     assert stats["counters"]["clients_total"] == 201
     assert stats["counters"]["protocol_errors"] == 0, stats["counters"]
     assert stats["slots"]["unleased"] == 48 - 8 and stats["slots"]["leased"] == 0
+
+
+def test_a_second_expertd_on_a_starting_ones_endpoint_says_so(tiny_pack: Path, tmp_path: Path) -> None:
+    """Two daemons started at once on one endpoint: the one that loses the race says another
+    expertd is there (never an errno, never the winner's socket removed); the lock goes at exit."""
+    import fcntl
+    import os
+
+    lock = tmp_path / "expertd.sock.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # an expertd between its checks and its bind
+    try:
+        loser = subprocess.run([str(Path(sys.executable).parent / "expertd"), "--pack", str(tiny_pack), "--endpoint",
+                                f"ipc://{tmp_path}/expertd.sock"], capture_output=True, text=True, timeout=30)
+    finally:
+        os.close(fd)
+    assert loser.returncode == 2 and "Traceback" not in loser.stderr and "Errno" not in loser.stderr, loser.stderr
+    assert "another expertd is serving (or starting)" in loser.stderr and str(lock) in loser.stderr
+    d = start_daemon(tiny_pack, tmp_path)  # the lock is free now: a daemon starts, and cleans up after itself
+    d.wait_for("READY=1")
+    assert d.stop()[0] == 0
+    assert not lock.exists() and not d.socket_path.exists()
