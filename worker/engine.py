@@ -36,17 +36,20 @@ class Engine:
         if daemon is not None and not isinstance(files.experts, PackExperts):
             raise ValueError(f"{path}: a daemon serves packs; give the pack directory, not a GGUF")
         if resident_experts:
-            files.experts = ResidentExperts(files.experts, expert_layers(files), dev)
+            on_disk = files.experts
+            files.experts = ResidentExperts(on_disk, expert_layers(files), dev)
+            on_disk.close()
         model = model_module(files.arch).Model(files, dev)
         if daemon is not None:  # after the trunk is on the device: the cache takes what is left
             link = DaemonLink(daemon, files.fingerprint, dev, name=name, timeout_s=daemon_timeout_s,
                               down_timeout_s=down_timeout_s)
             try:
-                files.experts = model.moe.source = ExpertCache(files.experts.manifest, link, dev, cache_bytes,
-                                                               reserve_bytes)
+                cache = ExpertCache(files.experts.manifest, link, dev, cache_bytes, reserve_bytes)
             except BaseException:
                 link.close()
                 raise
+            files.experts.close()  # the daemon reads the pack from now on
+            files.experts = model.moe.source = cache
         return cls(model, files, dev)
 
     @property
@@ -55,9 +58,10 @@ class Engine:
         return source if isinstance(source, ExpertCache) else None
 
     def close(self) -> None:
-        """Waits for the cache's copies, gives the staging back and leaves the daemon."""
-        if self.expert_cache is not None:
-            self.expert_cache.close()
+        """Waits for the cache's copies, gives the staging back and leaves the daemon; closes the
+        files experts are read from."""
+        if hasattr(self.files.experts, "close"):
+            self.files.experts.close()
 
     def new_cache(self) -> KVCache:
         return KVCache()

@@ -12,18 +12,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
-from gguf import GGMLQuantizationType
 
 from expertpack.client import Expert
-from expertpack.packtools.layout import ALIGNMENT, ExpertKey, Manifest
+from expertpack.packtools.layout import ALIGNMENT, ExpertKey, LayerLayout, Manifest
 
 from .cache_policy import CachePolicy, CacheTooSmall, slot_count
 from .daemon_link import DaemonLink
-from .model_files import ExpertWeights
-from .weights import QTensor
+from .model_files import ExpertRows, ExpertWeights, block_views
 
 
 def slot_bytes(manifest: Manifest) -> int:
@@ -112,7 +110,33 @@ class ExpertCache:
     def resident_bytes(self) -> int:
         return len(self.policy.slot_of) * self.slot_bytes
 
+    def layout(self, layer: int) -> LayerLayout:
+        return self.layers[layer]
+
     def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
+        slots = self._acquire(layer, experts)
+        return {e: block_views(self.layers[layer], self.memory, slot * self.slot_bytes) for e, slot in zip(experts, slots)}
+
+    def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]:
+        """The step's experts in waves the cache can hold (one, unless the step selected more
+        experts than there are slots): one host sync for the step's unique ids, one upload of the
+        expert -> slot map per wave."""
+        flat = ids.reshape(-1)
+        unique = sorted(set(flat.tolist()))
+        n_expert = self.manifest.model.n_expert
+        for start in range(0, len(unique), self.n_slots):
+            wave = unique[start:start + self.n_slots]
+            slots = self._acquire(layer, wave)
+            table = torch.full((n_expert,), -1, dtype=torch.int64)
+            table[torch.tensor(wave)] = torch.tensor(slots, dtype=torch.int64) * self.slot_bytes
+            offsets = table.to(self.device)[flat]
+            pairs = None
+            if len(wave) < len(unique):
+                pairs = (offsets >= 0).nonzero().flatten().to(torch.int32)
+            yield ExpertRows(self.memory, offsets, pairs)
+
+    def _acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """The slots of `experts`, fetching what is missing; the compute stream waits for their copies."""
         keys = [ExpertKey(layer, e) for e in experts]
         if len(keys) > self.n_slots:
             raise CacheTooSmall(f"{len(keys)} experts requested at once, the cache holds {self.n_slots}")
@@ -123,13 +147,12 @@ class ExpertCache:
         if misses:
             self._fetch(misses, protected=set(keys))
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        out: dict[int, ExpertWeights] = {}
-        for key in keys:
-            slot = self.policy.slot_of[key]
-            if compute is not None and slot in self.ready:
-                compute.wait_event(self.ready[slot])
-            out[key.expert] = self._views(key, slot)
-        return out
+        slots = [self.policy.slot_of[key] for key in keys]
+        if compute is not None:
+            for slot in slots:
+                if slot in self.ready:
+                    compute.wait_event(self.ready[slot])
+        return slots
 
     # ---- misses --------------------------------------------------------------------------------
     def _fetch(self, misses: list[ExpertKey], protected: set[ExpertKey]) -> None:
@@ -198,13 +221,6 @@ class ExpertCache:
         if wait:
             while self._pending:
                 self._pending.popleft().expert.release()
-
-    def _views(self, key: ExpertKey, slot: int) -> ExpertWeights:
-        base = slot * self.slot_bytes
-        entry = self.layers[key.layer]
-        return {r.role: QTensor(r.tensor, GGMLQuantizationType[r.ggml_type], tuple(r.shape),
-                                self.memory[base + r.offset: base + r.offset + r.nbytes])
-                for r in entry.roles}
 
     def stats(self) -> dict:
         """The cache's cumulative counters and state, and the daemon's counters next to them (None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType
 from expertpack.packtools.experts import classify
 from expertpack.packtools.gguf_source import GGUFSource, SourceTensor, open_source
 from expertpack.packtools.errors import ManifestError
-from expertpack.packtools.layout import PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, Manifest
+from expertpack.packtools.layout import (PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, LayerLayout, Manifest,
+                                         RoleSpec, plan_layers)
 
 from .quant import check_supported
 from .weights import QTensor
@@ -25,10 +26,28 @@ from .weights import QTensor
 ExpertWeights = dict[str, QTensor]  # role ("gate", "up", "down", "gate_up", "down.bias", ...) -> tensor
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """Where the experts of a step's (token, slot) pairs sit, for the fused kernels: offsets
+    [T*k] int64, bytes into `pool` (uint8, on the compute device), each the start of a block laid
+    out as the source's `layout` says. `pairs` (int32) lists the pairs the offsets are valid for
+    when a source delivers a step in waves; None means all of them."""
+    pool: torch.Tensor
+    offsets: torch.Tensor
+    pairs: torch.Tensor | None = None
+
+
 class ExpertSource(Protocol):
-    """Gives the weights of the experts a layer selected: all of them, every time."""
+    """Gives the weights of the experts a layer selected: all of them, every time; as role tensors
+    (`load`, the torch path) or as rows of blocks in device memory (`expert_rows`, the kernels)."""
 
     def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]: ...
+
+    def layout(self, layer: int) -> LayerLayout: ...
+
+    def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -69,6 +88,17 @@ class PackExperts:
                 check_supported(GGMLQuantizationType[r.ggml_type], r.tensor)
         self.fd = os.open(pack_dir / PACK_FILE, os.O_RDONLY)
 
+    def layout(self, layer: int) -> LayerLayout:
+        return self.manifest.layer(layer)
+
+    def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]:
+        return rows_from_blocks(self, layer, ids)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
     def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
         entry = self.manifest.layer(layer)
         out: dict[int, ExpertWeights] = {}
@@ -76,10 +106,7 @@ class PackExperts:
             block = os.pread(self.fd, entry.payload_bytes, entry.block_offset(e))
             if len(block) != entry.payload_bytes:
                 raise OSError(f"experts.pack: short read of {ExpertKey(layer, e)}")
-            data = torch.frombuffer(bytearray(block), dtype=torch.uint8)
-            out[e] = {r.role: QTensor(r.tensor, GGMLQuantizationType[r.ggml_type], tuple(r.shape),
-                                      data[r.offset:r.offset + r.nbytes])
-                      for r in entry.roles}
+            out[e] = block_views(entry, torch.frombuffer(bytearray(block), dtype=torch.uint8), 0)
         return out
 
 
@@ -94,6 +121,20 @@ class GGUFExperts:
             check_supported(e.source.ggml_type, e.source.name)
             self.roles.setdefault(e.layer, []).append((e.role, e.source, e.bytes_per_expert))
         self.fds = [os.open(s.path, os.O_RDONLY) for s in source.shards]
+        specs = {layer: [RoleSpec(role, t.name, t.ggml_type.name, t.shape[:-1], per_expert) for role, t, per_expert in roles]
+                 for layer, roles in self.roles.items()}
+        self.layouts = {l.layer: l for l in plan_layers(specs, cls.n_expert)[0]}
+
+    def layout(self, layer: int) -> LayerLayout:
+        return self.layouts[layer]
+
+    def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]:
+        return rows_from_blocks(self, layer, ids)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
     def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
         out: dict[int, ExpertWeights] = {}
@@ -108,17 +149,58 @@ class GGUFExperts:
 
 
 class ResidentExperts:
-    """Every expert loaded once onto `device` (the fully-resident compute floor that streaming is
-    measured against, and the mode for models that fit)."""
+    """Every expert loaded once onto `device`, each layer one table of blocks laid out as the
+    source's layout says (the fully-resident compute floor that streaming is measured against, and
+    the mode for models that fit). The kernels' offset map is ids * stride: no host sync."""
 
     def __init__(self, source: ExpertSource, layers: dict[int, int], device: torch.device) -> None:
-        self.weights: dict[int, dict[int, ExpertWeights]] = {}
+        self.layouts = {layer: source.layout(layer) for layer in layers}
+        self.tables: dict[int, torch.Tensor] = {}
         for layer, n_expert in layers.items():
-            loaded = source.load(layer, range(n_expert))
-            self.weights[layer] = {e: {r: t.to(device) for r, t in w.items()} for e, w in loaded.items()}
+            layout = self.layouts[layer]
+            table = torch.zeros(n_expert * layout.stride, dtype=torch.uint8)
+            where = {r.role: r.offset for r in layout.roles}
+            for e, w in source.load(layer, range(n_expert)).items():
+                for role, t in w.items():
+                    start = e * layout.stride + where[role]
+                    table[start: start + t.raw.numel()] = t.raw
+            self.tables[layer] = table.to(device)
+
+    def layout(self, layer: int) -> LayerLayout:
+        return self.layouts[layer]
 
     def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
-        return {e: self.weights[layer][e] for e in experts}
+        return {e: block_views(self.layouts[layer], self.tables[layer], e * self.layouts[layer].stride)
+                for e in experts}
+
+    def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]:
+        yield ExpertRows(self.tables[layer], ids.reshape(-1).to(torch.int64) * self.layouts[layer].stride)
+
+    def close(self) -> None:
+        self.tables.clear()
+
+
+def block_views(layout: LayerLayout, memory: torch.Tensor, base: int) -> ExpertWeights:
+    """The roles of the block at byte `base` of `memory`, as QTensors viewing it (no copy)."""
+    return {r.role: QTensor(r.tensor, GGMLQuantizationType[r.ggml_type], tuple(r.shape),
+                            memory[base + r.offset: base + r.offset + r.nbytes])
+            for r in layout.roles}
+
+
+def rows_from_blocks(source: ExpertSource, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]:
+    """ExpertRows from a source that reads role tensors per step (a pack or a GGUF on disk): the
+    step's experts are laid out in blocks on the host and uploaded at once."""
+    layout = source.layout(layer)
+    order = sorted(set(ids.reshape(-1).tolist()))
+    host = torch.zeros(len(order) * layout.stride, dtype=torch.uint8)
+    where = {r.role: r.offset for r in layout.roles}
+    for i, (e, w) in enumerate(sorted(source.load(layer, order).items())):
+        for role, t in w.items():
+            start = i * layout.stride + where[role]
+            host[start: start + t.raw.numel()] = t.raw
+    table = torch.zeros(order[-1] + 1, dtype=torch.int64)
+    table[torch.tensor(order)] = torch.arange(len(order)) * layout.stride
+    yield ExpertRows(host.to(ids.device), table.to(ids.device)[ids.reshape(-1)])
 
 
 def expert_layers(files: "ModelFiles") -> dict[int, int]:

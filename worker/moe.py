@@ -1,47 +1,76 @@
-"""The one MoE entry point, ExpertFFN(layer, h, ids, weights): asks the expert source for every
-expert the tokens of this step selected (all of them, every time: top-k is never reduced, no expert
-skipped or substituted), runs each on the tokens that chose it, and adds the weighted outputs.
-Where expert weights come from (a pack, a GGUF, a VRAM cache fed by expertd) is the source's
-business; what an expert computes is the architecture's (`expert_mlp`)."""
+"""The one MoE entry point, ExpertFFN(layer, h, ids, weights): every expert the tokens of this step
+selected is computed (all of them, every time: top-k is never reduced, no expert skipped or
+substituted) and the weighted outputs are added. Where expert bytes come from (a pack, a GGUF, the
+resident table, a VRAM cache fed by expertd) is the source's business; what an expert computes is
+the architecture's `Activation`, as data.
+
+Two paths, one result within rounding: on CUDA (and on the CPU under Triton's interpreter, for
+tests) the source hands the fused kernels a byte-offset map into its memory and every selected
+expert runs in two launches; elsewhere each expert runs through `linear`, a torch loop kept as
+the CPU path and the reference."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from .activation import SWIGLU, Activation
+from .expert_roles import ExpertRoles, expert_roles
 from .model_files import ExpertSource, ExpertWeights
-from .weights import linear
-
-ExpertMLP = Callable[[torch.Tensor, ExpertWeights], torch.Tensor]
+from .weights import linear, use_kernels
 
 
-def swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)); a fused gate_up role holds gate's rows first, then up's."""
+def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Tensor:
+    """down(act(gate(x), up(x))) through `linear`; a fused gate_up role holds gate's rows first."""
     if "gate_up" in w:
-        gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
+        gate, up = linear(x, w["gate_up"], w.get("gate_up.bias")).chunk(2, dim=-1)
     else:
-        gate, up = linear(x, w["gate"]), linear(x, w["up"])
-    return linear(F.silu(gate) * up, w["down"])
+        gate, up = linear(x, w["gate"], w.get("gate.bias")), linear(x, w["up"], w.get("up.bias"))
+    return linear(act(gate, up), w["down"], w.get("down.bias"))
 
 
 class ExpertFFN:
-    def __init__(self, source: ExpertSource, expert_mlp: ExpertMLP = swiglu_expert) -> None:
+    def __init__(self, source: ExpertSource, activation: Activation | Sequence[Activation] = SWIGLU) -> None:
+        """`activation`: one for every layer, or one per layer (DeepSeek-V4's clamp varies)."""
         self.source = source
-        self.expert_mlp = expert_mlp
+        self.activation = activation
         self.routing_log: dict[int, list[torch.Tensor]] | None = None  # layer -> ids per call, when set
         # Layers whose experts follow from the token ids alone (DeepSeek-V4's hash layers): layer ->
         # table [n_vocab, k]. Their experts are known as soon as the tokens are, before the layer
         # runs: what a prefetcher can fetch ahead.
         self.static_routes: dict[int, torch.Tensor] = {}
+        self._roles: dict[int, ExpertRoles] = {}
+
+    def act(self, layer: int) -> Activation:
+        return self.activation if isinstance(self.activation, Activation) else self.activation[layer]
 
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """h [T, D], ids/weights [T, k] -> [T, D]."""
         if self.routing_log is not None:
             self.routing_log.setdefault(layer, []).append(ids.cpu())
+        if use_kernels(h.device):
+            return self._fused(layer, h, ids, weights)
+        return self._per_expert(layer, h, ids, weights)
+
+    def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from .kernels.moe_tl import experts_per_pair
+
+        t, k = ids.shape
+        roles = self._roles.get(layer)
+        if roles is None:
+            roles = self._roles[layer] = expert_roles(self.source.layout(layer))
+        x = h.to(torch.float32).contiguous()
+        w = weights.to(torch.float32).reshape(-1).contiguous()
+        y = None
+        for rows in self.source.expert_rows(layer, ids):
+            y = experts_per_pair(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)
+        return y.view(t, k, -1).sum(dim=1).to(h.dtype)  # over k in slot order: the same sum in every mode
+
+    def _per_expert(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         experts = sorted(set(ids.flatten().tolist()))
         out = torch.zeros_like(h)
+        act = self.act(layer)
         # A source with a capacity (a cache) gets the step in waves it can hold; each wave is
         # computed before the next is loaded. Every selected expert is computed either way.
         wave = getattr(self.source, "capacity", None) or len(experts) or 1
@@ -51,6 +80,6 @@ class ExpertFFN:
             for e in group:
                 tokens, slots = (ids == e).nonzero(as_tuple=True)
                 w = {role: t.to(h.device) for role, t in loaded[e].items()}
-                y = self.expert_mlp(h[tokens], w)  # [n, D]
+                y = torch_expert(h[tokens], w, act)  # [n, D]
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
         return out

@@ -1,15 +1,48 @@
 """Weights as GGUF stores them: a QTensor is a tensor's raw bytes plus its ggml type and shape, kept
-quantized in memory and dequantized per use. `linear` is the one place a quantized matrix meets an
-activation, so a faster kernel (Triton on CUDA) replaces one function."""
+quantized in memory. `linear` is the one place a quantized matrix meets an activation: on CUDA the
+Triton kernels decode the bytes in registers (kernels/linear_tl.py); elsewhere the matrix is
+dequantized for this use only, in torch (the CPU path and the reference). Vectors (norms, biases)
+are small and read every step: their float32 values are kept once made."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from gguf import GGMLQuantizationType as T
 
 from .quant import check_supported, dequantize
+
+_kernels_on_cpu = False
+
+
+def use_kernels(device: torch.device) -> bool:
+    """Whether the Triton fast path runs on `device`: CUDA always; the CPU only inside
+    `kernels_on_cpu()` (Triton's interpreter, for tests)."""
+    return device.type == "cuda" or (device.type == "cpu" and _kernels_on_cpu)
+
+
+@contextmanager
+def kernels_on_cpu() -> Iterator[None]:
+    """Runs the fast path on the CPU through Triton's interpreter, which is how CI checks the
+    kernels' wiring without a GPU. Triton must see TRITON_INTERPRET=1 when the kernels are defined
+    and while they run (it imports parts of itself lazily)."""
+    global _kernels_on_cpu
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    _kernels_on_cpu = True
+    try:
+        yield
+    finally:
+        _kernels_on_cpu = False
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 @dataclass(frozen=True)
@@ -18,6 +51,7 @@ class QTensor:
     ggml_type: T
     shape: tuple[int, ...]  # ggml ne: shape[0] is the contiguous row
     raw: torch.Tensor  # uint8, the bytes exactly as in the file
+    _vector: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.ggml_type is not T.I32:
@@ -25,7 +59,12 @@ class QTensor:
 
     def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Values in torch order (reversed ne), e.g. a matrix ne [in, out] -> [out, in]."""
-        values = dequantize(self.raw, self.ggml_type, self.shape)
+        if len(self.shape) == 1:
+            values = self._vector.get("f32")
+            if values is None:
+                values = self._vector["f32"] = dequantize(self.raw, self.ggml_type, self.shape)
+        else:
+            values = dequantize(self.raw, self.ggml_type, self.shape)
         return values if dtype is torch.float32 else values.to(dtype)
 
     def ints(self) -> torch.Tensor:
@@ -37,7 +76,12 @@ class QTensor:
         """Rows `ids` of a matrix (an embedding lookup) without dequantizing the whole table."""
         row_bytes = self.raw.numel() // self.shape[1]
         picked = self.raw.reshape(self.shape[1], row_bytes)[ids.reshape(-1)]
-        out = dequantize(picked, self.ggml_type, (self.shape[0], picked.shape[0]))
+        if use_kernels(picked.device):
+            from .kernels.linear_tl import dequantize as decode_rows
+
+            out = decode_rows(picked, int(self.ggml_type), self.shape[0], picked.shape[0])
+        else:
+            out = dequantize(picked, self.ggml_type, (self.shape[0], picked.shape[0]))
         return out.reshape(*ids.shape, self.shape[0]).to(dtype)
 
     def to(self, device: torch.device | str) -> "QTensor":
@@ -45,7 +89,16 @@ class QTensor:
 
 
 def linear(x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
-    """x [..., in] @ w^T -> [..., out], w dequantized for this use only."""
+    """x [..., in] @ w^T -> [..., out], with float32 accumulation."""
+    if use_kernels(x.device):
+        from .kernels.linear_tl import matmul
+
+        k, n = w.shape[0], math.prod(w.shape[1:])
+        y = matmul(x.reshape(-1, k).to(torch.float32).contiguous(), w.raw, int(w.ggml_type), k, n)
+        y = y.reshape(*x.shape[:-1], n)
+        if bias is not None:
+            y = y + bias.dequant()
+        return y.to(x.dtype)
     y = x @ w.dequant(x.dtype).T
     if bias is not None:
         y = y + bias.dequant(x.dtype)

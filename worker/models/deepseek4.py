@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from ..activation import Activation
 from ..compressed_attention import AttentionShape, LayerState, attention
 from ..config import Key, read_args
 from ..hyper_connections import HyperConnection
@@ -85,10 +85,6 @@ KEYS = {
 }
 
 
-def clamped_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
 class Model:
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         a = self.args = read_args(Args, files.arch, files.metadata, KEYS)
@@ -107,13 +103,9 @@ class Model:
         self.hc_attn = [hc(f"blk.{i}.hc_attn") for i in range(a.n_layer)]
         self.hc_ffn = [hc(f"blk.{i}.hc_ffn") for i in range(a.n_layer)]
         self.hc_head = hc("output_hc")
-        self.moe = ExpertFFN(files.experts, self._expert)
+        self.moe = ExpertFFN(files.experts, [Activation(limit=float(c)) for c in a.clamp_exp])
         self.tables = {i: w[f"blk.{i}.ffn_gate_tid2eid.weight"].ints().to(device) for i in range(a.n_hash)}
         self.moe.static_routes.update(self.tables)
-        self._limit = 0.0  # the layer's expert clamp, set before each MoE call
-
-    def _expert(self, x: torch.Tensor, e: dict) -> torch.Tensor:
-        return linear(clamped_swiglu(x, linear(x, e["gate"]), linear(x, e["up"]), self._limit), e["down"])
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
@@ -144,8 +136,7 @@ class Model:
         else:
             ids, weights = sqrtsoftplus_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used,
                                              a.weights_scale)
-        self._limit = float(a.clamp_exp[i])
         routed = self.moe(i, h, ids, weights)
-        shared = clamped_swiglu(h, linear(h, w[p + "ffn_gate_shexp.weight"]), linear(h, w[p + "ffn_up_shexp.weight"]),
-                                float(a.clamp_shexp[i]))
+        shared = Activation(limit=float(a.clamp_shexp[i]))(linear(h, w[p + "ffn_gate_shexp.weight"]),
+                                                           linear(h, w[p + "ffn_up_shexp.weight"]))
         return routed + linear(shared, w[p + "ffn_down_shexp.weight"])

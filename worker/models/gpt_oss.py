@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..activation import Activation, ActKind
 from ..config import Key, read_args
 from ..layers import KVCache, Rope, RopeStyle, gqa_attention, rms_norm
-from ..model_files import ExpertWeights, ModelFiles
+from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import topk_softmax
 from ..weights import linear
@@ -55,18 +56,11 @@ KEYS = {
 }
 
 
-def clamped_swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    gate = linear(x, w["gate"], w["gate.bias"]).clamp(max=SWIGLU_LIMIT)
-    up = linear(x, w["up"], w["up.bias"]).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-    glu = gate * torch.sigmoid(gate * SWIGLU_ALPHA)
-    return linear((up + 1) * glu, w["down"], w["down.bias"])
-
-
 class Model:
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.w = {name: t.to(device) for name, t in files.trunk.items()}
-        self.moe = ExpertFFN(files.experts, clamped_swiglu_expert)
+        self.moe = ExpertFFN(files.experts, Activation(ActKind.SWIGLU_OAI, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA))
         self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
         self.device = device

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..activation import Activation, ActKind
 from ..config import Key, read_args
 from ..kda import kda
 from ..layers import KVCache, attention, rms_norm
@@ -66,24 +67,15 @@ KEYS = {
 }
 
 
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """beta*tanh(gate/beta)*sigmoid(gate) * (linear_beta*tanh(up/linear_beta), or up if <= 0)."""
-    a = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
-    return a * (linear_beta * torch.tanh(up / linear_beta) if linear_beta > 0 else up)
-
-
 class Model:
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         if a.kda_lower_bound == float("-inf"):
             raise ValueError("kimi-k3: a KDA gate without kda.gate_lower_bound (Kimi-Linear's form) is not supported")
         self.w = {name: t.to(device) for name, t in files.trunk.items()}
-        self.moe = ExpertFFN(files.experts, self._expert)
+        self.situ = Activation(ActKind.SITU, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
+        self.moe = ExpertFFN(files.experts, self.situ)
         self.device = device
-
-    def _expert(self, x: torch.Tensor, e: dict) -> torch.Tensor:
-        a = self.args
-        return linear(situ(linear(x, e["gate"]), linear(x, e["up"]), a.situ_beta, a.situ_linear_beta), e["down"])
 
     # ---- the residual stream -------------------------------------------------------------------
     def _mix(self, cur: torch.Tensor, bank: list[torch.Tensor], score: torch.Tensor) -> torch.Tensor:
@@ -109,8 +101,8 @@ class Model:
     def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
         a, w, p = self.args, self.w, f"blk.{i}."
         if i < a.n_dense:
-            return linear(situ(linear(h, w[p + "ffn_gate.weight"]), linear(h, w[p + "ffn_up.weight"]),
-                               a.situ_beta, a.situ_linear_beta), w[p + "ffn_down.weight"])
+            return linear(self.situ(linear(h, w[p + "ffn_gate.weight"]), linear(h, w[p + "ffn_up.weight"])),
+                          w[p + "ffn_down.weight"])
         logits = linear(h.to(torch.float32), w[p + "ffn_gate_inp.weight"])  # the full-width input
         ids, weights = sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used, 1, 1,
                                           a.weights_norm, a.weights_scale)
@@ -120,8 +112,8 @@ class Model:
             routed = rms_norm(routed, w[p + "ffn_routed_norm.weight"].dequant(), a.eps)
         out = linear(routed, w[p + "ffn_routed_up.weight"])
         if p + "ffn_gate_shexp.weight" in w:
-            out = out + linear(situ(linear(h, w[p + "ffn_gate_shexp.weight"]), linear(h, w[p + "ffn_up_shexp.weight"]),
-                                    a.situ_beta, a.situ_linear_beta), w[p + "ffn_down_shexp.weight"])
+            out = out + linear(self.situ(linear(h, w[p + "ffn_gate_shexp.weight"]), linear(h, w[p + "ffn_up_shexp.weight"])),
+                               w[p + "ffn_down_shexp.weight"])
         return out
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:

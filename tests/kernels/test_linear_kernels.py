@@ -1,0 +1,49 @@
+"""The decoding kernels against worker/quant.py (itself bit-equal to gguf-py): every type's whole-
+matrix dequantization, and the fused matvec against x @ W^T of the reference values, on valid random
+blocks of several shapes, including rows that end inside a 256-value chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from expertpack.worker.kernels.linear_tl import dequantize, matvec
+from expertpack.worker.quant import BLOCKS, dequantize as reference
+
+from ..worker.test_quant import random_bytes
+
+# (K, N): K a multiple of 256 for the K-quants, of 32 only for the others (a row ends mid-chunk).
+SHAPES_K = [(256, 3), (512, 17)]
+SHAPES_32 = [(96, 5), (2880 // 10, 33)]
+SHAPES_F = [(40, 3), (300, 19)]
+
+
+def shapes_for(ggml_type: T) -> list[tuple[int, int]]:
+    block_values = GGML_QUANT_SIZES[ggml_type][0]
+    return SHAPES_K if block_values == 256 else SHAPES_32 if block_values == 32 else SHAPES_F + SHAPES_K
+
+
+@pytest.mark.parametrize("ggml_type", list(BLOCKS), ids=lambda t: t.name)
+def test_dequantize_equals_reference(ggml_type: T, device: torch.device) -> None:
+    for i, (k, n) in enumerate(shapes_for(ggml_type)):
+        raw = torch.from_numpy(random_bytes(ggml_type, (k, n), seed=10 + i, valid=True))
+        want = reference(raw, ggml_type, (k, n))  # [N, K]
+        got = dequantize(raw.to(device), int(ggml_type), k, n).cpu()
+        # The interpreter does numpy's arithmetic: exact. CUDA may contract d*q - m into one FMA.
+        tol = 0 if device.type == "cpu" else 1e-6
+        err = (got - want).abs().max().item()
+        assert err <= tol * want.abs().max().item(), f"{ggml_type.name} {k}x{n}: max |diff| {err}"
+
+
+@pytest.mark.parametrize("ggml_type", list(BLOCKS), ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [1, 3])
+def test_matvec_equals_dense_product(ggml_type: T, t: int, device: torch.device) -> None:
+    for i, (k, n) in enumerate(shapes_for(ggml_type)):
+        raw = torch.from_numpy(random_bytes(ggml_type, (k, n), seed=20 + i, valid=True))
+        w = reference(raw, ggml_type, (k, n)).double()
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(i))
+        want = x.double() @ w.T
+        got = matvec(x.to(device), raw.to(device), int(ggml_type), k, n).cpu().double()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert got.shape == (t, n) and rel < 1e-6, f"{ggml_type.name} {k}x{n}: relative error {rel:.2e}"

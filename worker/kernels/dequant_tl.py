@@ -1,0 +1,178 @@
+"""GGUF blocks decoded inside Triton kernels: `chunk(QT, rowp, c, j, m)` turns chunk `c` of a row
+(256 values: one K-quant superblock, eight 32-value blocks, or 256 plain floats) into float32
+registers, straight from the GGUF bytes; no float copy of a weight is written anywhere.
+
+Each decoder below is the arithmetic of worker/quant.py (which is gguf-py's, bit for bit) written
+per value: `j` is the value's index in its chunk, every byte it needs is loaded at the offset the
+block layout of ggml-common.h gives (BLOCKS in quant.py, the same sums). The f16 scales sit at even
+offsets of blocks of even size, so they load as float16; everything else loads as bytes.
+`rowp` [BN, 1] points at each row's first byte, `m` [BN, CH] masks rows and values past the row's
+end (only the 32-value and float types can end inside a chunk)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# ggml type ids (gguf.GGMLQuantizationType), as kernel constants.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (tl.constexpr(v) for v in (0, 1, 2, 3, 6, 7, 8))
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = (tl.constexpr(v) for v in (10, 11, 12, 13, 14, 30, 39))
+CHUNK = 256  # values decoded per step along a row, for every type
+
+
+@triton.jit
+def _u8(p, m):
+    return tl.load(p, mask=m, other=0).to(tl.int32)
+
+
+@triton.jit
+def _i8(p, m):
+    return tl.load(p.to(tl.pointer_type(tl.int8)), mask=m, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(p, m):
+    return tl.load(p.to(tl.pointer_type(tl.float16)), mask=m, other=0).to(tl.float32)
+
+
+@triton.jit
+def _nibble32(qs, jj, m):
+    """32-value blocks: value jj < 16 is the low nibble of qs[jj], the rest the high nibble of qs[jj-16]."""
+    return (_u8(qs + (jj % 16), m) >> ((jj // 16) * 4)) & 0xF
+
+
+@triton.jit
+def _bit32(qh, jj, m):
+    return (_u8(qh + jj // 8, m) >> (jj % 8)) & 1
+
+
+@triton.jit
+def _q4_0(bp, jj, m):  # d, qs[16]
+    q = _nibble32(bp + 2, jj, m) - 8
+    return _f16(bp, m) * q.to(tl.float32)
+
+
+@triton.jit
+def _q4_1(bp, jj, m):  # d, m, qs[16]
+    q = _nibble32(bp + 4, jj, m)
+    return _f16(bp, m) * q.to(tl.float32) + _f16(bp + 2, m)
+
+
+@triton.jit
+def _q5_0(bp, jj, m):  # d, qh[4], qs[16]
+    q = (_nibble32(bp + 6, jj, m) | (_bit32(bp + 2, jj, m) << 4)) - 16
+    return _f16(bp, m) * q.to(tl.float32)
+
+
+@triton.jit
+def _q5_1(bp, jj, m):  # d, m, qh[4], qs[16]
+    q = _nibble32(bp + 8, jj, m) | (_bit32(bp + 4, jj, m) << 4)
+    return _f16(bp, m) * q.to(tl.float32) + _f16(bp + 2, m)
+
+
+@triton.jit
+def _q8_0(bp, jj, m):  # d, qs[32]
+    return _i8(bp + 2 + jj, m).to(tl.float32) * _f16(bp, m)
+
+
+@triton.jit
+def _mxfp4(bp, jj, m):  # e (E8M0), qs[16]: e2m1 values doubled, times 2^(e-128)
+    e = _u8(bp, m)
+    nib = _nibble32(bp + 1, jj, m)
+    mag = nib & 7
+    doubled = tl.where(mag < 2, mag, (2 + (mag & 1)) << tl.maximum((mag >> 1) - 1, 0))
+    q = tl.where(nib >= 8, -doubled, doubled).to(tl.float32)
+    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.to(tl.float32, bitcast=True) * q
+
+
+@triton.jit
+def _q2_k(bp, j, m):  # scales[16], qs[64], d, dmin
+    q = (_u8(bp + 16 + (j // 128) * 32 + j % 32, m) >> (((j % 128) // 32) * 2)) & 3
+    sc = _u8(bp + j // 16, m)
+    dl = _f16(bp + 80, m) * (sc & 0xF).to(tl.float32)
+    ml = _f16(bp + 82, m) * (sc >> 4).to(tl.float32)
+    return dl * q.to(tl.float32) - ml
+
+
+@triton.jit
+def _q3_k(bp, j, m):  # hmask[32], qs[64], scales[12], d
+    low2 = (_u8(bp + 32 + (j // 128) * 32 + j % 32, m) >> (((j % 128) // 32) * 2)) & 3
+    high = (_u8(bp + j % 32, m) >> (j // 32)) & 1
+    q = low2 - ((high ^ 1) << 2)
+    s = j // 16
+    low4 = (_u8(bp + 96 + s % 8, m) >> ((s // 8) * 4)) & 0xF
+    high2 = (_u8(bp + 104 + s % 4, m) >> ((s // 4) * 2)) & 3
+    scale = (low4 | (high2 << 4)) - 32
+    return (_f16(bp + 108, m) * scale.to(tl.float32)) * q.to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(sp, s, m):
+    """Q4_K/Q5_K: the six-bit scale and min of sub-block s (0..7) from the 12 packed bytes at sp."""
+    a = _u8(sp + s % 4, m)
+    b = _u8(sp + s % 4 + 4, m)
+    c = _u8(sp + s % 4 + 8, m)
+    lo = s < 4
+    sc = tl.where(lo, a & 63, (c & 0xF) | ((a >> 6) << 4))
+    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return sc, mn
+
+
+@triton.jit
+def _q4_k(bp, j, m):  # d, dmin, scales[12], qs[128]
+    q = (_u8(bp + 16 + (j // 64) * 32 + j % 32, m) >> (((j // 32) % 2) * 4)) & 0xF
+    sc, mn = _k_scale_min(bp + 4, j // 32, m)
+    return (_f16(bp, m) * sc.to(tl.float32)) * q.to(tl.float32) - _f16(bp + 2, m) * mn.to(tl.float32)
+
+
+@triton.jit
+def _q5_k(bp, j, m):  # d, dmin, scales[12], qh[32], qs[128]
+    low = (_u8(bp + 48 + (j // 64) * 32 + j % 32, m) >> (((j // 32) % 2) * 4)) & 0xF
+    q = low | (((_u8(bp + 16 + j % 32, m) >> (j // 32)) & 1) << 4)
+    sc, mn = _k_scale_min(bp + 4, j // 32, m)
+    return (_f16(bp, m) * sc.to(tl.float32)) * q.to(tl.float32) - _f16(bp + 2, m) * mn.to(tl.float32)
+
+
+@triton.jit
+def _q6_k(bp, j, m):  # ql[128], qh[64], scales[16] (int8), d
+    r = j % 128
+    low = (_u8(bp + (j // 128) * 64 + r % 64, m) >> ((r // 64) * 4)) & 0xF
+    high = (_u8(bp + 128 + (j // 128) * 32 + r % 32, m) >> ((r // 32) * 2)) & 3
+    q = (low | (high << 4)) - 32
+    return (_f16(bp + 208, m) * _i8(bp + 192 + j // 16, m).to(tl.float32)) * q.to(tl.float32)
+
+
+@triton.jit
+def chunk(QT: tl.constexpr, rowp, c, j, m):
+    """Values [BN, 256] of chunk c of the rows at rowp (uint8 pointers [BN, 1]); j [1, 256]."""
+    if QT == F32:
+        w = tl.load((rowp + (c * 256 + j) * 4).to(tl.pointer_type(tl.float32)), mask=m, other=0)
+    elif QT == F16:
+        w = tl.load((rowp + (c * 256 + j) * 2).to(tl.pointer_type(tl.float16)), mask=m, other=0).to(tl.float32)
+    elif QT == BF16:
+        w = tl.load((rowp + (c * 256 + j) * 2).to(tl.pointer_type(tl.bfloat16)), mask=m, other=0).to(tl.float32)
+    elif QT == Q4_0:
+        w = _q4_0(rowp + (c * 8 + j // 32) * 18, j % 32, m)
+    elif QT == Q4_1:
+        w = _q4_1(rowp + (c * 8 + j // 32) * 20, j % 32, m)
+    elif QT == Q5_0:
+        w = _q5_0(rowp + (c * 8 + j // 32) * 22, j % 32, m)
+    elif QT == Q5_1:
+        w = _q5_1(rowp + (c * 8 + j // 32) * 24, j % 32, m)
+    elif QT == Q8_0:
+        w = _q8_0(rowp + (c * 8 + j // 32) * 34, j % 32, m)
+    elif QT == MXFP4:
+        w = _mxfp4(rowp + (c * 8 + j // 32) * 17, j % 32, m)
+    elif QT == Q2_K:
+        w = _q2_k(rowp + c * 84, j, m)
+    elif QT == Q3_K:
+        w = _q3_k(rowp + c * 110, j, m)
+    elif QT == Q4_K:
+        w = _q4_k(rowp + c * 144, j, m)
+    elif QT == Q5_K:
+        w = _q5_k(rowp + c * 176, j, m)
+    else:
+        tl.static_assert(QT == Q6_K, "unsupported ggml type")
+        w = _q6_k(rowp + c * 210, j, m)
+    return tl.where(m, w, 0.0)

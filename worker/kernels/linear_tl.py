@@ -1,0 +1,110 @@
+"""Triton kernels for a quantized matrix meeting activations: `matvec` (a few rows of x, the decode
+step: GGUF bytes decoded in registers, fp32 accumulation, deterministic split-K for short wide
+matrices) and `dequantize` (the whole matrix once, for prefill's matrix products). The weight is
+described by its raw bytes, ggml type and ggml shape [K, N], as in QTensor."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from ..quant import nbytes_of
+from .dequant_tl import CHUNK, chunk
+
+BN_MATVEC = 16  # rows of W per program
+BN_DEQUANT = 16
+MATVEC_MAX_ROWS = 8  # up to this many rows of x, decode in registers; more, dequantize and multiply
+DEQUANT_PIECE_VALUES = 1 << 24  # a prefill dequantizes a big matrix in pieces of 64 MiB of float32
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    return nbytes_of(GGMLQuantizationType(ggml_type), (k,))
+
+
+@triton.jit
+def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split,
+                   QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
+    """y[s, t, n] = sum over the chunks of split s of x[t, k] * W[n, k]; grid (N/BN, T, splits)."""
+    pid_n, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    T = tl.num_programs(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    j = tl.arange(0, CH)
+    rowp = w_ptr + n.to(tl.int64)[:, None] * row_bytes
+    acc = tl.zeros([BN, CH], tl.float32)
+    for i in range(0, chunks_per_split):  # the last split's spare chunks are masked (k >= K)
+        c = s * chunks_per_split + i
+        k = c * CH + j
+        m = (n < N)[:, None] & (k < K)[None, :]
+        w = chunk(QT, rowp, c, j[None, :], m)
+        xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)
+        acc += w * xv[None, :]
+    tl.store(y_ptr + (s * T + t) * N + n, tl.sum(acc, axis=1), mask=n < N)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
+    """out[n, k] = W[n, k] as float32; grid (N/BN, K/CH)."""
+    pid_n, c = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    j = tl.arange(0, CH)
+    k = c * CH + j
+    m = (n < N)[:, None] & (k < K)[None, :]
+    rowp = w_ptr + n.to(tl.int64)[:, None] * row_bytes
+    w = chunk(QT, rowp, c, j[None, :], m)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w, mask=m)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs are plenty
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def splits_for(n_rows: int, k: int, device: torch.device) -> int:
+    """Split K so that a short wide matrix (a router, a down projection) still gives every
+    multiprocessor two programs; a function of the shape alone, so results are reproducible."""
+    blocks = math.ceil(n_rows / BN_MATVEC)
+    chunks = math.ceil(k / CHUNK)
+    return max(1, min(chunks, math.ceil(2 * _sm_count(device) / blocks)))
+
+
+def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
+    """x [T, K] float32 (contiguous) @ W^T -> [T, N] float32, W the quantized [N, K] at raw."""
+    t = x.shape[0]
+    splits = splits_for(n, k, x.device)
+    per_split = math.ceil(math.ceil(k / CHUNK) / splits)
+    splits = math.ceil(math.ceil(k / CHUNK) / per_split)
+    y = torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, BN_MATVEC), t, splits)
+    _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split,
+                         QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=4)
+    return y[0] if splits == 1 else y.sum(0)
+
+
+def dequantize(raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
+    """The [N, K] float32 matrix at raw."""
+    out = torch.empty((n, k), dtype=torch.float32, device=raw.device)
+    grid = (triton.cdiv(n, BN_DEQUANT), triton.cdiv(k, CHUNK))
+    _dequant_kernel[grid](raw, out, n, k, row_bytes(ggml_type, k), QT=ggml_type, BN=BN_DEQUANT, CH=CHUNK,
+                          num_warps=4)
+    return out
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
+    """x [T, K] float32 @ W^T -> [T, N] float32. A few rows (decode) read the bytes once in
+    registers; many rows (prefill) dequantize W once, in pieces, for cuBLAS's float32 product."""
+    if x.shape[0] <= MATVEC_MAX_ROWS:
+        return matvec(x, raw, ggml_type, k, n)
+    rows = max(BN_DEQUANT, DEQUANT_PIECE_VALUES // k // BN_DEQUANT * BN_DEQUANT)
+    if rows >= n:
+        return x @ dequantize(raw, ggml_type, k, n).T
+    out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+    rb = row_bytes(ggml_type, k)
+    for n0 in range(0, n, rows):
+        m = min(rows, n - n0)
+        out[:, n0:n0 + m] = x @ dequantize(raw[n0 * rb:(n0 + m) * rb], ggml_type, k, m).T
+    return out
