@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import socket
 import time
 from collections import deque
 from pathlib import Path
@@ -114,6 +115,9 @@ class ExpertClient:
             self._sock.setsockopt(zmq.CURVE_SERVERKEY, curve_server_key)
             self._sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        if endpoint.startswith("ipc://") and not _may_connect(endpoint.removeprefix("ipc://")):
+            self._sock.close(linger=0)
+            raise ClientError(f"expertd at {endpoint}: {PERMISSION_HINT.format(path=endpoint.removeprefix('ipc://'))}")
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._inbox: dict[int, deque[p.Message]] = {}
@@ -216,8 +220,8 @@ class ExpertClient:
     def _recv(self, timeout_s: float | None) -> p.Message:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not self._sock.poll(int(timeout * 1000)):
-            raise DaemonUnavailable(f"no answer from expertd at {self.endpoint} within {timeout:g} s; is it running? "
-                                    "(systemctl status expertd)")
+            why = ipc_problem(self.endpoint) or "is it running? (systemctl status expertd)"
+            raise DaemonUnavailable(f"no answer from expertd at {self.endpoint} within {timeout:g} s; {why}")
         msg = p.decode(self._sock.recv())
         if isinstance(msg, p.Bye):
             raise DaemonUnavailable(f"expertd at {self.endpoint} is going away: {msg.reason}")
@@ -254,6 +258,46 @@ class ExpertClient:
             self._inbox[request_id].append(msg)
         elif isinstance(msg, p.Ready):  # for a fetch the caller abandoned: hand the slot straight back
             self._release([msg.slot])
+
+
+PERMISSION_HINT = ("permission denied on {path}: this user may not connect to expertd's socket (mode 0660); run "
+                   "in expertd's group (SupplementaryGroups= in a unit, or usermod -aG GROUP USER)")
+
+
+def _may_connect(path: str) -> bool:
+    """False when the socket exists but this user may not reach or write it (waiting cannot help);
+    True otherwise, also when nothing is there yet (expertd may still be starting)."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        return False  # a directory on the way is closed to us
+    except OSError:
+        return True
+    return os.access(path, os.W_OK)
+
+
+def ipc_problem(endpoint: str) -> str | None:
+    """Why nobody answers at an ipc:// endpoint, found by connecting to its socket file the way
+    ZeroMQ does: permission denied, no socket there, or a socket nobody accepts on (a daemon that
+    is gone). None when a process accepts connections there (or the endpoint is not ipc://)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except PermissionError:
+        return PERMISSION_HINT.format(path=path)
+    except FileNotFoundError:
+        return f"there is no socket at {path}: is expertd running, and is this its endpoint? (systemctl status expertd)"
+    except ConnectionRefusedError:
+        return f"the socket {path} refuses connections: the expertd that made it is gone (systemctl status expertd)"
+    except OSError as exc:
+        return f"cannot connect to {path}: {exc.strerror}"
+    else:
+        return None
+    finally:
+        probe.close()
 
 
 def _map_staging(name: str, size: int) -> mmap.mmap:

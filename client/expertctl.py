@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import zmq
 
 from . import protocol as p
-from .client import DEFAULT_ENDPOINT
+from .client import DEFAULT_ENDPOINT, ipc_problem
 
 EXIT_OK, EXIT_DEGRADED, EXIT_DOWN = 0, 1, 2
 
@@ -45,7 +46,9 @@ class Probe:
     def ask(self, msg: p.Message, reply: type[p.Message]) -> Any:
         self.sock.send(p.encode(msg))
         if not self.sock.poll(self.timeout_ms):
-            raise TimeoutError(f"no answer from expertd at {self.endpoint} within {self.timeout_ms / 1000:g} s")
+            why = ipc_problem(self.endpoint)
+            raise TimeoutError(f"no answer from expertd at {self.endpoint} within {self.timeout_ms / 1000:g} s"
+                               + (f"; {why}" if why else ""))
         answer = p.decode(self.sock.recv())
         if isinstance(answer, p.Error):
             raise ValueError(f"expertd refused {msg.op.name}: {answer.code.name}: {answer.message}")
@@ -106,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--curve-server-key", type=Path, metavar="FILE",
                         help="expertd's CurveZMQ public key file (zmq certificate), for tcp:// endpoints")
     args = parser.parse_args(argv)
+    for flag, value, low, high in (("--timeout-s", args.timeout_s, 0.01, 3600.0), ("--watch", args.watch, 0.01, 86400.0)):
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            print(f"expertctl: {flag} must lie in {low:g}..{high:g}, got {value!r}", file=sys.stderr)
+            return EXIT_DOWN  # 2, as for any bad input
 
     try:
         server_key = None

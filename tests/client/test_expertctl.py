@@ -61,3 +61,38 @@ def test_health_of_a_degraded_daemon(tiny_pack: Path, tmp_path: Path) -> None:
 def test_health_of_nothing(tmp_path: Path) -> None:
     health = expertctl("health", "--endpoint", f"ipc://{tmp_path}/nobody.sock", "--timeout-s", "0.5")
     assert health.returncode == 2 and "no answer" in health.stderr
+
+
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+CONNECT_SCRIPT = """
+import sys
+from expertpack.client import ClientError, ExpertClient
+try:
+    ExpertClient(sys.argv[1], timeout_s=20)
+except ClientError as exc:
+    print(exc)
+"""
+
+
+def test_a_socket_this_user_may_not_use_is_named_as_such(daemon: Daemon) -> None:
+    """Another user than expertd's group: told at once that permission is denied, not, after a
+    timeout, to check whether expertd is running."""
+    import sys
+    import time
+
+    start = time.monotonic()
+    client = subprocess.run([*AS_NOBODY, sys.executable, "-c", CONNECT_SCRIPT, daemon.endpoint],
+                            capture_output=True, text=True, timeout=60)
+    assert "permission denied on" in client.stdout and "is it running" not in client.stdout, client
+    assert time.monotonic() - start < 15, "it waited for the timeout"
+    ctl = subprocess.run([*AS_NOBODY, str(BIN / "expertctl"), "ping", "--endpoint", daemon.endpoint, "--timeout-s", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert ctl.returncode == 2 and "permission denied on" in ctl.stderr, ctl
+
+
+def test_no_daemon_and_bad_flags_are_named(tmp_path: Path) -> None:
+    gone = expertctl("ping", "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout-s", "0.5")
+    assert gone.returncode == 2 and f"there is no socket at {tmp_path}/none.sock" in gone.stderr, gone
+    for flag, value in (("--timeout-s", "inf"), ("--timeout-s", "nan"), ("--watch", "-1")):
+        bad = expertctl("stats", "--endpoint", f"ipc://{tmp_path}/none.sock", flag, value)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr and f"{flag} must lie in" in bad.stderr, bad
