@@ -50,10 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted during start-up")
         return 0
-    return daemon.serve()
+    try:
+        return daemon.serve()
+    except KeyboardInterrupt:  # before serve() had its own handlers in place
+        daemon.close()
+        log.info("interrupted during start-up")
+        return 0
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
     raise KeyboardInterrupt
 
 

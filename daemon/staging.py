@@ -147,24 +147,26 @@ class StagingSegment:
         self.slot_bytes = slot_bytes
         self.size_bytes = n_slots * slot_bytes
         self.path = SHM_DIR / self.name
+        self.map: mmap.mmap | None = None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        # From here every way out but success removes the segment: an error, and also SIGTERM or
+        # Ctrl-C (KeyboardInterrupt) during the seconds that locking gigabytes takes.
         try:
-            os.fchmod(fd, 0o660)  # group shared with workers, whatever the umask
-            os.ftruncate(fd, self.size_bytes)
-            self.map = mmap.mmap(fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise StagingError(f"cannot create {self.size_bytes:,} bytes of staging in {self.path}: {exc.strerror} "
-                               "(is /dev/shm large enough? lower stage_slots)") from None
-        os.close(fd)
-        self._anchor = ctypes.c_char.from_buffer(self.map)
-        self.address = ctypes.addressof(self._anchor)
-        try:
+            try:
+                os.fchmod(fd, 0o660)  # group shared with workers, whatever the umask
+                os.ftruncate(fd, self.size_bytes)
+                self.map = mmap.mmap(fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                raise StagingError(f"cannot create {self.size_bytes:,} bytes of staging in {self.path}: "
+                                   f"{exc.strerror} (is /dev/shm large enough? lower stage_slots)") from None
+            finally:
+                os.close(fd)
+            self._anchor = ctypes.c_char.from_buffer(self.map)
+            self.address = ctypes.addressof(self._anchor)
             if self.address % SLOT_ALIGNMENT:
                 raise StagingError(f"staging mapped at {self.address:#x}, not {SLOT_ALIGNMENT}-aligned")
             _mlock(self.address, self.size_bytes)
-        except StagingError:
+        except BaseException:
             self.close()
             raise
         self.pool = SlotPool([Slot(i, i * slot_bytes) for i in range(n_slots)])
@@ -177,7 +179,7 @@ class StagingSegment:
         if getattr(self, "_anchor", None) is not None:
             del self._anchor
             self._anchor = None
-        if not self.map.closed:
+        if self.map is not None and not self.map.closed:
             try:
                 self.map.close()
             except BufferError:

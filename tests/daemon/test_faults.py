@@ -286,3 +286,49 @@ def test_a_second_expertd_on_a_starting_ones_endpoint_says_so(tiny_pack: Path, t
     d.wait_for("READY=1")
     assert d.stop()[0] == 0
     assert not lock.exists() and not d.socket_path.exists()
+
+
+def test_sigterm_while_the_staging_is_being_locked_leaves_nothing(tiny_pack: Path, tmp_path: Path) -> None:
+    """Locking gigabytes of staging takes seconds; strace stretches mlock to 3 s here so that
+    SIGTERM lands inside it. The segment goes with the daemon, which exits 0."""
+    import os
+
+    if shutil.which("strace") is None:
+        pytest.skip("strace (to stretch mlock) is not installed")
+    before = set(os.listdir("/dev/shm"))
+    argv = ["strace", "-f", "-o", "/dev/null", "-e", "trace=mlock", "-e", "inject=mlock:delay_exit=3000000",
+            str(Path(sys.executable).parent / "expertd"), "--pack", str(tiny_pack), "--endpoint",
+            f"ipc://{tmp_path}/expertd.sock", "--stage-slots", "8", "--client-slots", "1"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (new := {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("expertpack-")}):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no segment"
+        time.sleep(0.01)
+    (segment,) = new
+    os.kill(int(segment.split("-")[1]), signal.SIGTERM)  # the daemon (strace's child), inside its mlock
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "interrupted during start-up" in err
+    assert not (Path("/dev/shm") / segment).exists(), "the staging segment outlived the daemon"
+    assert not (tmp_path / "expertd.sock").exists()
+
+
+def test_a_dead_daemons_staging_is_removed_at_start_a_live_ones_is_not(tiny_pack: Path, tmp_path: Path) -> None:
+    import os
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is gone
+    shm = Path("/dev/shm")
+    mine = [shm / f"expertpack-{dead.pid}-deadbeef", shm / f"expertpack-{os.getpid()}-0a11ce00"]
+    for path in mine:
+        path.write_bytes(b"x" * 4096)
+    try:
+        d = start_daemon(tiny_pack, tmp_path)
+        d.wait_for("READY=1")
+        code, log = d.stop()
+        assert code == 0, log
+        assert not mine[0].exists() and f"removed {mine[0]}" in log
+        assert mine[1].exists(), "the staging of a live process was removed"
+    finally:
+        for path in mine:
+            path.unlink(missing_ok=True)
