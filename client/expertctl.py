@@ -90,7 +90,15 @@ def render(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: f
 
 
 def health(stats: dict[str, Any]) -> tuple[int, str]:
+    """(exit code, one line) from a STATS reply: degraded when the pack is not what the daemon
+    opened (truncated, replaced, removed) or reads of it have failed, or reads go buffered."""
     c = stats["counters"]
+    pack = stats["pack"]
+    if pack["size_bytes"] != pack["manifest_size_bytes"]:
+        return EXIT_DEGRADED, (f"degraded: the pack is {pack['size_bytes']:,} bytes, its manifest says "
+                               f"{pack['manifest_size_bytes']:,} (truncated or replaced; run expertpack verify)")
+    if not pack["same_file"]:
+        return EXIT_DEGRADED, "degraded: the pack file was removed or replaced since expertd opened it (restart expertd)"
     if c["io_errors"]:
         return EXIT_DEGRADED, f"degraded: {c['io_errors']} I/O errors reading the pack (check the disk, run expertpack verify)"
     if not stats["direct_io"]:

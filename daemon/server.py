@@ -472,6 +472,10 @@ class ExpertDaemon:
             "fingerprint": self.manifest.fingerprint,
             "arch": self.manifest.model.arch,
             "direct_io": self.pack.direct,
+            # The pack as it is now: a file truncated or replaced under the daemon shows here before
+            # a read fails on it.
+            "pack": {"size_bytes": os.fstat(self.pack.fd).st_size, "manifest_size_bytes": self.manifest.pack_size_bytes,
+                     "same_file": _same_file(self.pack.fd, self.pack.path)},
             "config": self.config.to_dict(),
             "counters": self.counters.to_dict(),
             "read_latency_us": self.read_latency.to_dict(),
@@ -533,6 +537,16 @@ class ExpertDaemon:
         if getattr(self, "_wake", None) is not None:
             os.close(self._wake)
         self.pack.close()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open at `fd` (not deleted, not replaced)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    opened = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _inode(path: Path) -> tuple[int, int] | None:

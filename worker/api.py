@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field
 
 from expertpack.client import ClientError
+from expertpack.client.expertctl import health as daemon_health
 
 from .chat_template import ChatTemplate, ChatTemplateError
 from .daemon_link import DaemonLost
@@ -301,9 +302,13 @@ def create_app(service: WorkerService) -> FastAPI:
         cache = service.generator.engine.expert_cache
         if cache is None:
             return JSONResponse({"status": "ok"})
-        up = await asyncio.to_thread(service.daemon_stats) is not None
-        return JSONResponse({"status": "ok" if up else "degraded", "daemon": "up" if up else "unreachable"},
-                            status_code=200 if up else 503)
+        stats = await asyncio.to_thread(service.daemon_stats)  # asked now, beside any generation
+        if stats is None:
+            return JSONResponse({"status": "degraded", "daemon": "unreachable"}, status_code=503)
+        code, detail = daemon_health(stats)
+        if code:
+            return JSONResponse({"status": "degraded", "daemon": "degraded", "detail": detail}, status_code=503)
+        return JSONResponse({"status": "ok", "daemon": "up"})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

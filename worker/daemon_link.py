@@ -5,8 +5,9 @@ exposes the shared staging segment as a tensor, registered with CUDA (cudaHostRe
 worker runs on a GPU, so copies out of it are true async DMA.
 
 A ZeroMQ socket belongs to one thread at a time: every use of the client holds the link's lock.
-stats() (for /health and /metrics, from other threads) never waits for a fetch: while one runs it
-answers what the daemon said last."""
+stats() (for /health and /metrics, from any thread) asks the daemon now, on a socket of its own
+that holds no session, so it never waits for a fetch in flight nor answers from memory: a daemon
+that died during a generation reads as gone within the probe's timeout."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ import time
 from typing import Iterator
 
 import torch
+import zmq
 
-from expertpack.client import ClientError, DaemonUnavailable, Expert, ExpertClient
+from expertpack.client import DaemonUnavailable, Expert, ExpertClient
+from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
 log = logging.getLogger("expert-worker")
+
+PROBE_TIMEOUT_S = 2.0  # how long /health and /metrics wait for the daemon's STATS
 
 
 class DaemonLost(RuntimeError):
@@ -42,7 +47,8 @@ class DaemonLink:
         self.pinned = False
         self._registered: int | None = None
         self._lock = threading.RLock()
-        self._last_stats: dict | None = None
+        self._probe: zmq.Socket | None = None  # STATS only, no HELLO: never holds slots
+        self._probe_lock = threading.Lock()
         self._connect()
 
     # ---- connection ---------------------------------------------------------------------------
@@ -84,6 +90,10 @@ class DaemonLink:
     def close(self) -> None:
         with self._lock:
             self._disconnect()
+        with self._probe_lock:
+            if self._probe is not None:
+                self._probe.close(linger=0)
+                self._probe = None
 
     @property
     def slot_bytes(self) -> int:
@@ -96,27 +106,33 @@ class DaemonLink:
         return len(self.client.slots)
 
     def stats(self) -> dict | None:
-        """The daemon's STATS, or None while it is unreachable. Never waits for a fetch in another
-        thread (it answers the last STATS then); reconnects, briefly, if the link is down."""
-        if not self._lock.acquire(blocking=False):
-            return self._last_stats
+        """The daemon's STATS now, or None when it does not answer within PROBE_TIMEOUT_S. Safe from
+        any thread; never waits for a fetch (the probe has its own socket and lock)."""
+        timeout_s = min(PROBE_TIMEOUT_S, self.timeout_s)
+        if not self._probe_lock.acquire(timeout=timeout_s):
+            return None  # another thread's probe has been waiting that long: the daemon is not answering
         try:
-            if self.client is None:
-                self._connect(timeout_s=min(2.0, self.timeout_s))
-                self.reconnects += 1
-                log.info("reconnected to expertd at %s", self.endpoint)
-            patient, self.client.timeout_s = self.client.timeout_s, min(2.0, self.timeout_s)
-            try:
-                self._last_stats = self.client.stats()
-            finally:
-                self.client.timeout_s = patient
-        except ClientError as exc:
-            log.debug("stats: %s", exc)
-            self._disconnect()
-            self._last_stats = None
+            if self._probe is None:
+                self._probe = zmq.Context.instance().socket(zmq.DEALER)
+                self._probe.setsockopt(zmq.LINGER, 0)
+                self._probe.connect(self.endpoint)
+            self._probe.send(p.encode(p.Stats()))
+            if self._probe.poll(int(timeout_s * 1000)):
+                reply = p.decode(self._probe.recv())
+                if isinstance(reply, p.StatsReply):
+                    return reply.stats
+            # No answer (a late one must not be taken for the next probe's) or not a STATS reply.
+            self._probe.close(linger=0)
+            self._probe = None
+            return None
+        except (zmq.ZMQError, p.ProtocolError) as exc:
+            log.debug("stats probe: %s", exc)
+            if self._probe is not None:
+                self._probe.close(linger=0)
+                self._probe = None
+            return None
         finally:
-            self._lock.release()
-        return self._last_stats
+            self._probe_lock.release()
 
     # ---- fetching -----------------------------------------------------------------------------
     def fetch(self, keys: list[ExpertKey]) -> Iterator[Expert]:

@@ -369,3 +369,45 @@ def test_a_port_already_taken_is_refused_before_loading(served, tmp_path: Path) 
     assert proc.returncode == 2, proc.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "Address already in use" in proc.stderr
     assert "serving" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_health_tells_the_daemon_as_it_is_now(fixture_packs, tmp_path: Path) -> None:
+    """expertd killed while a generation waits for it: /health says unreachable within seconds (it
+    used to answer from memory while the fetch held the link); back when a daemon is; degraded
+    when the pack is truncated under the daemon."""
+    import shutil
+
+    pack = tmp_path / "pack"
+    shutil.copytree(fixture_packs[PACK][1], pack)
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    first = start_daemon(pack, tmp_path / "a")
+    first.wait_for("READY=1")
+    worker = start_worker(pack, first.endpoint, tmp_path / "a", "--daemon-timeout-s", "1",
+                          "--daemon-down-timeout-s", "60")
+    later: list[Daemon] = []
+    try:
+        assert worker.get("/health") == (200, json.dumps({"status": "ok", "daemon": "up"}, separators=(",", ":")))
+        stream = worker.client().completions.create(model="fixture", prompt="Once upon a time", max_tokens=400,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        start = time.monotonic()
+        status, body = worker.get("/health")  # the generation is retrying its fetch meanwhile
+        assert (status, json.loads(body)["daemon"]) == (503, "unreachable"), body
+        assert time.monotonic() - start < 10
+        later.append(start_daemon(pack, tmp_path / "b", "--endpoint", first.endpoint))
+        later[0].wait_for("READY=1")
+        assert sum(1 for _ in chunks) > 0  # the generation resumes on the new daemon
+        assert worker.get("/health")[0] == 200
+        with open(pack / "experts.pack", "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
+        status, body = worker.get("/health")
+        assert status == 503 and json.loads(body)["daemon"] == "degraded" and "truncated" in body, body
+    finally:
+        assert worker.stop() == 0, worker.log
+        first.notify.close()
+        for d in later:
+            d.stop()
