@@ -115,11 +115,11 @@ def build(src: Path, prefix: Path, cuda: bool, jobs: int) -> Path:
     # commit it would report: git looks no further up than the source's parent.
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(src.resolve().parent)}
     configure = ["cmake", "-S", str(src), "-B", str(prefix), *generator, *(f"-D{k}={v}" for k, v in options.items())]
-    steps = [configure, ["cmake", "--build", str(prefix), "--target", *TARGETS, "-j", str(jobs)]]
-    for cmd in steps:
+    steps = {"configure": configure, "build": ["cmake", "--build", str(prefix), "--target", *TARGETS, "-j", str(jobs)]}
+    for step, cmd in steps.items():
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
         if subprocess.run(cmd, stdout=sys.stderr, env=env).returncode:
-            raise PeerError(f"{cmd[0]} {cmd[1]} failed (output above)")
+            raise PeerError(f"cmake's {step} step failed (output above)")
     return prefix / "bin"
 
 
@@ -321,8 +321,8 @@ def run(args: argparse.Namespace) -> int:
                   "llama.cpp (llama-bench -ngl 99) vs expertpack (resident)")
     if drawn:
         print(f"wrote {png}", file=sys.stderr)
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                           capture_output=True, text=True).stdout.strip() or "unknown"
     print(json.dumps({
         "bench": "peer_llamacpp", "date": date.today().isoformat(), "commit": commit,
         "machine": f"{platform.node()} {os.cpu_count()} cpu", "gpu": gpu, "device": args.device,
@@ -345,15 +345,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="peer_llamacpp.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    f = sub.add_parser("fetch", help=f"download the {SDIST} sdist and keep its llama.cpp source, trimmed")
+    f = sub.add_parser("fetch", help=f"download the {SDIST} sdist and keep its llama.cpp source, trimmed",
+                       description=f"pip download --no-deps --no-binary :all: {SDIST}, then extract its "
+                       f"{VENDORED} into DEST without what the build never reads ({', '.join(DROP[:6])}, ...); "
+                       f"writes {SOURCE_INFO} (the sdist and llama.cpp's commit) and prints the size.")
     f.add_argument("--dest", type=Path, required=True, help="folder to write (e.g. .peer/llama.cpp, git-ignored)")
-    b = sub.add_parser("build", help="build llama-bench and llama-server out of tree")
+    b = sub.add_parser("build", help="build llama-bench and llama-server out of tree",
+                       description="cmake -S SRC -B PREFIX " + " ".join(
+                           f"-D{k}={v}" for k, v in {**CMAKE_OPTIONS, **CUDA_OPTIONS}.items())
+                       + ", then the targets " + " ".join(TARGETS) + "; cmake's and the compiler's output go to "
+                       "stderr. Ninja when installed.")
     b.add_argument("--src", type=Path, required=True, help="the folder fetch wrote")
     b.add_argument("--prefix", type=Path, required=True, help="the build folder; binaries land in PREFIX/bin")
     b.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=True,
                    help="GGML_CUDA for sm_90, the H200 (default); --no-cuda for a CPU build")
     b.add_argument("-j", "--jobs", type=int, default=os.cpu_count(), help="parallel compile jobs (default: all cores)")
-    r = sub.add_parser("run", help="llama-bench, then expertpack, on the same GGUF; table, chart, JSON")
+    r = sub.add_parser("run", help="llama-bench, then expertpack, on the same GGUF; table, chart, JSON",
+                       description="llama-bench -m GGUF -ngl 99 -p PP -n TG -r REPS -o json, then expertpack "
+                       "(Engine.load(GGUF, resident_experts=True)) through the same tests: the prompt lengths "
+                       "PP, TG tokens decoded one at a time, each from a fresh KV cache after a warm-up. "
+                       "Prints the table, writes OUT/peer-llamacpp.png, OUT/llama-bench.json and its log; the "
+                       "last line is one JSON object.")
     r.add_argument("--bin", type=Path, required=True, help="folder holding llama-bench (PREFIX/bin of build)")
     model = r.add_mutually_exclusive_group(required=True)
     model.add_argument("--gguf", type=Path, help="the model file")
@@ -363,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--pp", type=_lengths, default=[32, 512], help="prompt lengths, comma-separated (default 32,512)")
     r.add_argument("--tg", type=int, default=128, help="tokens decoded one at a time (default 128)")
     r.add_argument("--reps", type=int, default=3, help="repetitions of each test, both systems (default 3)")
+    r.add_argument("--commit", help="expertpack's commit to record (default: git's, where the copy has .git)")
     r.add_argument("--out", type=Path, default=REPO / "bench-out",
                    help="folder for the chart, llama-bench's JSON and log, and a synthesized GGUF (default bench-out)")
     args = p.parse_args(argv)

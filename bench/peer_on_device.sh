@@ -8,12 +8,17 @@
 #       background (setsid nohup, log /tmp/llama-build.log); returns at once.
 #   bash bench/peer_on_device.sh run PRESET LAYERS [TG] [REPS]
 #       installs the wheels and the project, synthesizes bench-out/PRESET-LAYERSL.gguf unless there,
-#       waits for the build (the end of its log if it failed), then runs peer_llamacpp.py run: a table,
-#       the chart, as last line one JSON object; llama-bench's JSON and log, the chart and the build
-#       log into $OUT. TG tokens decoded (default 128), REPS repetitions of each test (default 3).
+#       starts the build if none ran on this machine, waits for it (the end of its log if it
+#       failed; a call cut off by its limit leaves it running: call run again), then runs
+#       peer_llamacpp.py run: a table, the chart, as last line one JSON object; llama-bench's JSON
+#       and log, the chart and the build log into $OUT. TG tokens decoded (default 128), REPS
+#       repetitions of each test (default 3).
 # Carry .whl (../shared/device/wheels.sh) and .peer (here: python3 bench/peer_llamacpp.py fetch
 # --dest .peer/llama.cpp; that machine reaches no registry). E.g. run qwen3-30b-a3b 12, gpt-oss-20b 24.
+# COMMIT=<hash> names expertpack's commit in the JSON where the copy there has no .git. DEVICE=cpu
+# (both calls) builds without CUDA and measures on the CPU: a smoke test off the GPU machine.
 set -euo pipefail
+device=${DEVICE:-cuda}
 src=/tmp/llama-src
 build=/tmp/llama-build
 log=/tmp/llama-build.log
@@ -21,25 +26,36 @@ rc_file=/tmp/llama-build.rc  # written when the build ends: its exit status
 pid_file=/tmp/llama-build.pid
 
 building() { [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null; }
+progress() { grep -o '^\[[0-9/]*\]' "$log" | tail -1; }  # ninja's [done/total]
+
+start_build() {
+    if [ ! -f .peer/llama.cpp/PEER_SOURCE.json ]; then
+        echo "no .peer/llama.cpp: fetch it here (see above) and carry .peer" >&2
+        exit 2
+    fi
+    rm -rf "$src" "$rc_file"
+    cp -r .peer/llama.cpp "$src"  # outside the work tree, which the next call's copy replaces
+    cp bench/peer_llamacpp.py /tmp/peer_llamacpp.py
+    local cuda=--cuda
+    [ "$device" = cpu ] && cuda=--no-cuda
+    setsid nohup bash -c "python3 /tmp/peer_llamacpp.py build --src $src --prefix $build $cuda -j $(nproc) \
+        > $log 2>&1; echo \$? > $rc_file" > /dev/null 2>&1 < /dev/null &
+    echo $! > "$pid_file"
+    echo "building into $build (pid $!, log $log, $(nproc) jobs)"
+}
 
 case "${1:-}" in
 start-build)
     if [ "$(cat "$rc_file" 2>/dev/null)" = 0 ]; then echo "already built: $build/bin"; exit 0; fi
     if building; then echo "already building (pid $(cat "$pid_file")): $log"; exit 0; fi
-    [ -f .peer/llama.cpp/PEER_SOURCE.json ] || { echo "no .peer/llama.cpp: fetch it here and carry .peer" >&2; exit 2; }
-    rm -rf "$src" "$rc_file"
-    cp -r .peer/llama.cpp "$src"  # outside the work tree, which the next call's copy replaces
-    cp bench/peer_llamacpp.py /tmp/peer_llamacpp.py
-    setsid nohup bash -c "python3 /tmp/peer_llamacpp.py build --src $src --prefix $build -j $(nproc) \
-        > $log 2>&1; echo \$? > $rc_file" > /dev/null 2>&1 < /dev/null &
-    echo $! > "$pid_file"
-    echo "building into $build (pid $!, log $log, $(nproc) jobs)"
+    start_build
     ;;
 run)
     preset=${2:?run PRESET LAYERS [TG] [REPS]}
     layers=${3:?run PRESET LAYERS [TG] [REPS]}
     tg=${4:-128}
     reps=${5:-3}
+    [ -f "$rc_file" ] || building || start_build  # the machine went back since start-build, or none ran
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
     export PYTHONPATH=/tmp/site PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
@@ -47,13 +63,14 @@ run)
     gguf="bench-out/$preset-${layers}L.gguf"  # the name bench/decode_streaming.py gives it
     if [ ! -f "$gguf" ]; then  # while the build runs
         mkdir -p bench-out
-        expertpack synth --preset "$preset" --layers "$layers" -o "bench-out/partial-$preset.gguf" -q --force
+        expertpack synth --preset "$preset" --layers "$layers" -o "bench-out/partial-$preset.gguf" -q --force \
+            > /dev/null
         mv "bench-out/partial-$preset.gguf" "$gguf"
     fi
     waited=0
     while [ ! -f "$rc_file" ]; do
-        building || { echo "no build has run here: bash bench/peer_on_device.sh start-build first" >&2; exit 2; }
-        [ $((waited % 30)) = 0 ] && echo "waiting for the build (${waited} s): $(grep -o '^\[[0-9]*/[0-9]*\]' "$log" | tail -1)"
+        building || [ -f "$rc_file" ] || { echo "the build stopped without a status; see $log" >&2; exit 1; }
+        [ $((waited % 30)) = 0 ] && echo "waiting for the build (${waited} s): $(progress)"
         sleep 5
         waited=$((waited + 5))
     done
@@ -63,11 +80,11 @@ run)
         tail -40 "$log" >&2
         exit 1
     fi
-    python3 bench/peer_llamacpp.py run --bin "$build/bin" --gguf "$gguf" --device cuda --pp 32,512 --tg "$tg" \
-        --reps "$reps" --out "$out" 2>&1 | tee "$out/peer.log"
+    python3 bench/peer_llamacpp.py run --bin "$build/bin" --gguf "$gguf" --device "$device" --pp 32,512 \
+        --tg "$tg" --reps "$reps" --out "$out" ${COMMIT:+--commit "$COMMIT"} 2>&1 | tee "$out/peer.log"
     ;;
 *)
-    sed -n '2,16p' "$0" >&2
+    sed -n '2,20p' "$0" >&2
     exit 2
     ;;
 esac
