@@ -5,7 +5,8 @@ One generation runs at a time, on the service's own one-thread executor so the e
 /health, /metrics) keeps answering; others wait their turn, nothing is dropped. A request whose
 client went away stops at its next token (or never starts); at shutdown every generation stops. Bad requests get OpenAI-style errors (400 invalid_request_error,
 404 for an unknown model); a daemon that stays away fails the request with 503 and the server
-keeps serving. Beside the standard `usage`, responses carry llama-server's `timings` (so one
+keeps serving. Request bodies and prompts are bounded (sized from the context) before anything is
+parsed or tokenized, and templates and tokenizing run off the event loop. Beside the standard `usage`, responses carry llama-server's `timings` (so one
 benchmark client reads both) and an `expertpack` object: unique-key hit rate and SSD bytes read."""
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Literal
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from expertpack.client import ClientError
 from expertpack.client.expertctl import health as daemon_health
@@ -45,6 +48,65 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# Bounds that hold before a request costs anything: a body is refused from its Content-Length (or
+# as soon as more arrives), a prompt from its characters before it is tokenized. Sized from the
+# context unless configured: no token spans more than MAX_CHARS_PER_TOKEN characters of text in
+# practice, and JSON escaping takes at most 6 bytes per character (\uXXXX).
+MAX_CHARS_PER_TOKEN = 32
+JSON_BYTES_PER_CHAR = 6
+BODY_SLACK_BYTES = 1 << 20  # the rest of the request: messages' structure, stop strings, options
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_chars: int
+    max_body_bytes: int
+
+    @classmethod
+    def for_context(cls, n_ctx: int, max_prompt_chars: int = 0, max_body_bytes: int = 0) -> "Limits":
+        """0 means: sized from the context."""
+        chars = max_prompt_chars or n_ctx * MAX_CHARS_PER_TOKEN
+        return cls(chars, max_body_bytes or chars * JSON_BYTES_PER_CHAR + BODY_SLACK_BYTES)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from inside the body's reading, answered as ApiError 413 by the app."""
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 from its Content-Length, before
+    anything is read, or (chunked) as soon as the bytes read pass the limit."""
+
+    def __init__(self, app: Any, max_bytes: int, on_refused: Callable[[str], None]) -> None:
+        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+
+    def error(self) -> ApiError:
+        return ApiError(413, f"the request body exceeds {self.max_bytes:,} bytes, the most this worker accepts "
+                             "(--max-body-mib; by default sized from the model's context)",
+                        code="request_too_large")
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            self.on_refused(scope["path"])
+            response = JSONResponse(self.error().body(), status_code=413, headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def bounded() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(413, self.error().message)  # FastAPI passes HTTP errors through
+            return message
+
+        await self.app(scope, bounded, send)
 
 
 class _Common(BaseModel):
@@ -84,11 +146,14 @@ class WorkerService:
     """What the routes share: the generator, the model's name and template, the one generation
     thread, and the flag that stops every generation at shutdown."""
 
-    def __init__(self, generator: Generator, model_name: str) -> None:
+    def __init__(self, generator: Generator, model_name: str, limits: Limits | None = None) -> None:
         self.generator = generator
         self.model_name = model_name
+        self.limits = limits or Limits.for_context(generator.n_ctx)
         self.counters = ServeCounters()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        # Templates and tokenizing run here, never on the event loop (nor behind a generation).
+        self.text_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.stopping = threading.Event()
         try:
             self.template: ChatTemplate | None = ChatTemplate(generator.engine.files.metadata)
@@ -103,11 +168,15 @@ class WorkerService:
         return await asyncio.get_running_loop().run_in_executor(
             self.executor, self.generator.run, req, on_text, cancelled)
 
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.text_executor, fn, *args)
+
     def shutdown(self) -> None:
         """Stops the generation in flight at its next token and waits for it (the engine may then
         be closed); requests still queued are dropped with the server."""
         self.stopping.set()
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self.text_executor.shutdown(wait=True, cancel_futures=True)
 
     def daemon_stats(self) -> dict | None:
         cache = self.generator.engine.expert_cache
@@ -116,12 +185,26 @@ class WorkerService:
 
 def create_app(service: WorkerService) -> FastAPI:
     app = FastAPI(title="expert-worker", description="OpenAI-compatible API of an expertpack worker")
+    app.add_middleware(BodyLimit, max_bytes=service.limits.max_body_bytes,
+                       on_refused=lambda path: service.counters.count(path, 413))
     tokenizer = service.generator.tokenizer
+    max_chars = service.limits.max_prompt_chars
+
+    def check_chars(n_chars: int, param: str) -> None:
+        if n_chars > max_chars:
+            raise ApiError(400, f"the prompt has {n_chars:,} characters; this worker takes at most {max_chars:,} "
+                                f"(--max-prompt-chars; by default {MAX_CHARS_PER_TOKEN} per token of the "
+                                f"{service.generator.n_ctx}-token context)", param=param,
+                           code="context_length_exceeded")
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         service.counters.count(request.url.path, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return await api_error(request, ApiError(413, exc.detail, code="request_too_large"))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -176,7 +259,11 @@ def create_app(service: WorkerService) -> FastAPI:
             if len(prompt) != 1:
                 raise ApiError(400, "one prompt per request", param="prompt")
             prompt = prompt[0]
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            check_chars(len(prompt), "prompt")
+            ids = await service.off_loop(tokenizer.encode, prompt)
+        else:
+            ids = list(prompt)
         req = gen_request(body, ids, body.max_tokens)
         return await respond(request, body, req, "text_completion", "cmpl")
 
@@ -186,12 +273,18 @@ def create_app(service: WorkerService) -> FastAPI:
         if service.template is None:
             raise ApiError(400, "this model carries no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
-        try:
-            text = service.template.render(messages)
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        starts_with_bos = bool(service.template.bos_token) and text.startswith(service.template.bos_token)
-        ids = tokenizer.encode(text, add_special=not starts_with_bos)
+        check_chars(sum(len(m["content"]) for m in messages), "messages")
+        template = service.template
+
+        def render_and_encode() -> list[int]:
+            try:
+                text = template.render(messages)
+            except ChatTemplateError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+            starts_with_bos = bool(template.bos_token) and text.startswith(template.bos_token)
+            return tokenizer.encode(text, add_special=not starts_with_bos)
+
+        ids = await service.off_loop(render_and_encode)
         req = gen_request(body, ids, body.max_completion_tokens or body.max_tokens)
         return await respond(request, body, req, "chat.completion", "chatcmpl")
 

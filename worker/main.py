@@ -26,7 +26,8 @@ are overridden by flags."""
 DEFAULTS = {
     "pack": None, "daemon": "ipc:///run/expertpack/expertd.sock", "device": None, "cache_vram_mib": 4096,
     "cache_reserve_mib": 1024, "host": "127.0.0.1", "port": 8000, "tokenizer": None, "model_name": None,
-    "daemon_timeout_s": 30.0, "daemon_down_timeout_s": 60.0, "log_level": "info",
+    "daemon_timeout_s": 30.0, "daemon_down_timeout_s": 60.0, "max_body_mib": 0, "max_prompt_chars": 0,
+    "log_level": "info",
 }
 
 
@@ -37,6 +38,8 @@ RANGES: dict[str, tuple[type, float, float]] = {
     "port": (int, 1, 65535),
     "daemon_timeout_s": (float, 0.1, 3600.0),
     "daemon_down_timeout_s": (float, 0.0, 86400.0),
+    "max_body_mib": (int, 0, 1 << 14),  # 0: sized from the context
+    "max_prompt_chars": (int, 0, 1 << 31),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -68,6 +71,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--daemon-down-timeout-s", type=float, metavar="S",
                    help=f"how long to keep reconnecting before a request fails (default "
                         f"{DEFAULTS['daemon_down_timeout_s']:g})")
+    p.add_argument("--max-body-mib", type=int, metavar="N",
+                   help="largest request body accepted, in MiB; larger ones get 413 before they are read "
+                        "(default 0: sized from the context)")
+    p.add_argument("--max-prompt-chars", type=int, metavar="N",
+                   help="longest prompt accepted, in characters, checked before tokenizing (default 0: "
+                        "32 per token of the context)")
     p.add_argument("--log-level", help="debug, info, warning (default info)")
     return p
 
@@ -174,7 +183,7 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     from expertpack.client import ClientError
     from expertpack.packtools.errors import ExpertpackError
 
-    from .api import WorkerService, create_app
+    from .api import Limits, WorkerService, create_app
     from .cache_policy import CacheTooSmall
     from .engine import Engine
     from .generation import Generator
@@ -208,7 +217,8 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
                  cache.n_slots, cache.slot_bytes / 2**20, cache.resident_bytes / 2**20,
                  "yes" if cache.link.pinned else "no", generator.n_ctx, time.perf_counter() - start,
                  args.host, args.port)
-        service = WorkerService(generator, name)
+        limits = Limits.for_context(generator.n_ctx, int(args.max_prompt_chars), int(args.max_body_mib) << 20)
+        service = WorkerService(generator, name, limits)
         app = create_app(service)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=int(args.port), log_level="warning",
                                                timeout_graceful_shutdown=60))

@@ -411,3 +411,60 @@ def test_health_tells_the_daemon_as_it_is_now(fixture_packs, tmp_path: Path) -> 
         first.notify.close()
         for d in later:
             d.stop()
+
+
+def served_context(worker: Worker) -> int:
+    return int(worker.log.split(", context ")[1].split(";")[0])
+
+
+def raw_http(worker: Worker, head: str, chunks=(), timeout: float = 10) -> tuple[int, dict]:
+    """Sends a request head and then body chunks until the server answers; returns its status and
+    JSON body. The server may answer before the body is sent (that is the point)."""
+    import select
+
+    with socket.create_connection(("127.0.0.1", worker.port), timeout=timeout) as s:
+        s.sendall(head.encode())
+        for chunk in chunks:
+            if select.select([s], [], [], 0)[0]:
+                break  # answered already
+            try:
+                s.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        data = b""
+        while more := s.recv(65536):
+            data += more
+            head_bytes, sep, body = data.partition(b"\r\n\r\n")
+            length = head_bytes.lower().partition(b"content-length:")[2].split(b"\r\n")[0]
+            if sep and length and len(body) >= int(length):
+                break
+    head_bytes, _, body = data.partition(b"\r\n\r\n")
+    return int(head_bytes.split()[1]), json.loads(body)
+
+
+def test_an_oversized_body_gets_413_before_it_is_read(served) -> None:
+    _, _, worker = served
+    start = time.monotonic()
+    status, body = raw_http(worker, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                                    "\r\nContent-Length: 45000000\r\n\r\n")  # 45 MB announced, none sent
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    assert time.monotonic() - start < 5
+    chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"  # chunked: no length known in advance
+    status, body = raw_http(worker, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    "Transfer-Encoding: chunked\r\n\r\n", [chunk] * 1000)
+    assert status == 413 and "request body exceeds" in body["error"]["message"], body
+    assert worker.get("/health")[0] == 200
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(served) -> None:
+    _, _, worker = served
+    n_chars = served_context(worker) * 32 + 1
+    client = worker.client()
+    start = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match=f"the prompt has {n_chars:,} characters") as err:
+        client.completions.create(model="fixture", prompt="a" * n_chars, max_tokens=1)
+    assert err.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="characters") as err:
+        client.chat.completions.create(model="fixture", messages=[{"role": "user", "content": "b" * n_chars}])
+    assert err.value.body["param"] == "messages"
+    assert time.monotonic() - start < 5
