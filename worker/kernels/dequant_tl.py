@@ -71,11 +71,6 @@ def _q5_1(bp, jj, m):  # d, m, qh[4], qs[16]
 
 
 @triton.jit
-def _q8_0(bp, jj, m):  # d, qs[32]
-    return _i8(bp + 2 + jj, m).to(tl.float32) * _f16(bp, m)
-
-
-@triton.jit
 def _mxfp4(bp, jj, m):  # e (E8M0), qs[16]: e2m1 values doubled, times 2^(e-128)
     e = _u8(bp, m)
     nib = _nibble32(bp + 1, jj, m)
@@ -120,13 +115,6 @@ def _k_scale_min(sp, s, m):
 
 
 @triton.jit
-def _q4_k(bp, j, m):  # d, dmin, scales[12], qs[128]
-    q = (_u8(bp + 16 + (j // 64) * 32 + j % 32, m) >> (((j // 32) % 2) * 4)) & 0xF
-    sc, mn = _k_scale_min(bp + 4, j // 32, m)
-    return (_f16(bp, m) * sc.to(tl.float32)) * q.to(tl.float32) - _f16(bp + 2, m) * mn.to(tl.float32)
-
-
-@triton.jit
 def _q5_k(bp, j, m):  # d, dmin, scales[12], qh[32], qs[128]
     low = (_u8(bp + 48 + (j // 64) * 32 + j % 32, m) >> (((j // 32) % 2) * 4)) & 0xF
     q = low | (((_u8(bp + 16 + j % 32, m) >> (j // 32)) & 1) << 4)
@@ -141,6 +129,40 @@ def _q6_k(bp, j, m):  # ql[128], qh[64], scales[16] (int8), d
     high = (_u8(bp + 128 + (j // 128) * 32 + r % 32, m) >> ((r // 32) * 2)) & 3
     q = (low | (high << 4)) - 32
     return (_f16(bp + 208, m) * _i8(bp + 192 + j // 16, m).to(tl.float32)) * q.to(tl.float32)
+
+
+@triton.jit
+def _q8_0_rows(rowp, c, m, BN: tl.constexpr):
+    """Q8_0, eight blocks at once as [BN, 8, 32]: one scale load per block, the 32 quants of a
+    block contiguous (the per-value form loads the scale 32 times)."""
+    b = tl.arange(0, 8)[None, :, None]
+    jj = tl.arange(0, 32)[None, None, :]
+    bp = rowp[:, :, None] + (c * 8 + b) * 34  # [BN, 8, 1]
+    m3 = tl.reshape(m, (BN, 8, 32))
+    mb = tl.reshape(tl.max(m3.to(tl.int32), axis=2), (BN, 8, 1)) > 0
+    d = _f16(bp, mb)
+    q = _i8(bp + 2 + jj, m3).to(tl.float32)
+    return tl.reshape(q * d, (BN, 256))
+
+
+@triton.jit
+def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
+    """Q4_K as [BN, 4, 2, 32] (32-byte group, low/high nibble, byte): each quant byte loaded once
+    for its two values, scales once per sub-block, d and dmin once per row."""
+    bp = rowp + c * 144  # [BN, 1]
+    mr = tl.reshape(tl.max(m.to(tl.int32), axis=1), (BN, 1)) > 0  # the row's mask (a K-quant row ends at a chunk)
+    s8 = tl.arange(0, 8)[None, :]
+    sc, mn = _k_scale_min(bp + 4, s8, mr)  # [BN, 8], sub-block s = 2 * group + nibble
+    d = _f16(bp, mr)
+    dmin = _f16(bp + 2, mr)
+    scale = tl.reshape(d * sc.to(tl.float32), (BN, 4, 2, 1))
+    offset = tl.reshape(dmin * mn.to(tl.float32), (BN, 4, 2, 1))
+    g = tl.arange(0, 4)[None, :, None, None]
+    h = tl.arange(0, 2)[None, None, :, None]
+    l = tl.arange(0, 32)[None, None, None, :]
+    byte = _u8(bp[:, :, None, None] + 16 + g * 32 + l, mr[:, :, None, None])  # [BN, 4, 1, 32]
+    q = (byte >> (h * 4)) & 0xF  # [BN, 4, 2, 32]
+    return tl.reshape(scale * q.to(tl.float32) - offset, (BN, 256))
 
 
 @triton.jit
@@ -161,7 +183,7 @@ def chunk(QT: tl.constexpr, rowp, c, j, m):
     elif QT == Q5_1:
         w = _q5_1(rowp + (c * 8 + j // 32) * 24, j % 32, m)
     elif QT == Q8_0:
-        w = _q8_0(rowp + (c * 8 + j // 32) * 34, j % 32, m)
+        w = _q8_0_rows(rowp, c, m, rowp.shape[0])
     elif QT == MXFP4:
         w = _mxfp4(rowp + (c * 8 + j // 32) * 17, j % 32, m)
     elif QT == Q2_K:
@@ -169,7 +191,7 @@ def chunk(QT: tl.constexpr, rowp, c, j, m):
     elif QT == Q3_K:
         w = _q3_k(rowp + c * 110, j, m)
     elif QT == Q4_K:
-        w = _q4_k(rowp + c * 144, j, m)
+        w = _q4_k_rows(rowp, c, m, rowp.shape[0])
     elif QT == Q5_K:
         w = _q5_k(rowp + c * 176, j, m)
     else:

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Where a resident decode step's time goes: the kernel launches per step, the GPU's busy time
+against the wall time, and the share of GPU time per class of kernel (the fused Triton kernels,
+torch's elementwise ops, reductions, copies, cuBLAS, attention), from torch.profiler over a few
+decode steps after a warm-up. Prints a table, then one JSON line.
+  python3 bench/profile_decode.py MODEL.gguf [--steps 8] [--prompt 32]
+(synthesize one with `expertpack synth --preset qwen3-30b-a3b --layers 12 -o MODEL.gguf`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from expertpack.worker.engine import Engine
+
+CLASSES = [  # (class, substrings of kernel names), first match wins
+    ("fused expert gate+up", ("_gate_up_kernel",)),
+    ("fused expert down", ("_down_kernel",)),
+    ("fused matvec (trunk)", ("_matvec_kernel",)),
+    ("dequantize (prefill, rows)", ("_dequant_kernel",)),
+    ("cuBLAS / matmul", ("gemm", "gemv", "sgemm", "cublas", "cutlass", "xmma")),
+    ("softmax / topk / sort", ("softmax", "topk", "sort", "radix", "bitonic")),
+    ("reductions", ("reduce",)),
+    ("copies / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+]
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    for label, needles in CLASSES:
+        if any(n.lower() in low for n in needles):
+            return label
+    return "other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path, help="a GGUF (or pack directory)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps profiled")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
+    args = p.parse_args(argv)
+    engine = Engine.load(args.model, device="cuda", resident_experts=True)
+    n_vocab = engine.forward([1], engine.new_cache()).shape[-1]
+    rng = random.Random(0)
+    cache = engine.new_cache()
+    engine.forward(rng.choices(range(n_vocab), k=args.prompt), cache)
+    for _ in range(3):  # warm-up: compilation, allocator
+        engine.forward([rng.randrange(n_vocab)], cache)
+    torch.cuda.synchronize()
+    feed = rng.choices(range(n_vocab), k=args.steps)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for token in feed:
+            int(engine.forward([token], cache)[-1].argmax())
+        torch.cuda.synchronize()
+        wall_s = (time.perf_counter() - t0) / args.steps
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_class: Counter[str] = Counter()
+    launches: Counter[str] = Counter()
+    for e in kernels:
+        by_class[classify(e.name)] += e.device_time
+        launches[classify(e.name)] += 1
+    busy_us = sum(by_class.values()) / args.steps
+    print(f"model {args.model.name}: {len(kernels) / args.steps:.0f} kernel launches per decode step, "
+          f"GPU busy {busy_us / 1000:.2f} ms of a {wall_s * 1000:.2f} ms step ({1 / wall_s:.1f} tok/s)")
+    print(f"{'class':32s} {'launches/step':>14s} {'GPU ms/step':>12s} {'share':>7s}")
+    for label, us in by_class.most_common():
+        print(f"{label:32s} {launches[label] / args.steps:14.0f} {us / args.steps / 1000:12.3f} "
+              f"{us / max(1e-9, sum(by_class.values())):7.1%}")
+    top = Counter()
+    for e in kernels:
+        top[e.name[:60]] += e.device_time
+    print("top kernels:", "; ".join(f"{n} {us / args.steps / 1000:.3f} ms" for n, us in top.most_common(6)))
+    print(json.dumps({"bench": "profile_decode", "model": args.model.name, "steps": args.steps,
+                      "launches_per_step": len(kernels) / args.steps, "gpu_busy_ms": busy_us / 1000,
+                      "wall_ms": wall_s * 1000, "gpu": torch.cuda.get_device_name(),
+                      "classes": {k: {"launches": launches[k] / args.steps, "ms": v / args.steps / 1000}
+                                  for k, v in by_class.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
