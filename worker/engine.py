@@ -3,7 +3,8 @@ time, greedy or sampled. No HTTP, no daemon: the expert source decides where exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,6 +15,12 @@ from .expert_cache import ExpertCache
 from .model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .models import model_module
 from .sampling import Sampler
+from .weights import use_kernels
+
+
+log = logging.getLogger("expert-worker")
+
+MIN_STATIC_CAPACITY = 512  # positions a GPU decode step's KV cache is reserved for, at least
 
 
 @dataclass
@@ -21,6 +28,8 @@ class Engine:
     model: object
     files: ModelFiles
     device: torch.device
+    graphs: bool = True  # capture resident decode steps as CUDA graphs where the model allows it
+    _graph: "DecodeGraph | None" = field(default=None, repr=False)
 
     @classmethod
     def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False,
@@ -69,8 +78,35 @@ class Engine:
     @torch.inference_mode()
     def forward(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
         """Logits [len(tokens), n_vocab] (float32) after each token, continuing the cache."""
+        if len(tokens) == 1 and cache.length and use_kernels(self.device) and getattr(self.model, "static_decode", False):
+            return self._static_step(tokens[0], cache)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         return self.model.forward(ids, cache).to(torch.float32)
+
+    def _static_step(self, token: int, cache: KVCache) -> torch.Tensor:
+        """A decode step on the GPU with the same shapes at every position: the KV cache reserved
+        ahead and attended whole, masked by position. With every expert resident the step is a
+        CUDA graph, replayed; with the expert cache (a host sync per layer for its misses, which a
+        graph cannot hold) the same operations run eagerly, so both give the same bits."""
+        if cache.capacity <= cache.length or cache.capacity < MIN_STATIC_CAPACITY:
+            cache.reserve(max(MIN_STATIC_CAPACITY, 1 << (cache.length + 1).bit_length()))
+        if (self.graphs and self.device.type == "cuda" and isinstance(self.files.experts, ResidentExperts)
+                and self.model.moe.routing_log is None):
+            if self._graph is None or self._graph.cache is not cache or self._graph.capacity != cache.capacity:
+                self._graph = None  # its memory goes back before the next one is captured
+                try:
+                    self._graph = DecodeGraph(self.model, cache, self.device)
+                except RuntimeError as exc:  # an operation CUDA cannot capture: the same step, eagerly
+                    log.warning("decode step not captured as a CUDA graph (%s); running it eagerly", exc)
+                    self.graphs = False
+            if self._graph is not None:
+                return self._graph.step(token)
+        cache.step_positions = torch.full((1,), cache.length, dtype=torch.int64, device=self.device)
+        try:
+            return self.model.forward(torch.full((1,), token, dtype=torch.int64, device=self.device),
+                                      cache).to(torch.float32)
+        finally:
+            cache.step_positions = None
 
     def generate(self, prompt: list[int], n: int, sampler: Sampler, cache: KVCache | None = None,
                  stop: set[int] = frozenset()) -> tuple[list[int], torch.Tensor]:
@@ -86,3 +122,39 @@ class Engine:
                 break
             logits = self.forward([token], cache)
         return out, prompt_logits
+
+
+class DecodeGraph:
+    """One model's decode step captured as a CUDA graph over one KV cache (its buffers reserved
+    ahead: `capacity` positions), replayed per token: the token and its position are written into
+    static device buffers and the step runs as one launch instead of hundreds from Python. Captured
+    after a warm-up on a side stream (kernels compile, vectors are made), as torch.cuda.graph asks."""
+
+    def __init__(self, model: object, cache: KVCache, device: torch.device) -> None:
+        self.model, self.cache = model, cache
+        self.capacity = cache.capacity
+        self.token = torch.zeros(1, dtype=torch.int64, device=device)
+        self.position = torch.full((1,), cache.length, dtype=torch.int64, device=device)
+        length = cache.length
+        cache.step_positions = self.position
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # writes the next position's keys, which the first replay overwrites
+                    model.forward(self.token, cache)
+                    cache.length = length
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = model.forward(self.token, cache).to(torch.float32)
+        finally:
+            cache.step_positions = None
+            cache.length = length
+
+    def step(self, token: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.position.fill_(self.cache.length)
+        self.graph.replay()
+        self.cache.length += 1
+        return self.logits.clone()

@@ -10,10 +10,14 @@ from enum import Enum
 
 import torch
 
-from .weights import linear
+from .weights import linear, use_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if use_kernels(x.device) and x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        from .kernels.pointwise_tl import rms_norm as fused_rms_norm
+
+        return fused_rms_norm(x, weight, eps)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
 
@@ -35,6 +39,7 @@ class Rope:
     beta_slow: float = 1.0
     truncate: bool = True  # round the YaRN correction range to whole dimensions (gpt-oss does not)
     mscale: float = 1.0  # multiplies cos and sin (YaRN's attention factor)
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)  # device -> (cos, sin) [N, dim/2]
 
     def inv_freq(self) -> torch.Tensor:
         """transformers' formulas, operation for operation (the reference logits come from them)."""
@@ -63,8 +68,23 @@ class Rope:
         freqs = positions.cpu().to(torch.float32)[:, None] * self.inv_freq()[None, :]  # [T, dim/2]
         return (freqs.cos() * self.mscale).to(device), (freqs.sin() * self.mscale).to(device)
 
+    def at(self, positions: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, dim/2] of `positions` (on the device, < upto) looked up in a table made once
+        on the CPU with cos_sin's arithmetic (so the same values) and kept on the device: no host
+        work per step, which a captured decode step needs."""
+        device = positions.device
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < upto:
+            size = max(upto, 2 * table[0].shape[0] if table is not None else 1024)
+            table = self._tables[device] = self.cos_sin(torch.arange(size), device)
+        return table[0][positions], table[1][positions]
+
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, d]: rotates the first `dim` channels (cos/sin [T, dim/2])."""
+        if use_kernels(x.device) and x.dtype == torch.float32 and x.dim() == 3 and cos.shape[0] == x.shape[0]:
+            from .kernels.pointwise_tl import rope
+
+            return rope(x, cos, sin, self.dim, self.style is RopeStyle.NEOX)
         rot, rest = x[..., :self.dim], x[..., self.dim:]
         c, s = cos[:, None, :], sin[:, None, :]
         if self.style is RopeStyle.NEOX:
@@ -78,24 +98,69 @@ class Rope:
 
 @dataclass
 class KVCache:
-    """Keys and values of every layer for the tokens seen so far; grows with prefill and decode."""
+    """Keys and values of every layer, in buffers allocated ahead (zeros, grown by doubling) and
+    written at the tokens' positions. Eager passes see the first `length + T` rows. A captured
+    decode step (engine.DecodeGraph) sets `step_positions`, a device tensor holding the position of
+    its token: it then writes there and attends over the whole buffer, masked by position, so the
+    step has the same shapes at every position."""
 
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [S, Hkv, d]
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [capacity, Hkv, d]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     length: int = 0  # tokens before the current forward pass
     state: dict[int, object] = field(default_factory=dict)  # layer -> an architecture's own cache (compressors)
+    step_positions: torch.Tensor | None = None
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """Positions [T] of the tokens of this pass, on the device."""
+        if self.step_positions is not None:
+            return self.step_positions
+        return torch.arange(self.length, self.length + t, device=device)
+
+    def bound(self, t: int) -> int:
+        """An upper bound on the positions of this pass (tables sized by it)."""
+        return self.capacity if self.step_positions is not None else self.length + t
+
+    @property
+    def capacity(self) -> int:
+        return min((k.shape[0] for k in self.keys.values()), default=0)
+
+    def reserve(self, capacity: int) -> None:
+        """Grows every layer's buffers to hold `capacity` positions."""
+        for layer in self.keys:
+            self.keys[layer] = _grown(self.keys[layer], capacity)
+            self.values[layer] = _grown(self.values[layer], capacity)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer in self.keys:
-            k = torch.cat([self.keys[layer], k])
-            v = torch.cat([self.values[layer], v])
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+        """Writes k/v [T, Hkv, d] at this pass's positions; returns the keys and values to attend."""
+        if self.step_positions is not None:
+            keys, values = self.keys[layer], self.values[layer]
+            keys.index_copy_(0, self.step_positions, k)
+            values.index_copy_(0, self.step_positions, v)
+            return keys, values
+        end = self.length + k.shape[0]
+        if layer not in self.keys:
+            self.keys[layer] = k.new_zeros((max(end, 256), *k.shape[1:]))
+            self.values[layer] = v.new_zeros((max(end, 256), *v.shape[1:]))
+        elif self.keys[layer].shape[0] < end:
+            size = max(end, 2 * self.keys[layer].shape[0])
+            self.keys[layer], self.values[layer] = _grown(self.keys[layer], size), _grown(self.values[layer], size)
+        self.keys[layer][self.length:end] = k
+        self.values[layer][self.length:end] = v
+        return self.keys[layer][:end], self.values[layer][:end]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+def _grown(buffer: torch.Tensor, size: int) -> torch.Tensor:
+    if buffer.shape[0] >= size:
+        return buffer
+    out = buffer.new_zeros((size, *buffer.shape[1:]))
+    out[:buffer.shape[0]] = buffer
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor, scale: float,
               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of queries at positions start.. over keys at 0..S-1.
+    """Causal attention of queries at positions start.. (or at the positions [T] given on the
+    device) over keys at 0..S-1.
     q [T, H, d], k [S, Hkv, d], v [S, Hkv, dv] -> [T, H, dv]. `window`: a query sees the last
     `window` positions only (itself included). `sinks` [H]: a learned logit per head that joins
     the softmax and takes probability mass without contributing a value."""
@@ -105,7 +170,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
         k = k.repeat_interleave(h // hkv, dim=1)
         v = v.repeat_interleave(h // hkv, dim=1)
     scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
-    qpos = torch.arange(start, start + t, device=q.device)[:, None]
+    qpos = (start if isinstance(start, torch.Tensor) else torch.arange(start, start + t, device=q.device))[:, None]
     kpos = torch.arange(s, device=q.device)[None, :]
     allowed = kpos <= qpos
     if window is not None:
@@ -137,5 +202,5 @@ def gqa_attention(w: dict, p: str, h: torch.Tensor, layer: int, cache: KVCache, 
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     k, v = cache.append(layer, k, v)
     sinks = w[f"{p}attn_sinks.weight"].dequant() if f"{p}attn_sinks.weight" in w else None
-    o = attention(q, k, v, cache.length, head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
+    o = attention(q, k, v, cache.positions(t, q.device), head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
     return linear(o, w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))

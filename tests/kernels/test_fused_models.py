@@ -17,6 +17,8 @@ MODELS = [  # one of each expert activation and weight family the fixtures hold
     "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",  # SwiGLU, Q4_K/Q6_K, GQA with q/k norms
     pytest.param("gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf", marks=pytest.mark.slow),  # clamped SwiGLU, biases, MXFP4
     pytest.param("gguf/deepseek3-a/deepseek3-a.Q2_K.gguf", marks=pytest.mark.slow),  # MLA, shared experts, Q2_K/Q3_K
+    pytest.param("flagship/deepseek4/dsv4-tiny.Q2_K.gguf", marks=pytest.mark.slow),  # clamped SwiGLU per layer, mHC
+    pytest.param("flagship/kimi-k3/k3-tiny.Q2_K.gguf", marks=pytest.mark.slow),  # situ, latent MoE, KDA
 ]
 TOKENS = [1, 5, 9, 200, 33]
 

@@ -78,6 +78,8 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.
 
 
 class Model:
+    static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
+
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.nope = a.key_mla - a.rope_dim
@@ -100,7 +102,7 @@ class Model:
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(t, a.n_head, a.rope_dim)], dim=-1)
         key, value = cache.append(i, key, value)
-        o = attention(query, key, value, cache.length, self.scale).reshape(t, -1)
+        o = attention(query, key, value, cache.positions(t, query.device), self.scale).reshape(t, -1)
         return linear(o, w[p + "attn_output.weight"])
 
     def ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -123,7 +125,7 @@ class Model:
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, t = self.args, self.w, len(tokens)
         x = w["token_embd.weight"].rows(tokens)
-        cos, sin = self.rope.cos_sin(torch.arange(cache.length, cache.length + t), self.device)
+        cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
         for i in range(a.n_layer):
             p = f"blk.{i}."
             x = x + self.attention(i, rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps), cos, sin, cache)

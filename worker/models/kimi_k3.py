@@ -94,7 +94,7 @@ class Model:
         k_nope, k_pe, value = mla_keys_values(w, p, h, a.kv_lora, a.eps)
         k_pe = k_pe.expand(t, a.n_head, a.rope_dim)  # shared by the heads, never rotated
         key, value = cache.append(i, torch.cat([k_nope, k_pe], dim=-1), value)
-        o = attention(q, key, value, cache.length, a.key_mla ** -0.5).reshape(t, -1)
+        o = attention(q, key, value, cache.positions(t, q.device), a.key_mla ** -0.5).reshape(t, -1)
         o = o * torch.sigmoid(linear(h, w[p + "attn_gate.weight"]))  # the output gate reads the normed input
         return linear(o, w[p + "attn_output.weight"])
 

@@ -41,6 +41,8 @@ KEYS = {
 
 
 class Model:
+    static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
+
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.head_dim = a.n_embd // a.n_head
@@ -52,7 +54,7 @@ class Model:
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, hd, t = self.args, self.w, self.head_dim, len(tokens)
         x = w["token_embd.weight"].rows(tokens)
-        cos, sin = self.rope.cos_sin(torch.arange(cache.length, cache.length + t), self.device)
+        cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
         for i in range(a.n_layer):
             p = f"blk.{i}."
             h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)

@@ -41,6 +41,8 @@ KEYS = {
 
 
 class Model:
+    static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
+
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         self.args = read_args(Args, files.arch, files.metadata, KEYS)
         self.w = {name: t.to(device) for name, t in files.trunk.items()}
@@ -52,7 +54,7 @@ class Model:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
         a, w = self.args, self.w
         x = w["token_embd.weight"].rows(tokens)  # [T, D]
-        cos, sin = self.rope.cos_sin(torch.arange(cache.length, cache.length + len(tokens)), self.device)
+        cos, sin = self.rope.at(cache.positions(len(tokens), self.device), cache.bound(len(tokens)))
         for i in range(a.n_layer):
             p = f"blk.{i}."
             h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
