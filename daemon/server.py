@@ -5,7 +5,11 @@ get one of the client's leased slots each; reads land in the slot; READY names t
 A client that disconnects or stops answering ZMTP heartbeats loses its leases: the socket monitor
 reports the connection's fd, and every message's source fd (ZMQ_SRCFD) says whose it was; the
 monitor is drained before each message is handled, so an fd reused by a new connection is never
-mistaken for the old one. A message that fails validation gets ERROR and changes nothing."""
+mistaken for the old one. A message that fails validation gets ERROR and changes nothing.
+A session belongs to the connection that said HELLO. A peer that connects with a routing id
+already in use takes it over (ROUTER_HANDOVER: libzmq otherwise keeps every such ignored
+connection's pipes, ~20 kB each, for the life of the socket); the session of the connection it
+took over ends then, so it never inherits that session's slots, and must say HELLO itself."""
 
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ class Request:
 @dataclass(eq=False)
 class Session:
     identity: bytes
+    fd: int  # the connection that said HELLO; the session is that connection's alone
     name: str
     slots: list[int]
     free: deque[int]
@@ -117,6 +122,7 @@ class ExpertDaemon:
         try:
             sock.setsockopt(zmq.LINGER, 500)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # see the module docstring
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.RCVHWM, 10000)
             # Up to 4x the protocol's limit arrives and gets ERROR TOO_LARGE; beyond, zmq drops the peer.
@@ -206,7 +212,11 @@ class ExpertDaemon:
                 return
             self._drain_monitor()  # disconnects that happened before this message come first
             identity = frames[0].bytes
-            self._fd_peer[frames[-1].get(zmq.SRCFD)] = identity
+            fd = frames[-1].get(zmq.SRCFD)
+            self._fd_peer[fd] = identity
+            session = self.sessions.get(identity)
+            if session is not None and session.fd != fd:
+                self._drop(identity, "lost its routing id to another connection")
             if len(frames) != 2:
                 self._error(identity, p.ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames) - 1}")
                 continue
@@ -215,15 +225,15 @@ class ExpertDaemon:
             except p.ProtocolError as exc:
                 self._error(identity, exc.code, exc.message)
                 continue
-            self._handle(identity, msg)
+            self._handle(identity, msg, fd)
 
-    def _handle(self, identity: bytes, msg: p.Message) -> None:
+    def _handle(self, identity: bytes, msg: p.Message, fd: int = -1) -> None:
         if isinstance(msg, p.Ping):
             self._send(identity, p.Pong())
         elif isinstance(msg, p.Stats):
             self._send(identity, p.StatsReply(self.stats()))
         elif isinstance(msg, p.Hello):
-            self._hello(identity, msg)
+            self._hello(identity, msg, fd)
         elif identity not in self.sessions:
             if identity in self._gone and isinstance(msg, (p.Release, p.Cancel)):
                 log.debug("%s from %r after its connection closed: nothing to do", msg.op.name, identity)
@@ -239,7 +249,7 @@ class ExpertDaemon:
             self._error(identity, p.ErrorCode.UNKNOWN_OP, f"{msg.op.name} is sent by the daemon, not to it")
 
     # ---- requests ----------------------------------------------------------------------------
-    def _hello(self, identity: bytes, msg: p.Hello) -> None:
+    def _hello(self, identity: bytes, msg: p.Hello, fd: int) -> None:
         if msg.version != p.PROTOCOL_VERSION:
             self._error(identity, p.ErrorCode.VERSION,
                         f"client speaks protocol {msg.version}, this expertd speaks {p.PROTOCOL_VERSION}")
@@ -261,7 +271,7 @@ class ExpertDaemon:
                         f"all {self.config.stage_slots} staging slots are leased to {len(self.sessions)} clients; "
                         "raise stage_slots or lower client_slots")
             return
-        self.sessions[identity] = Session(identity, msg.client, slots, deque(slots))
+        self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots))
         self.counters.clients_total += 1
         log.info("client %r connected: %d slots", msg.client, len(slots))
         m = self.manifest
@@ -424,8 +434,12 @@ class ExpertDaemon:
         """Connection events: a closed connection (process gone, heartbeat timeout) ends its session."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
-            identity = self._fd_peer.pop(int(event["value"]), None)
-            if event["event"] == zmq.EVENT_DISCONNECTED and identity is not None:
+            fd = int(event["value"])
+            identity = self._fd_peer.pop(fd, None)
+            session = self.sessions.get(identity) if identity is not None else None
+            # Only the connection that said HELLO ends its session (a connection that lost the
+            # routing id to another one closes after that one has taken it).
+            if event["event"] == zmq.EVENT_DISCONNECTED and session is not None and session.fd == fd:
                 self._drop(identity, "disconnected")
 
     def _drop(self, identity: bytes, why: str) -> None:

@@ -137,3 +137,59 @@ def test_a_message_of_several_frames_is_refused(daemon: Daemon) -> None:
     assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.MALFORMED
     sock.close()
     ctx.term()
+
+
+def test_reconnects_with_a_routing_id_in_use_keep_memory_flat_and_steal_nothing(daemon: Daemon) -> None:
+    """10,000 connections that reuse the routing id of a live client (libzmq kept ~20 kB per such
+    ignored connection: +200 MB here). The daemon's RSS stays flat, a connection that takes the id
+    over never inherits the session it displaced, and every slot comes back."""
+    import psutil
+
+    def dealer(ctx: zmq.Context) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.ROUTING_ID, b"reused")
+        s.setsockopt(zmq.LINGER, 0)
+        return s
+
+    rss = psutil.Process(daemon.proc.pid).memory_info().rss
+    ctx = zmq.Context()
+    try:
+        victim = dealer(ctx)
+        victim.connect(daemon.endpoint)
+        victim.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "victim")))
+        assert victim.poll(10000) and isinstance(welcome := p.decode(victim.recv()), p.Welcome)
+        for _ in range(10_000):
+            s = dealer(ctx)
+            handshake = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            s.connect(daemon.endpoint)
+            assert handshake.poll(10000), "no ZMTP handshake"  # the daemon has seen the routing id
+            s.disable_monitor()
+            handshake.close(0)
+            s.close(0)
+        with ExpertClient(daemon.endpoint, name="observer") as client:
+            client.stats()  # the daemon has handled everything before this
+        grown = psutil.Process(daemon.proc.pid).memory_info().rss - rss
+        assert grown < 16 << 20, f"RSS grew by {grown / 2**20:.1f} MiB over 10,000 reconnects"
+
+        thief = dealer(ctx)
+        thief.connect(daemon.endpoint)
+        thief.send(p.encode(p.Fetch(1, (p.ExpertKey(0, 0),))))  # in the victim's name, without a HELLO
+        assert thief.poll(10000)
+        reply = p.decode(thief.recv())
+        assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.NO_SESSION, reply
+        thief.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "thief")))  # it may have a session of its own
+        assert thief.poll(10000) and isinstance(p.decode(thief.recv()), p.Welcome)
+        thief.close(0)
+        victim.close(0)
+    finally:
+        ctx.destroy(linger=0)  # closes what a failed assertion left open; term() alone would hang
+    stats = None
+    with ExpertClient(daemon.endpoint, name="after") as client:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            stats = client.stats()
+            if stats["slots"]["unleased"] == stats["slots"]["total"] - 8:
+                break
+            time.sleep(0.05)
+    assert stats["slots"]["unleased"] == stats["slots"]["total"] - 8 and stats["slots"]["leased"] == 0
+    assert [c["name"] for c in stats["clients"]] == ["after"]
