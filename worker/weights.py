@@ -63,6 +63,11 @@ class QTensor:
             values = self._vector.get("f32")
             if values is None:
                 values = self._vector["f32"] = dequantize(self.raw, self.ggml_type, self.shape)
+        elif use_kernels(self.raw.device):  # one launch, and nothing a CUDA graph cannot capture
+            from .kernels.linear_tl import dequantize as decode
+
+            values = decode(self.raw, int(self.ggml_type), self.shape[0], math.prod(self.shape[1:]))
+            values = values.reshape(tuple(reversed(self.shape)))
         else:
             values = dequantize(self.raw, self.ggml_type, self.shape)
         return values if dtype is torch.float32 else values.to(dtype)

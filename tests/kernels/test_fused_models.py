@@ -1,6 +1,7 @@
 """The fast path wired into whole models: every linear and every MoE layer through the Triton
 kernels (here under Triton's interpreter, on CUDA in tests/gpu) gives the logits of the torch path
-on real llama.cpp files, through prefill and decode steps of the KV cache, within float32 rounding
+on real llama.cpp files, through a prefill (experts grouped by expert) and decode steps (static
+shapes, per pair), within float32 rounding
 (the kernels sum in another order); the reference logits' std is ~1."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ MODELS = [  # one of each expert activation and weight family the fixtures hold
     pytest.param("flagship/deepseek4/dsv4-tiny.Q2_K.gguf", marks=pytest.mark.slow),  # clamped SwiGLU per layer, mHC
     pytest.param("flagship/kimi-k3/k3-tiny.Q2_K.gguf", marks=pytest.mark.slow),  # situ, latent MoE, KDA
 ]
-TOKENS = [1, 5, 9, 200, 33]
+TOKENS = [1, 5, 9, 200, 33, 17, 4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19, 250]  # prefill grouped by expert
 
 
 @pytest.mark.parametrize("path", MODELS)
@@ -29,7 +30,7 @@ def test_kernels_give_the_torch_paths_logits(path: str) -> None:
     want = engine.forward(TOKENS, engine.new_cache())
     with kernels_on_cpu():
         cache = engine.new_cache()
-        got = torch.cat([engine.forward(TOKENS[:3], cache), engine.forward(TOKENS[3:4], cache),
-                         engine.forward(TOKENS[4:], cache)])
+        got = torch.cat([engine.forward(TOKENS[:16], cache), engine.forward(TOKENS[16:17], cache),
+                         engine.forward(TOKENS[17:], cache)])
     err = (got - want).abs().max().item()
     assert err < 1e-4, f"{path}: max |diff| {err:.2e} (mean {(got - want).abs().mean().item():.2e})"

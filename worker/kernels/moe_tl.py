@@ -134,3 +134,102 @@ def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
         QD=roles.down.ggml_type, HAS_BIAS=roles.down_bias is not None, HAS_PAIRS=pairs is not None,
         BN=BN, CH=CHUNK, num_warps=4)
     return out
+
+
+# ---- many tokens (prefill): the pairs sorted by expert, tiles of BM pairs of one expert ------------
+BM = 32  # pairs per tile: each weight tile is decoded once for this many tokens
+GROUPED_MIN_PAIRS = 64  # from this many (token, slot) pairs on, the grouped kernels run
+
+
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, pool_ptr, off_ptr, order_ptr, tile_ptr, act_ptr,
+                            gate_off, up_off, gate_rb, up_rb, gate_b, up_b, F, K, k_top,
+                            limit, alpha, beta, linear_beta,
+                            QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
+    """act[p, n] for the pairs p of one tile (tile = [first sorted index, count]); grid (F/BN, tiles)."""
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    first = tl.load(tile_ptr + 2 * tile)
+    count = tl.load(tile_ptr + 2 * tile + 1)
+    i = tl.arange(0, BM)
+    pm = i < count
+    p = tl.load(order_ptr + first + i, mask=pm, other=0).to(tl.int64)  # [BM] pairs, one expert
+    t = p // k_top
+    base = pool_ptr + tl.load(off_ptr + tl.load(order_ptr + first).to(tl.int64))
+    n = pid_n * BN + tl.arange(0, BN)
+    j = tl.arange(0, CH)
+    rows = n.to(tl.int64)[:, None]
+    grow = base + gate_off + rows * gate_rb
+    urow = base + up_off + rows * up_rb
+    acc_g = tl.zeros([BM, BN], tl.float32)
+    acc_u = tl.zeros([BM, BN], tl.float32)
+    for c in range(0, tl.cdiv(K, CH)):
+        k = c * CH + j
+        m = (n < F)[:, None] & (k < K)[None, :]
+        xt = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=pm[:, None] & (k < K)[None, :], other=0.0)
+        acc_g += tl.dot(xt, tl.trans(chunk(QG, grow, c, j[None, :], m)), input_precision="ieee")
+        acc_u += tl.dot(xt, tl.trans(chunk(QU, urow, c, j[None, :], m)), input_precision="ieee")
+    if HAS_BIAS:
+        acc_g += tl.load((base + gate_b).to(tl.pointer_type(tl.float32)) + n, mask=n < F, other=0.0)[None, :]
+        acc_u += tl.load((base + up_b).to(tl.pointer_type(tl.float32)) + n, mask=n < F, other=0.0)[None, :]
+    a = _act(acc_g, acc_u, limit, alpha, beta, linear_beta, ACT)
+    tl.store(act_ptr + p[:, None] * F + n[None, :], a, mask=pm[:, None] & (n < F)[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(act_ptr, pool_ptr, off_ptr, order_ptr, tile_ptr, w_ptr, y_ptr, down_off, down_rb,
+                         down_b, D, F, QD: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, CH: tl.constexpr):
+    """y[p, n] = weight[p] * (down[n] . act[p] + bias[n]) for the pairs of one tile; grid (D/BN, tiles)."""
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    first = tl.load(tile_ptr + 2 * tile)
+    count = tl.load(tile_ptr + 2 * tile + 1)
+    i = tl.arange(0, BM)
+    pm = i < count
+    p = tl.load(order_ptr + first + i, mask=pm, other=0).to(tl.int64)
+    base = pool_ptr + tl.load(off_ptr + tl.load(order_ptr + first).to(tl.int64))
+    n = pid_n * BN + tl.arange(0, BN)
+    j = tl.arange(0, CH)
+    drow = base + down_off + n.to(tl.int64)[:, None] * down_rb
+    acc = tl.zeros([BM, BN], tl.float32)
+    for c in range(0, tl.cdiv(F, CH)):
+        k = c * CH + j
+        m = (n < D)[:, None] & (k < F)[None, :]
+        at = tl.load(act_ptr + p[:, None] * F + k[None, :], mask=pm[:, None] & (k < F)[None, :], other=0.0)
+        acc += tl.dot(at, tl.trans(chunk(QD, drow, c, j[None, :], m)), input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load((base + down_b).to(tl.pointer_type(tl.float32)) + n, mask=n < D, other=0.0)[None, :]
+    acc = acc * tl.load(w_ptr + p, mask=pm, other=0.0)[:, None]
+    tl.store(y_ptr + p[:, None] * D + n[None, :], acc, mask=pm[:, None] & (n < D)[None, :])
+
+
+def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+                    roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """experts_per_pair's result for many pairs: the pairs sorted by where their expert sits, and
+    each weight tile decoded once per BM pairs of its expert. One host sync (the tile list)."""
+    k_top = offsets.shape[0] // x.shape[0]
+    f, d = roles.gate.n, roles.down.n
+    chosen = pairs.to(torch.int64) if pairs is not None else torch.arange(offsets.shape[0], device=x.device)
+    keys, order = torch.sort(offsets[chosen], stable=True)
+    order = chosen[order].to(torch.int32)  # pairs, grouped by expert
+    starts = torch.ones_like(keys, dtype=torch.bool)
+    starts[1:] = keys[1:] != keys[:-1]
+    bounds = starts.nonzero().flatten().tolist() + [keys.shape[0]]
+    tiles = [(s, min(BM, e - s)) for a, e in zip(bounds, bounds[1:]) for s in range(a, e, BM)]
+    tile_table = torch.tensor(tiles, dtype=torch.int32).to(x.device)
+    act_buf = torch.empty((offsets.shape[0], f), dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty((offsets.shape[0], d), dtype=torch.float32, device=x.device)
+    _grouped_gate_up_kernel[(triton.cdiv(f, BN), len(tiles))](
+        x, pool, offsets, order, tile_table, act_buf,
+        roles.gate.offset, roles.up.offset, roles.gate.row_bytes, roles.up.row_bytes,
+        roles.gate_bias or 0, roles.up_bias or 0, f, roles.gate.k, k_top,
+        act.limit, act.alpha, act.beta, act.linear_beta,
+        QG=roles.gate.ggml_type, QU=roles.up.ggml_type, ACT=int(act.kind), HAS_BIAS=roles.gate_bias is not None,
+        BM=BM, BN=BN, CH=CHUNK, num_warps=4)
+    _grouped_down_kernel[(triton.cdiv(d, BN), len(tiles))](
+        act_buf, pool, offsets, order, tile_table, weights, out, roles.down.offset, roles.down.row_bytes,
+        roles.down_bias or 0, d, f, QD=roles.down.ggml_type, HAS_BIAS=roles.down_bias is not None,
+        BM=BM, BN=BN, CH=CHUNK, num_warps=4)
+    return out

@@ -109,7 +109,7 @@ class Model:
         a, w, p = self.args, self.w, f"blk.{i}."
         if i < a.n_dense:
             return swiglu(h, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
-        logits = h.to(torch.float32) @ w[p + "ffn_gate_inp.weight"].dequant().T
+        logits = linear(h.to(torch.float32), w[p + "ffn_gate_inp.weight"])
         if a.gating == GATING_SIGMOID:
             ids, weights = sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used,
                                               a.n_group, a.topk_group, a.weights_norm, a.weights_scale)

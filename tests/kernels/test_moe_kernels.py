@@ -1,0 +1,102 @@
+"""All the experts a layer selected in two launches, per (token, slot) pair for decode and grouped
+by expert for prefill, against a float64 torch reference of the same experts (gate/up/down from
+dequantized blocks), for each activation, with and without biases and a fused gate_up; the results
+do not depend on where the blocks sit, nor on which pairs a launch runs (a cache's waves)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from expertpack.packtools.layout import LayerLayout, RoleLayout
+from expertpack.worker.activation import Activation, ActKind
+from expertpack.worker.expert_roles import expert_roles
+from expertpack.worker.kernels.moe_tl import experts_grouped, experts_per_pair
+from expertpack.worker.quant import dequantize, nbytes_of
+
+from ..worker.test_quant import random_bytes
+
+pytestmark = pytest.mark.slow  # the interpreter: about 25 s a case
+
+D, F, N_EXPERT, K_TOP = 256, 256, 5, 2  # K-quant rows are whole superblocks
+ACTS = [Activation(), Activation(limit=0.5), Activation(ActKind.SWIGLU_OAI, limit=0.7, alpha=1.702),
+        Activation(ActKind.SITU, beta=2.0, linear_beta=3.0)]
+
+
+def layout(gate_type: T, down_type: T, fused: bool, biases: bool) -> LayerLayout:
+    roles, offset = [], 0
+    specs = ([("gate_up", gate_type, (D, 2 * F))] if fused else [("gate", gate_type, (D, F)), ("up", gate_type, (D, F))])
+    specs.append(("down", down_type, (F, D)))
+    if biases:
+        specs += [("gate.bias", T.F32, (F,)), ("up.bias", T.F32, (F,)), ("down.bias", T.F32, (D,))]
+    for role, ggml_type, shape in specs:
+        nbytes = nbytes_of(ggml_type, shape)
+        roles.append(RoleLayout(role, f"blk.0.ffn_{role}", ggml_type.name, shape, offset, nbytes))
+        offset = -(-(offset + nbytes) // 256) * 256
+    return LayerLayout(0, 0, -(-offset // 4096) * 4096, offset, tuple(roles))
+
+
+def pool_of(lay: LayerLayout, seed: int) -> torch.Tensor:
+    pool = torch.zeros(N_EXPERT * lay.stride, dtype=torch.uint8)
+    for e in range(N_EXPERT):
+        for i, r in enumerate(lay.roles):
+            raw = torch.from_numpy(random_bytes(T[r.ggml_type], tuple(r.shape), seed=seed + 10 * e + i, valid=True))
+            pool[e * lay.stride + r.offset: e * lay.stride + r.offset + r.nbytes] = raw
+    return pool
+
+
+def reference(lay: LayerLayout, pool: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+              act: Activation) -> torch.Tensor:
+    out = torch.zeros(ids.numel(), D, dtype=torch.float64)
+    for p, e in enumerate(ids.flatten().tolist()):
+        m = {r.role: dequantize(pool[e * lay.stride + r.offset:][:r.nbytes], T[r.ggml_type], tuple(r.shape)).double()
+             for r in lay.roles}
+        xt = x[p // K_TOP].double()
+        gate, up = (m["gate_up"] @ xt).chunk(2) if "gate_up" in m else (m["gate"] @ xt, m["up"] @ xt)
+        if "gate.bias" in m:
+            gate, up = gate + m["gate.bias"], up + m["up.bias"]
+        y = m["down"] @ act(gate, up) + (m["down.bias"] if "down.bias" in m else 0)
+        out[p] = w.flatten()[p] * y
+    return out
+
+
+CASES = [  # every activation once, every block layout once (the interpreter is slow: few, small cases)
+    (ACTS[0], (T.Q4_K, T.Q6_K), False, False),
+    (ACTS[1], (T.Q8_0, T.Q4_0), True, False),
+    (ACTS[2], (T.MXFP4, T.MXFP4), False, True),
+    (ACTS[3], (T.Q2_K, T.Q3_K), False, False),
+]
+
+
+@pytest.mark.parametrize("act,types,fused,biases", CASES, ids=["swiglu-q4k-q6k", "clamped-q8-fused", "oai-mxfp4-biases",
+                                                            "situ-q2k-q3k"])
+def test_per_pair_and_grouped_equal_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
+                                                  device: torch.device) -> None:
+    lay = layout(*types, fused, biases)
+    roles = expert_roles(lay)
+    pool = pool_of(lay, seed=1)
+    g = torch.Generator().manual_seed(3)
+    n_tokens = 8
+    x = torch.randn(n_tokens, D, generator=g)
+    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
+    w = torch.rand(n_tokens, K_TOP, generator=g)
+    want = reference(lay, pool, x, ids, w, act)
+    offsets = (ids.flatten() * lay.stride).to(device)
+    args = (x.to(device), pool.to(device), offsets, w.flatten().to(device), roles, act)
+    for run in (experts_per_pair, experts_grouped):
+        got = run(*args).cpu().double()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-5, f"{run.__name__}: relative error {rel:.2e}"
+    # A wave: only some pairs, the blocks moved elsewhere in another pool; those rows are the same bits.
+    shift = 3 * lay.stride
+    moved = torch.cat([torch.zeros(shift, dtype=torch.uint8), pool]).to(device)
+    pairs = torch.arange(0, ids.numel(), 2, dtype=torch.int32, device=device)
+    for run in (experts_per_pair, experts_grouped):
+        full = run(*args)
+        part = run(args[0], moved, offsets + shift, args[3], roles, act, pairs,
+                   out=torch.full_like(full, math.nan))
+        assert torch.equal(part[pairs.long()], full[pairs.long()])
+        assert part[1::2].isnan().all()
