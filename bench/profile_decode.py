@@ -3,7 +3,7 @@
 against the wall time, and the share of GPU time per class of kernel (the fused Triton kernels,
 torch's elementwise ops, reductions, copies, cuBLAS, attention), from torch.profiler over a few
 decode steps after a warm-up. Prints a table, then one JSON line.
-  python3 bench/profile_decode.py MODEL.gguf [--steps 8] [--prompt 32]
+  python3 bench/profile_decode.py MODEL.gguf [--steps 8] [--prompt 32] [--eager]
 (synthesize one with `expertpack synth --preset qwen3-30b-a3b --layers 12 -o MODEL.gguf`)."""
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", type=Path, help="a GGUF (or pack directory)")
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
+    p.add_argument("--eager", action="store_true",
+                   help="launch every kernel from Python instead of replaying the step's CUDA graph")
     args = p.parse_args(argv)
     engine = Engine.load(args.model, device="cuda", resident_experts=True)
+    engine.graphs = not args.eager
     n_vocab = engine.forward([1], engine.new_cache()).shape[-1]
     rng = random.Random(0)
     cache = engine.new_cache()
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         by_class[classify(e.name)] += e.device_time
         launches[classify(e.name)] += 1
     busy_us = sum(by_class.values()) / args.steps
-    print(f"model {args.model.name}: {len(kernels) / args.steps:.0f} kernel launches per decode step, "
+    print(f"model {args.model.name} ({'eager' if args.eager else 'CUDA graph'}): "
+          f"{len(kernels) / args.steps:.0f} kernels per decode step, "
           f"GPU busy {busy_us / 1000:.2f} ms of a {wall_s * 1000:.2f} ms step ({1 / wall_s:.1f} tok/s)")
     print(f"{'class':32s} {'launches/step':>14s} {'GPU ms/step':>12s} {'share':>7s}")
     for label, us in by_class.most_common():
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in kernels:
         top[e.name[:60]] += e.device_time
     print("top kernels:", "; ".join(f"{n} {us / args.steps / 1000:.3f} ms" for n, us in top.most_common(6)))
-    print(json.dumps({"bench": "profile_decode", "model": args.model.name, "steps": args.steps,
+    print(json.dumps({"bench": "profile_decode", "model": args.model.name, "steps": args.steps, "eager": args.eager,
                       "launches_per_step": len(kernels) / args.steps, "gpu_busy_ms": busy_us / 1000,
                       "wall_ms": wall_s * 1000, "gpu": torch.cuda.get_device_name(),
                       "classes": {k: {"launches": launches[k] / args.steps, "ms": v / args.steps / 1000}
