@@ -54,7 +54,7 @@ class ExpertFFN:
         return self._per_expert(layer, h, ids, weights)
 
     def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from .kernels.moe_tl import GROUPED_MIN_PAIRS, experts_grouped, experts_per_pair
+        from .kernels.moe_tl import experts_per_pair
 
         t, k = ids.shape
         roles = self._roles.get(layer)
@@ -62,10 +62,9 @@ class ExpertFFN:
             roles = self._roles[layer] = expert_roles(self.source.layout(layer))
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
-        run = experts_grouped if ids.numel() >= GROUPED_MIN_PAIRS else experts_per_pair  # prefill / decode
         y = None
         for rows in self.source.expert_rows(layer, ids):
-            y = run(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)
+            y = experts_per_pair(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)
         return y.view(t, k, -1).sum(dim=1).to(h.dtype)  # over k in slot order: the same sum in every mode
 
     def _per_expert(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """The fast path wired into whole models: every linear and every MoE layer through the Triton
 kernels (here under Triton's interpreter, on CUDA in tests/gpu) gives the logits of the torch path
-on real llama.cpp files, through a prefill (experts grouped by expert) and decode steps (static
-shapes, per pair), within float32 rounding
+on real llama.cpp files, through a prefill and decode steps (static shapes), within float32 rounding
 (the kernels sum in another order); the reference logits' std is ~1."""
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ MODELS = [  # one of each expert activation and weight family the fixtures hold
 ]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu runs these models through "
                                                                  "the kernels on CUDA; the interpreter is for CPUs")
-TOKENS = [1, 5, 9, 200, 33, 17, 4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19, 250]  # prefill grouped by expert
+TOKENS = [1, 5, 9, 200, 33, 17, 4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19, 250]  # prefill: trunk through cuBLAS
 
 
 @pytest.mark.parametrize("path", MODELS)

@@ -1,5 +1,5 @@
-"""All the experts a layer selected in two launches, per (token, slot) pair for decode and grouped
-by expert for prefill, against a float64 torch reference of the same experts (gate/up/down from
+"""All the experts a layer selected in two launches, per (token, slot) pair, against a float64 torch
+reference of the same experts (gate/up/down from
 dequantized blocks), for each activation, with and without biases and a fused gate_up; the results
 do not depend on where the blocks sit, nor on which pairs a launch runs (a cache's waves)."""
 
@@ -14,12 +14,12 @@ from gguf import GGMLQuantizationType as T
 from expertpack.packtools.layout import LayerLayout, RoleLayout
 from expertpack.worker.activation import Activation, ActKind
 from expertpack.worker.expert_roles import expert_roles
-from expertpack.worker.kernels.moe_tl import experts_grouped, experts_per_pair
+from expertpack.worker.kernels.moe_tl import experts_per_pair
 from expertpack.worker.quant import dequantize, nbytes_of
 
 from ..worker.test_quant import random_bytes
 
-pytestmark = pytest.mark.slow  # the interpreter: about 25 s a case
+pytestmark = pytest.mark.slow  # the interpreter: about 15 s a case
 
 D, F, N_EXPERT, K_TOP = 256, 256, 5, 2  # K-quant rows are whole superblocks
 ACTS = [Activation(), Activation(limit=0.5), Activation(ActKind.SWIGLU_OAI, limit=0.7, alpha=1.702),
@@ -73,7 +73,7 @@ CASES = [  # every activation once, every block layout once (the interpreter is 
 
 @pytest.mark.parametrize("act,types,fused,biases", CASES, ids=["swiglu-q4k-q6k", "clamped-q8-fused", "oai-mxfp4-biases",
                                                             "situ-q2k-q3k"])
-def test_per_pair_and_grouped_equal_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
+def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
                                                   device: torch.device) -> None:
     lay = layout(*types, fused, biases)
     roles = expert_roles(lay)
@@ -86,20 +86,18 @@ def test_per_pair_and_grouped_equal_the_reference(act: Activation, types: tuple[
     want = reference(lay, pool, x, ids, w, act)
     offsets = (ids.flatten() * lay.stride).to(device)
     args = (x.to(device), pool.to(device), offsets, w.flatten().to(device), roles, act)
-    for run in (experts_per_pair, experts_grouped):
-        got = run(*args).cpu().double()
-        rel = ((got - want).norm() / want.norm()).item()
-        assert rel < 1e-5, f"{run.__name__}: relative error {rel:.2e}"
+    got = experts_per_pair(*args).cpu().double()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-5, f"relative error {rel:.2e}"
     # A wave: only some pairs, the blocks moved elsewhere in another pool; those rows are the same bits.
     shift = 3 * lay.stride
     moved = torch.cat([torch.zeros(shift, dtype=torch.uint8), pool]).to(device)
     pairs = torch.arange(0, ids.numel(), 2, dtype=torch.int32, device=device)
-    for run in (experts_per_pair, experts_grouped):
-        full = run(*args)
-        part = run(args[0], moved, offsets + shift, args[3], roles, act, pairs,
-                   out=torch.full_like(full, math.nan))
-        assert torch.equal(part[pairs.long()], full[pairs.long()])
-        assert part[1::2].isnan().all()
+    full = experts_per_pair(*args)
+    part = experts_per_pair(args[0], moved, offsets + shift, args[3], roles, act, pairs,
+                            out=torch.full_like(full, math.nan))
+    assert torch.equal(part[pairs.long()], full[pairs.long()])
+    assert part[1::2].isnan().all()
 
 
 def test_fewer_rows_per_program_for_a_few_pairs(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
