@@ -98,20 +98,3 @@ def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused:
                             out=torch.full_like(full, math.nan))
     assert torch.equal(part[pairs.long()], full[pairs.long()])
     assert part[1::2].isnan().all()
-
-
-def test_fewer_rows_per_program_for_a_few_pairs(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
-    """A decode step's few pairs on a big GPU take 4 rows a program instead of 16: the same values."""
-    from expertpack.worker.kernels import moe_tl
-
-    lay = layout(T.Q4_K, T.Q8_0, False, False)
-    pool = pool_of(lay, seed=5).to(device)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(1, D, generator=g).to(device)
-    offsets = torch.tensor([1, 4], dtype=torch.int64, device=device) * lay.stride
-    w = torch.tensor([0.25, 0.75], device=device)
-    want = experts_per_pair(x, pool, offsets, w, expert_roles(lay), ACTS[0])
-    monkeypatch.setattr(moe_tl, "sm_count", lambda device: 10_000)
-    assert moe_tl.rows_per_program(F, 2, device) == 4
-    got = experts_per_pair(x, pool, offsets, w, expert_roles(lay), ACTS[0])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

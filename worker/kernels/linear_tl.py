@@ -58,21 +58,18 @@ def _dequant_kernel(w_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BN: tl.co
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w, mask=m)
 
 
-PROGRAMS_PER_SM = 8  # decode kernels wait on memory: enough programs in flight to hide its latency
-
-
-def sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs are plenty
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def splits_for(n_rows: int, k: int, device: torch.device) -> int:
-    """Split K so that a short wide matrix (a router, a down projection) still keeps every
-    multiprocessor busy; a function of the shape alone, so results are reproducible."""
+    """Split K so that a short wide matrix (a router, a down projection) still gives every
+    multiprocessor two programs; a function of the shape alone, so results are reproducible."""
     blocks = math.ceil(n_rows / BN_MATVEC)
     chunks = math.ceil(k / CHUNK)
-    return max(1, min(chunks, math.ceil(PROGRAMS_PER_SM * sm_count(device) / blocks)))
+    return max(1, min(chunks, math.ceil(2 * _sm_count(device) / blocks)))
 
 
 def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:

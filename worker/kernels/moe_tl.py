@@ -16,18 +16,8 @@ import triton.language as tl
 from ..activation import Activation
 from ..expert_roles import ExpertRoles
 from .dequant_tl import CHUNK, chunk
-from .linear_tl import PROGRAMS_PER_SM, sm_count
 
 BN = 16
-
-
-def rows_per_program(n_rows: int, n_pairs: int, device: torch.device) -> int:
-    """16 rows of an expert matrix per program, fewer when a decode step's few pairs would leave
-    the multiprocessors idle; a function of the shapes alone, so results are reproducible."""
-    bn = BN
-    while bn > 4 and triton.cdiv(n_rows, bn) * n_pairs < PROGRAMS_PER_SM * sm_count(device):
-        bn //= 2
-    return bn
 
 
 @triton.jit
@@ -131,17 +121,16 @@ def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
         out = torch.empty((offsets.shape[0], d), dtype=torch.float32, device=x.device)
     has_bias = roles.gate_bias is not None
     pair_arg = pairs if pairs is not None else offsets  # unused when HAS_PAIRS is false
-    bn_f, bn_d = rows_per_program(f, offsets.shape[0], x.device), rows_per_program(d, offsets.shape[0], x.device)
-    _gate_up_kernel[(triton.cdiv(f, bn_f), n_pairs)](
+    _gate_up_kernel[(triton.cdiv(f, BN), n_pairs)](
         x, pool, offsets, pair_arg, act_buf,
         roles.gate.offset, roles.up.offset, roles.gate.row_bytes, roles.up.row_bytes,
         roles.gate_bias or 0, roles.up_bias or 0, f, roles.gate.k, k_top,
         act.limit, act.alpha, act.beta, act.linear_beta,
         QG=roles.gate.ggml_type, QU=roles.up.ggml_type, ACT=int(act.kind), HAS_BIAS=has_bias,
-        HAS_PAIRS=pairs is not None, BN=bn_f, CH=CHUNK, num_warps=4)
-    _down_kernel[(triton.cdiv(d, bn_d), n_pairs)](
+        HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK, num_warps=4)
+    _down_kernel[(triton.cdiv(d, BN), n_pairs)](
         act_buf, pool, offsets, pair_arg, weights, out, roles.down.offset, roles.down.row_bytes,
         roles.down_bias or 0, d, f,
         QD=roles.down.ggml_type, HAS_BIAS=roles.down_bias is not None, HAS_PAIRS=pairs is not None,
-        BN=bn_d, CH=CHUNK, num_warps=4)
+        BN=BN, CH=CHUNK, num_warps=4)
     return out
