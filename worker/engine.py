@@ -13,7 +13,7 @@ from .layers import KVCache
 from .daemon_link import DaemonLink
 from .expert_cache import ExpertCache
 from .model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
-from .models import model_module
+from .models import Model, model_module
 from .sampling import Sampler
 from .weights import use_kernels
 
@@ -25,7 +25,7 @@ MIN_STATIC_CAPACITY = 512  # positions a GPU decode step's KV cache is reserved 
 
 @dataclass
 class Engine:
-    model: object
+    model: Model
     files: ModelFiles
     device: torch.device
     graphs: bool = True  # capture resident decode steps as CUDA graphs where the model allows it
@@ -78,7 +78,7 @@ class Engine:
     @torch.inference_mode()
     def forward(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
         """Logits [len(tokens), n_vocab] (float32) after each token, continuing the cache."""
-        if len(tokens) == 1 and cache.length and use_kernels(self.device) and getattr(self.model, "static_decode", False):
+        if len(tokens) == 1 and cache.length and use_kernels(self.device) and self.model.static_decode:
             return self._static_step(tokens[0], cache)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         return self.model.forward(ids, cache).to(torch.float32)
@@ -130,7 +130,7 @@ class DecodeGraph:
     static device buffers and the step runs as one launch instead of hundreds from Python. Captured
     after a warm-up on a side stream (kernels compile, vectors are made), as torch.cuda.graph asks."""
 
-    def __init__(self, model: object, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: Model, cache: KVCache, device: torch.device) -> None:
         self.model, self.cache = model, cache
         self.capacity = cache.capacity
         self.token = torch.zeros(1, dtype=torch.int64, device=device)

@@ -4,7 +4,12 @@ what is supported. Each module exports `Args`, `KEYS` (its metadata table) and `
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Protocol
 
+import torch
+
+from ..layers import KVCache
+from ..moe import ExpertFFN
 from . import deepseek2, deepseek4, gpt_oss, kimi_k3, llama, qwen2moe, qwen3moe
 
 ARCHITECTURES: dict[str, ModuleType] = {
@@ -16,6 +21,17 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "deepseek4": deepseek4,
     "kimi-k3": kimi_k3,
 }
+
+
+class Model(Protocol):
+    """What every architecture's Model is to the engine."""
+
+    moe: ExpertFFN  # the one MoE entry point, and through it the expert source
+    static_decode: bool  # a one-token step has the same shapes at every position (CUDA graphs)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [T] (on the device) -> logits [T, n_vocab]; continues the cache."""
+        ...
 
 
 class UnsupportedArchitecture(ValueError):

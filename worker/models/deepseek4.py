@@ -86,6 +86,8 @@ KEYS = {
 
 
 class Model:
+    static_decode = False  # not yet: its compressed-attention caches grow as tokens arrive
+
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         a = self.args = read_args(Args, files.arch, files.metadata, KEYS)
         self.w = w = {name: t.to(device) for name, t in files.trunk.items()}

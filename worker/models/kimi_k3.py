@@ -68,6 +68,8 @@ KEYS = {
 
 
 class Model:
+    static_decode = False  # not yet: the KDA states are new tensors each step, not updated in place
+
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         if a.kda_lower_bound == float("-inf"):
