@@ -276,7 +276,7 @@ def test_a_source_that_cannot_be_read_fails_instead_of_hanging(tmp_path: Path) -
     (("build", SINGLE, "--safety-margin-gib", "nan"), "--safety-margin-gib"),
     (("build", SINGLE, "--safety-margin-gib", "inf"), "--safety-margin-gib"),
     (("build", SINGLE, "--safety-margin-gib", "-1"), "--safety-margin-gib"),
-    (("build", SINGLE, "--checkpoint-every-s", "0"), "--checkpoint-every-s"),
+    (("build", SINGLE, "--checkpoint-every-s", "-1"), "--checkpoint-every-s"),
     (("build", SINGLE, "--threads", "0"), "--threads"),
     (("inspect", SINGLE, "--vram-gib", "-8"), "--vram-gib"),
     (("eval", SINGLE, "--text", "hi", "--top-p", "nan"), "--top-p"),
