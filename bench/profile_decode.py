@@ -9,11 +9,14 @@ decode steps after a warm-up. Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
+import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -60,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         engine.forward([rng.randrange(n_vocab)], cache)
     torch.cuda.synchronize()
     feed = rng.choices(range(n_vocab), k=args.steps)
+    argmax = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for token in feed:
-            int(engine.forward([token], cache)[-1].argmax())
+            argmax.append(int(engine.forward([token], cache)[-1].argmax()))
         torch.cuda.synchronize()
         wall_s = (time.perf_counter() - t0) / args.steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -84,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     for e in kernels:
         top[e.name[:60]] += e.device_time
     print("top kernels:", "; ".join(f"{n} {us / args.steps / 1000:.3f} ms" for n, us in top.most_common(6)))
-    print(json.dumps({"bench": "profile_decode", "model": args.model.name, "steps": args.steps, "eager": args.eager,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    types = sorted({t.ggml_type.name for t in engine.files.trunk.values()})
+    print(json.dumps({"bench": "profile_decode", "date": date.today().isoformat(), "commit": commit,
+                      "model": args.model.name, "trunk_types": types,
+                      "argmax_sha256": hashlib.sha256(str(argmax).encode()).hexdigest()[:16],
+                      "steps": args.steps, "eager": args.eager,
                       "launches_per_step": len(kernels) / args.steps, "gpu_busy_ms": busy_us / 1000,
                       "wall_ms": wall_s * 1000, "gpu": torch.cuda.get_device_name(),
                       "classes": {k: {"launches": launches[k] / args.steps, "ms": v / args.steps / 1000}

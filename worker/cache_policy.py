@@ -4,6 +4,7 @@ step. Pure bookkeeping: no tensors, no devices, no daemon."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from expertpack.packtools.layout import ExpertKey
@@ -20,7 +21,7 @@ def slot_count(cache_bytes: int, free_bytes: int, reserve_bytes: int, payload_by
     if slots < needed:
         raise CacheTooSmall(
             f"an expert cache of {max(0, budget) / 2**20:.0f} MiB holds {slots} experts of {payload_bytes:,} bytes, "
-            f"but one layer can select {needed}; give it at least {needed * payload_bytes / 2**20:.0f} MiB "
+            f"but one layer can select {needed}; give it at least {math.ceil(needed * payload_bytes / 2**20)} MiB "
             f"(--cache-vram-mib), or lower --cache-reserve-mib if the device has the room")
     return slots
 

@@ -3,6 +3,7 @@ time, greedy or sampled. No HTTP, no daemon: the expert source decides where exp
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +45,15 @@ class Engine:
         dev = torch.device(device)
         if daemon is not None and not isinstance(files.experts, PackExperts):
             raise ValueError(f"{path}: a daemon serves packs; give the pack directory, not a GGUF")
+        moe_layers = expert_layers(files)
         if resident_experts:
             on_disk = files.experts
-            files.experts = ResidentExperts(on_disk, expert_layers(files), dev)
+            files.experts = ResidentExperts(on_disk, moe_layers, dev)
             on_disk.close()
         model = model_module(files.arch).Model(files, dev)
+        if use_kernels(dev):  # what the kernels cannot run is refused now, not at the first token
+            _require_triton(dev)
+            model.moe.prepare(sorted(moe_layers))
         if daemon is not None:  # after the trunk is on the device: the cache takes what is left
             link = DaemonLink(daemon, files.fingerprint, dev, name=name, timeout_s=daemon_timeout_s,
                               down_timeout_s=down_timeout_s)
@@ -69,8 +74,8 @@ class Engine:
     def close(self) -> None:
         """Waits for the cache's copies, gives the staging back and leaves the daemon; closes the
         files experts are read from."""
-        if hasattr(self.files.experts, "close"):
-            self.files.experts.close()
+        self._graph = None
+        self.files.experts.close()
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -88,14 +93,21 @@ class Engine:
         ahead and attended whole, masked by position. With every expert resident the step is a
         CUDA graph, replayed; with the expert cache (a host sync per layer for its misses, which a
         graph cannot hold) the same operations run eagerly, so both give the same bits."""
-        if cache.capacity <= cache.length or cache.capacity < MIN_STATIC_CAPACITY:
-            cache.reserve(max(MIN_STATIC_CAPACITY, 1 << (cache.length + 1).bit_length()))
+        capacity = cache.capacity
+        if capacity <= cache.length or capacity < MIN_STATIC_CAPACITY or capacity & (capacity - 1):
+            cache.reserve(max(MIN_STATIC_CAPACITY, 1 << cache.length.bit_length()))  # a power of two > length
         if (self.graphs and self.device.type == "cuda" and isinstance(self.files.experts, ResidentExperts)
                 and self.model.moe.routing_log is None):
+            if (self._graph is not None and self._graph.cache is not cache
+                    and self._graph.capacity == cache.capacity and cache.same_shapes(self._graph.cache)):
+                cache.trade_buffers(self._graph.cache)  # the next request: no new capture
+                self._graph.cache = cache
             if self._graph is None or self._graph.cache is not cache or self._graph.capacity != cache.capacity:
                 self._graph = None  # its memory goes back before the next one is captured
                 try:
                     self._graph = DecodeGraph(self.model, cache, self.device)
+                except torch.cuda.OutOfMemoryError:
+                    raise
                 except RuntimeError as exc:  # an operation CUDA cannot capture: the same step, eagerly
                     log.warning("decode step not captured as a CUDA graph (%s); running it eagerly", exc)
                     self.graphs = False
@@ -122,6 +134,12 @@ class Engine:
                 break
             logits = self.forward([token], cache)
         return out, prompt_logits
+
+
+def _require_triton(device: torch.device) -> None:
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError(f"device {device}: the GPU path runs Triton kernels, and triton is not installed "
+                           f"(it comes with torch's CUDA builds; pip install triton)")
 
 
 class DecodeGraph:

@@ -121,19 +121,18 @@ class ExpertCache:
         """The step's experts in waves the cache can hold (one, unless the step selected more
         experts than there are slots): one host sync for the step's unique ids, one upload of the
         expert -> slot map per wave."""
-        flat = ids.reshape(-1)
-        unique = sorted(set(flat.tolist()))
-        n_expert = self.manifest.model.n_expert
+        chosen = ids.reshape(-1).tolist()
+        unique = sorted(set(chosen))
         for start in range(0, len(unique), self.n_slots):
             wave = unique[start:start + self.n_slots]
-            slots = self._acquire(layer, wave)
-            table = torch.full((n_expert,), -1, dtype=torch.int64)
-            table[torch.tensor(wave)] = torch.tensor(slots, dtype=torch.int64) * self.slot_bytes
-            offsets = table.to(self.device)[flat]
+            slot_of = dict(zip(wave, self._acquire(layer, wave)))
+            # [T*k] byte offsets (pairs of other waves point at slot 0 and are not run)
+            offsets = torch.tensor([slot_of.get(e, 0) * self.slot_bytes for e in chosen], dtype=torch.int64)
             pairs = None
             if len(wave) < len(unique):
-                pairs = (offsets >= 0).nonzero().flatten().to(torch.int32)
-            yield ExpertRows(self.memory, offsets, pairs)
+                pairs = torch.tensor([p for p, e in enumerate(chosen) if e in slot_of], dtype=torch.int32)
+                pairs = pairs.to(self.device)
+            yield ExpertRows(self.memory, offsets.to(self.device), pairs)
 
     def _acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
         """The slots of `experts`, fetching what is missing; the compute stream waits for their copies."""

@@ -39,7 +39,10 @@ class Rope:
     beta_slow: float = 1.0
     truncate: bool = True  # round the YaRN correction range to whole dimensions (gpt-oss does not)
     mscale: float = 1.0  # multiplies cos and sin (YaRN's attention factor)
-    _tables: dict = field(default_factory=dict, compare=False, repr=False)  # device -> (cos, sin) [N, dim/2]
+    # device -> every (cos, sin) [N, dim/2] table made, the longest last: a captured decode step reads
+    # the one it was captured with, so a longer table never frees a shorter one.
+    _tables: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = field(
+        default_factory=dict, init=False, compare=False, repr=False)
 
     def inv_freq(self) -> torch.Tensor:
         """transformers' formulas, operation for operation (the reference logits come from them)."""
@@ -72,12 +75,12 @@ class Rope:
         """cos/sin [T, dim/2] of `positions` (on the device, < upto) looked up in a table made once
         on the CPU with cos_sin's arithmetic (so the same values) and kept on the device: no host
         work per step, which a captured decode step needs."""
-        device = positions.device
-        table = self._tables.get(device)
-        if table is None or table[0].shape[0] < upto:
-            size = max(upto, 2 * table[0].shape[0] if table is not None else 1024)
-            table = self._tables[device] = self.cos_sin(torch.arange(size), device)
-        return table[0][positions], table[1][positions]
+        tables = self._tables.setdefault(positions.device, [])
+        if not tables or tables[-1][0].shape[0] < upto:
+            size = max(upto, 2 * tables[-1][0].shape[0] if tables else 1024)
+            tables.append(self.cos_sin(torch.arange(size), positions.device))
+        cos, sin = tables[-1]
+        return cos[positions], sin[positions]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, d]: rotates the first `dim` channels (cos/sin [T, dim/2])."""
@@ -94,6 +97,9 @@ class Rope:
             a, b = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+INITIAL_CAPACITY = 256  # positions a layer's KV buffers start with (then doubled as needed)
 
 
 @dataclass
@@ -139,14 +145,31 @@ class KVCache:
             return keys, values
         end = self.length + k.shape[0]
         if layer not in self.keys:
-            self.keys[layer] = k.new_zeros((max(end, 256), *k.shape[1:]))
-            self.values[layer] = v.new_zeros((max(end, 256), *v.shape[1:]))
+            self.keys[layer] = k.new_zeros((max(end, INITIAL_CAPACITY), *k.shape[1:]))
+            self.values[layer] = v.new_zeros((max(end, INITIAL_CAPACITY), *v.shape[1:]))
         elif self.keys[layer].shape[0] < end:
             size = max(end, 2 * self.keys[layer].shape[0])
             self.keys[layer], self.values[layer] = _grown(self.keys[layer], size), _grown(self.values[layer], size)
         self.keys[layer][self.length:end] = k
         self.values[layer][self.length:end] = v
         return self.keys[layer][:end], self.values[layer][:end]
+
+
+    def trade_buffers(self, other: "KVCache") -> None:
+        """Swaps buffers with `other` (same layers and shapes), each cache keeping its own rows: a
+        captured decode step reads fixed buffers, and the cache that decodes next must be in them."""
+        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            for layer in mine:
+                a, b = mine[layer], theirs[layer]
+                rows = a.clone()
+                a.copy_(b)
+                b.copy_(rows)
+                mine[layer], theirs[layer] = b, a
+
+    def same_shapes(self, other: "KVCache") -> bool:
+        return (self.keys.keys() == other.keys.keys() and not self.state and not other.state
+                and all(self.keys[l].shape == other.keys[l].shape and self.values[l].shape == other.values[l].shape
+                        for l in self.keys))
 
 
 def _grown(buffer: torch.Tensor, size: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from expertpack.packtools.experts import classify
 from expertpack.packtools.gguf_source import GGUFSource, SourceTensor, open_source
 from expertpack.packtools.errors import ManifestError
 from expertpack.packtools.layout import (PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, LayerLayout, Manifest,
-                                         RoleSpec, plan_layers)
+                                         RoleSpec, manifest_problems, plan_layers)
 
 from .quant import check_supported
 from .weights import QTensor
@@ -64,6 +64,9 @@ def open_model(path: Path | str) -> ModelFiles:
     path = Path(path)
     if path.is_dir():
         manifest = Manifest.load(path)
+        problems = manifest_problems(manifest)
+        if problems:
+            raise ManifestError(f"{path}: the pack breaks the layout contract: {'; '.join(problems)}")
         source = open_source(path / TRUNK_FILE)
         trunk = {t.name: _read(source, t) for t in source.tensors}
         metadata = _values(source)
@@ -158,13 +161,7 @@ class ResidentExperts:
         self.tables: dict[int, torch.Tensor] = {}
         for layer, n_expert in layers.items():
             layout = self.layouts[layer]
-            table = torch.zeros(n_expert * layout.stride, dtype=torch.uint8)
-            where = {r.role: r.offset for r in layout.roles}
-            for e, w in source.load(layer, range(n_expert)).items():
-                for role, t in w.items():
-                    start = e * layout.stride + where[role]
-                    table[start: start + t.raw.numel()] = t.raw
-            self.tables[layer] = table.to(device)
+            self.tables[layer] = pack_blocks(layout, source.load(layer, range(n_expert))).to(device)
 
     def layout(self, layer: int) -> LayerLayout:
         return self.layouts[layer]
@@ -187,17 +184,24 @@ def block_views(layout: LayerLayout, memory: torch.Tensor, base: int) -> ExpertW
             for r in layout.roles}
 
 
+def pack_blocks(layout: LayerLayout, experts: dict[int, ExpertWeights]) -> torch.Tensor:
+    """The experts' role tensors laid out in blocks as `layout` says, in the order of their ids:
+    one uint8 host tensor of len(experts) * stride bytes."""
+    where = {r.role: r.offset for r in layout.roles}
+    out = torch.zeros(len(experts) * layout.stride, dtype=torch.uint8)
+    for i, e in enumerate(sorted(experts)):
+        for role, t in experts[e].items():
+            start = i * layout.stride + where[role]
+            out[start: start + t.raw.numel()] = t.raw
+    return out
+
+
 def rows_from_blocks(source: ExpertSource, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]:
     """ExpertRows from a source that reads role tensors per step (a pack or a GGUF on disk): the
     step's experts are laid out in blocks on the host and uploaded at once."""
     layout = source.layout(layer)
     order = sorted(set(ids.reshape(-1).tolist()))
-    host = torch.zeros(len(order) * layout.stride, dtype=torch.uint8)
-    where = {r.role: r.offset for r in layout.roles}
-    for i, (e, w) in enumerate(sorted(source.load(layer, order).items())):
-        for role, t in w.items():
-            start = i * layout.stride + where[role]
-            host[start: start + t.raw.numel()] = t.raw
+    host = pack_blocks(layout, source.load(layer, order))
     table = torch.zeros(order[-1] + 1, dtype=torch.int64)
     table[torch.tensor(order)] = torch.arange(len(order)) * layout.stride
     yield ExpertRows(host.to(ids.device), table.to(ids.device)[ids.reshape(-1)])

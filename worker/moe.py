@@ -42,6 +42,12 @@ class ExpertFFN:
         self.static_routes: dict[int, torch.Tensor] = {}
         self._roles: dict[int, ExpertRoles] = {}
 
+    def prepare(self, layers: Sequence[int]) -> None:
+        """Reads the role table of every MoE layer for the fused kernels, so that experts they cannot
+        run are refused when the model loads, not at its first token."""
+        for layer in layers:
+            self._roles[layer] = expert_roles(self.source.layout(layer))
+
     def act(self, layer: int) -> Activation:
         return self.activation if isinstance(self.activation, Activation) else self.activation[layer]
 
@@ -59,7 +65,8 @@ class ExpertFFN:
         t, k = ids.shape
         roles = self._roles.get(layer)
         if roles is None:
-            roles = self._roles[layer] = expert_roles(self.source.layout(layer))
+            self.prepare([layer])
+            roles = self._roles[layer]
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
         y = None

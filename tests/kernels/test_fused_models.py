@@ -35,3 +35,49 @@ def test_kernels_give_the_torch_paths_logits(path: str) -> None:
                          engine.forward(TOKENS[17:], cache)])
     err = (got - want).abs().max().item()
     assert err < 1e-4, f"{path}: max |diff| {err:.2e} (mean {(got - want).abs().mean().item():.2e})"
+
+
+def test_minimal_cache_through_the_kernels_is_bit_exact(fixture_packs, tmp_path) -> None:
+    """The expert cache on the fast path: a cache of one step of one layer delivers prefill in waves
+    (a subset of the pairs per launch) and evicts at every layer; the logits equal every expert
+    resident bit for bit, through prefill and static decode steps."""
+    from ..worker.test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
+
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    prompt = TOKENS[:12]
+    d = daemon_for(pack, tmp_path)
+    try:
+        with kernels_on_cpu():
+            want_logits, want_tokens = greedy_run(Engine.load(pack, resident_experts=True), prompt, 3)
+            engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+            try:
+                got_logits, got_tokens = greedy_run(engine, prompt, 3)
+                assert engine.expert_cache.counters.misses > engine.expert_cache.n_slots  # waves, evictions
+            finally:
+                engine.close()
+    finally:
+        assert d.stop()[0] == 0
+    assert got_tokens == want_tokens
+    for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+        assert torch.equal(got, want), f"step {step} differs from the resident run"
+
+
+def test_static_steps_cross_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine's decode steps on the fast path reserve the KV cache ahead (powers of two) and grow it
+    when a step reaches the end; crossing two reservations, the logits stay the torch path's."""
+    from expertpack.worker import engine as engine_module, layers
+
+    monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 4)
+    monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
+    engine = Engine.load(FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", resident_experts=True)
+    want = engine.forward(TOKENS[:11], engine.new_cache())[2:]
+    with kernels_on_cpu():
+        cache = engine.new_cache()
+        got = [engine.forward(TOKENS[:3], cache)[-1:]]
+        capacities = []
+        for t in TOKENS[3:11]:
+            got.append(engine.forward([t], cache))
+            capacities.append(cache.capacity)
+    assert capacities == [4, 8, 8, 8, 8, 16, 16, 16]  # a power of two above the length, doubled when reached
+    err = (torch.cat(got)[:-1] - want[:-1]).abs().max().item()
+    assert err < 1e-4, f"max |diff| {err:.2e}"

@@ -86,5 +86,7 @@ def test_slot_count_takes_the_smaller_of_the_budget_and_what_is_free() -> None:
 def test_slot_count_refuses_a_cache_below_one_step() -> None:
     with pytest.raises(CacheTooSmall, match=r"holds 7 experts .* can select 8; give it at least 24 MiB"):
         slot_count(23 * MIB, 1000 * MIB, 0, 3 * MIB, needed=8)
+    with pytest.raises(CacheTooSmall, match=r"give it at least 1 MiB"):  # 0.42 MiB is not "at least 0 MiB"
+        slot_count(0, 1000 * MIB, 0, 110_592, needed=4)
     with pytest.raises(CacheTooSmall, match="holds 0 experts"):
         slot_count(100 * MIB, 10 * MIB, 20 * MIB, 3 * MIB, needed=8)  # the reserve exceeds what is free

@@ -48,3 +48,25 @@ def test_static_steps_equal_eager_decode(arch: str) -> None:
     for layer in eager.keys:  # the same keys in the same rows (the summation order over keys differs)
         torch.testing.assert_close(static.keys[layer][:eager.length], eager.keys[layer][:eager.length],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_trading_buffers_keeps_each_caches_rows() -> None:
+    """A captured step reads fixed buffers: the next request's cache trades buffers with the one in
+    them. Both caches keep decoding as if nothing happened."""
+    engine = Engine.load(FIXTURES / MODELS["qwen3moe"], resident_experts=True)
+    first, second = engine.new_cache(), engine.new_cache()
+    engine.forward(PROMPT, first)
+    engine.forward(PROMPT[::-1] + [7], second)
+    first.reserve(300)
+    second.reserve(300)
+    assert first.same_shapes(second)
+    held = {layer: buffer for layer, buffer in first.keys.items()}
+    keys = {layer: buffer.clone() for layer, buffer in first.keys.items()}
+    second_keys = {layer: buffer.clone() for layer, buffer in second.keys.items()}
+    second.trade_buffers(first)
+    for layer in held:
+        assert second.keys[layer] is held[layer]  # the buffers a graph would read now hold `second`
+        assert torch.equal(second.keys[layer], second_keys[layer]) and torch.equal(first.keys[layer], keys[layer])
+    fresh = engine.new_cache()
+    engine.forward(PROMPT, fresh)
+    assert torch.equal(engine.forward([FEED[0]], first), engine.forward([FEED[0]], fresh))

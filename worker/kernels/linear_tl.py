@@ -66,7 +66,8 @@ def _sm_count(device: torch.device) -> int:
 
 def splits_for(n_rows: int, k: int, device: torch.device) -> int:
     """Split K so that a short wide matrix (a router, a down projection) still gives every
-    multiprocessor two programs; a function of the shape alone, so results are reproducible."""
+    multiprocessor two programs; a function of the shape and the GPU alone, so the same step gives
+    the same bits whatever feeds it (the resident table or the cache)."""
     blocks = math.ceil(n_rows / BN_MATVEC)
     chunks = math.ceil(k / CHUNK)
     return max(1, min(chunks, math.ceil(2 * _sm_count(device) / blocks)))

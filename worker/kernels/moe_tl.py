@@ -52,8 +52,9 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, act_ptr,
                     limit, alpha, beta, linear_beta,
                     QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_PAIRS: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
-    """act[p, n] = act(gate[n] . x[t], up[n] . x[t]); grid (F/BN, pairs)."""
-    pid_n, i = tl.program_id(0), tl.program_id(1)
+    """act[p, n] = act(gate[n] . x[t], up[n] . x[t]); grid (pairs, F/BN): pairs on the axis that
+    takes more than 65535 (a long prefill)."""
+    i, pid_n = tl.program_id(0), tl.program_id(1)
     if HAS_PAIRS:
         p = tl.load(pair_ptr + i).to(tl.int64)
     else:
@@ -85,8 +86,8 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, act_ptr,
 def _down_kernel(act_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, down_off, down_rb, down_b, D, F,
                  QD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAIRS: tl.constexpr, BN: tl.constexpr,
                  CH: tl.constexpr):
-    """y[p, n] = weight[p] * (down[n] . act[p] + bias[n]); grid (D/BN, pairs)."""
-    pid_n, i = tl.program_id(0), tl.program_id(1)
+    """y[p, n] = weight[p] * (down[n] . act[p] + bias[n]); grid (pairs, D/BN)."""
+    i, pid_n = tl.program_id(0), tl.program_id(1)
     if HAS_PAIRS:
         p = tl.load(pair_ptr + i).to(tl.int64)
     else:
@@ -121,14 +122,14 @@ def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
         out = torch.empty((offsets.shape[0], d), dtype=torch.float32, device=x.device)
     has_bias = roles.gate_bias is not None
     pair_arg = pairs if pairs is not None else offsets  # unused when HAS_PAIRS is false
-    _gate_up_kernel[(triton.cdiv(f, BN), n_pairs)](
+    _gate_up_kernel[(n_pairs, triton.cdiv(f, BN))](
         x, pool, offsets, pair_arg, act_buf,
         roles.gate.offset, roles.up.offset, roles.gate.row_bytes, roles.up.row_bytes,
         roles.gate_bias or 0, roles.up_bias or 0, f, roles.gate.k, k_top,
         act.limit, act.alpha, act.beta, act.linear_beta,
         QG=roles.gate.ggml_type, QU=roles.up.ggml_type, ACT=int(act.kind), HAS_BIAS=has_bias,
         HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK, num_warps=4)
-    _down_kernel[(triton.cdiv(d, BN), n_pairs)](
+    _down_kernel[(n_pairs, triton.cdiv(d, BN))](
         act_buf, pool, offsets, pair_arg, weights, out, roles.down.offset, roles.down.row_bytes,
         roles.down_bias or 0, d, f,
         QD=roles.down.ggml_type, HAS_BIAS=roles.down_bias is not None, HAS_PAIRS=pairs is not None,
