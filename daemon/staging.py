@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+import psutil
+
 from expertpack.packtools.layout import ALIGNMENT as SLOT_ALIGNMENT  # O_DIRECT lands in slots
 
 SHM_DIR = Path("/dev/shm")
@@ -110,26 +112,14 @@ def remove_orphans() -> list[Path]:
 
 
 def lockable_bytes() -> tuple[int, str]:
-    """What the host can give the staging now, and what bounds it: the RAM available (psutil when
-    installed, else /proc/meminfo) and the free space of /dev/shm, whichever is smaller."""
-    try:
-        import psutil  # optional: a runtime dependency of expertd only if listed in pyproject
-        available = int(psutil.virtual_memory().available)
-    except ImportError:
-        available = _meminfo_available()
+    """What the host can give the staging now, and what bounds it: the RAM available and the free
+    space of /dev/shm, whichever is smaller."""
+    available = int(psutil.virtual_memory().available)
     shm = os.statvfs(SHM_DIR)
     shm_free = shm.f_bavail * shm.f_frsize
     if shm_free < available:
         return shm_free, f"{SHM_DIR} has {shm_free:,} bytes free"
     return available, f"the host has {available:,} bytes of memory available"
-
-
-def _meminfo_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class StagingSegment:
