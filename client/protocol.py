@@ -6,10 +6,13 @@ msgpack map with an integer `op`:
     client (DEALER) sends      [ msgpack{op, ...} ]
     daemon (ROUTER) receives   [ routing id | msgpack{op, ...} ]   and answers with the same id
 
-    HELLO{version, client, fingerprint}
+    HELLO{version, client, fingerprint, slots}
                                       -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots}
                                          (ERROR FINGERPRINT when the client's trunk was built with another pack;
-                                         an empty fingerprint, as ops tools send, skips the check)
+                                         an empty fingerprint, as ops tools send, skips the check;
+                                         `client` is 1..64 printable characters; `slots` asks for that
+                                         many staging slots, granted up to the daemon's max_client_slots,
+                                         0 or absent: its client_slots)
     FETCH{id, keys: [[layer, expert], ...], prio}
                                       -> one READY{id, key, slot, nbytes} or FAIL{id, key, code, message}
                                          per key, in completion order
@@ -42,6 +45,8 @@ MAX_KEYS = 65536
 MAX_TEXT = 1024
 MAX_ID = (1 << 63) - 1
 MAX_INDEX = (1 << 31) - 1
+MAX_CLIENT_NAME = 64  # a client's name goes into the daemon's log: short, one line
+MAX_SLOTS = 1 << 20  # as many staging slots as expertd may have
 
 
 class Op(IntEnum):
@@ -175,13 +180,27 @@ def _fingerprint_or_empty(v: Any) -> str:
     return v if v == "" else _fingerprint(v)
 
 
+def _client_name(v: Any) -> str:
+    if type(v) is not str or not 1 <= len(v) <= MAX_CLIENT_NAME or not v.isprintable():
+        raise ValueError(f"1..{MAX_CLIENT_NAME} printable characters (no control or format characters)")
+    return v
+
+
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
     op = Op.HELLO
     version: int
     client: str
     fingerprint: str = ""  # the pack the client's trunk.gguf was built with; "" = no check
-    checks = {"version": _uint(MAX_INDEX), "client": _text, "fingerprint": _fingerprint_or_empty}
+    slots: int = 0  # staging slots asked for; 0 = the daemon's client_slots
+    checks = {"version": _uint(MAX_INDEX), "client": _client_name, "fingerprint": _fingerprint_or_empty,
+              "slots": _uint(MAX_SLOTS)}
+
+    def to_wire(self) -> dict[str, Any]:
+        out = Message.to_wire(self)
+        if not self.slots:  # absent = 0: a HELLO that asks for nothing has protocol 1's bytes
+            del out["slots"]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
