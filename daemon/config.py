@@ -23,6 +23,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 RANGES: dict[str, tuple[float, float]] = {
     "stage_slots": (1, 1 << 20),
     "client_slots": (1, 1 << 20),
+    "max_client_slots": (0, 1 << 20),
     "read_threads": (1, 256),
     "read_splits": (1, 64),
     "heartbeat_interval_s": (0.01, 600.0),
@@ -39,7 +40,10 @@ class DaemonConfig:
     pack: Path | None = None  # the pack directory written by `expertpack build`
     endpoint: str = DEFAULT_ENDPOINT
     stage_slots: int = 64  # staging slots in shared memory, each one expert block (max stride)
-    client_slots: int = 16  # slots leased to each client at HELLO
+    client_slots: int = 16  # slots leased to a client at HELLO unless it asks for another number
+    # The most slots one client is granted, whatever its HELLO asks: one peer cannot take the staging
+    # from the others. 0: half of stage_slots, at least client_slots (see client_slot_cap).
+    max_client_slots: int = 0
     read_threads: int = 8
     read_splits: int = 4  # aligned pieces each block is read in, in parallel
     direct_io: bool = True  # False: buffered reads, counted in fallback_count
@@ -61,6 +65,10 @@ class DaemonConfig:
                     out.append(f"{name}: must lie in {plain_number(low)}..{plain_number(high)}, got {value!r}")
         if self.client_slots > self.stage_slots:
             out.append(f"client_slots ({self.client_slots}) cannot exceed stage_slots ({self.stage_slots})")
+        if self.max_client_slots > self.stage_slots:
+            out.append(f"max_client_slots ({self.max_client_slots}) cannot exceed stage_slots ({self.stage_slots})")
+        if self.max_client_slots and self.client_slots > self.max_client_slots:
+            out.append(f"client_slots ({self.client_slots}) cannot exceed max_client_slots ({self.max_client_slots})")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             out.append("heartbeat_timeout_s must exceed heartbeat_interval_s, both positive")
         if self.log_level not in LOG_LEVELS:
@@ -73,6 +81,12 @@ class DaemonConfig:
                        "unencrypted TCP is refused")
         return out
 
+    @property
+    def client_slot_cap(self) -> int:
+        """The slots one client may hold: max_client_slots, or by default half the staging (a setting
+        that gives each client more, client_slots, raises it to that)."""
+        return self.max_client_slots or max(self.client_slots, self.stage_slots // 2)
+
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
@@ -83,7 +97,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "pack": "pack directory (manifest.json, experts.pack)",
         "endpoint": f"ZeroMQ endpoint to bind (default {DEFAULT_ENDPOINT})",
         "stage_slots": "staging slots in shared memory, each one expert block (default 64)",
-        "client_slots": "slots leased to each client at HELLO (default 16)",
+        "client_slots": "slots leased to a client at HELLO that asks for no other number (default 16)",
+        "max_client_slots": "the most slots one client is leased, whatever its HELLO asks (default 0: half of "
+                            "stage_slots, at least client_slots)",
         "read_threads": "reader threads issuing preadv (default 8)",
         "read_splits": "aligned pieces each expert block is read in (default 4)",
         "direct_io": "O_DIRECT reads (default on); --no-direct-io reads through the page cache",

@@ -9,7 +9,10 @@ mistaken for the old one. A message that fails validation gets ERROR and changes
 A session belongs to the connection that said HELLO. A peer that connects with a routing id
 already in use takes it over (ROUTER_HANDOVER: libzmq otherwise keeps every such ignored
 connection's pipes, ~20 kB each, for the life of the socket); the session of the connection it
-took over ends then, so it never inherits that session's slots, and must say HELLO itself."""
+took over ends then, so it never inherits that session's slots, and must say HELLO itself.
+A client is leased the slots its HELLO asks for (client_slots when it asks for none), never more
+than the per-client cap (max_client_slots), so that one client cannot take the staging from the
+others."""
 
 from __future__ import annotations
 
@@ -265,15 +268,19 @@ class ExpertDaemon:
         if identity in self.sessions:
             self._drop(identity, "said HELLO again")
         self._gone.pop(identity, None)
-        slots = self.staging.pool.lease(identity, self.config.client_slots)
+        asked = msg.slots or self.config.client_slots
+        n_slots = min(asked, self.config.client_slot_cap)
+        slots = self.staging.pool.lease(identity, n_slots)
         if slots is None:
             self._error(identity, p.ErrorCode.NO_SLOTS,
-                        f"all {self.config.stage_slots} staging slots are leased to {len(self.sessions)} clients; "
-                        "raise stage_slots or lower client_slots")
+                        f"{n_slots} slots asked, {self.staging.pool.n_unleased} of {self.config.stage_slots} staging "
+                        f"slots unleased ({len(self.sessions)} clients hold the rest); ask for fewer, or raise "
+                        "stage_slots or lower client_slots")
             return
         self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots))
         self.counters.clients_total += 1
-        log.info("client %r connected: %d slots", msg.client, len(slots))
+        log.info("client %r connected: %d slots%s", msg.client, len(slots),
+                 f" ({asked} asked, at most {self.config.client_slot_cap} a client)" if asked > n_slots else "")
         m = self.manifest
         self._send(identity, p.Welcome(
             version=p.PROTOCOL_VERSION, fingerprint=m.fingerprint,

@@ -1,0 +1,132 @@
+"""Fair slots against a real expertd: a client is leased at most max_client_slots whatever its HELLO
+asks, so another client still gets slots; a HELLO with a bad field gets ERROR naming the field and
+changes nothing; settings that would make the cap meaningless are refused at start."""
+
+from __future__ import annotations
+
+import subprocess
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from expertpack.client import ExpertClient
+from expertpack.client import protocol as p
+from expertpack.packtools.layout import ExpertKey
+
+from ..conftest import BIN, Daemon, start_daemon
+
+
+@pytest.fixture
+def small_daemon(tiny_pack: Path, tmp_path: Path, request: pytest.FixtureRequest):
+    """expertd with 8 staging slots, 2 to a client by default; extra flags from the test's param."""
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "8", "--client-slots", "2", *getattr(request, "param", ()))
+    d.wait_for("READY=1")
+    yield d
+    code, err = d.stop()
+    assert code == 0, err
+
+
+def dealer(stack: ExitStack, endpoint: str) -> zmq.Socket:
+    ctx = stack.enter_context(zmq.Context())
+    sock = stack.enter_context(ctx.socket(zmq.DEALER))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def ask(sock: zmq.Socket, fields: dict[str, Any]) -> p.Message:
+    """Sends HELLO with these fields (over a valid one) and returns the answer."""
+    sock.send(msgpack.packb({"op": int(p.Op.HELLO), "version": p.PROTOCOL_VERSION, "client": "t", **fields}))
+    assert sock.poll(10000), "no answer"
+    return p.decode(sock.recv())
+
+
+def fetched(client: ExpertClient, keys: list[ExpertKey]) -> list[ExpertKey]:
+    got = []
+    for expert in client.fetch(keys, timeout_s=10):
+        got.append(expert.key)
+        expert.release()
+    return got
+
+
+def unleased(daemon: Daemon) -> int:
+    with ExitStack() as stack:
+        sock = dealer(stack, daemon.endpoint)
+        sock.send(p.encode(p.Stats()))
+        assert sock.poll(10000)
+        reply = p.decode(sock.recv())
+        assert isinstance(reply, p.StatsReply)
+        return reply.stats["slots"]["unleased"]
+
+
+@pytest.mark.parametrize("small_daemon", [("--max-client-slots", "4")], indirect=True)
+def test_a_client_asking_for_every_slot_gets_the_cap(small_daemon: Daemon) -> None:
+    with ExitStack() as stack:
+        greedy = ask(dealer(stack, small_daemon.endpoint), {"client": "greedy", "slots": 8})
+        assert isinstance(greedy, p.Welcome), greedy
+        assert len(greedy.slots) == 4  # asked for all 8
+        other = ask(dealer(stack, small_daemon.endpoint), {"client": "other", "slots": 100})
+        assert isinstance(other, p.Welcome), other
+        assert len(other.slots) == 4 and not set(other.slots) & set(greedy.slots)
+        late = ask(dealer(stack, small_daemon.endpoint), {"client": "late"})
+        assert isinstance(late, p.Error) and late.code is p.ErrorCode.NO_SLOTS, late
+        assert "2 slots asked, 0 of 8" in late.message
+    assert "asked, at most 4 a client" in small_daemon.log
+
+
+def test_the_default_cap_is_half_the_staging_and_others_still_get_slots(small_daemon: Daemon) -> None:
+    with ExitStack() as stack:
+        greedy = ask(dealer(stack, small_daemon.endpoint), {"client": "greedy", "slots": 1 << 20})
+        assert isinstance(greedy, p.Welcome) and len(greedy.slots) == 4, greedy
+        modest = ask(dealer(stack, small_daemon.endpoint), {"client": "modest", "slots": 1})
+        assert isinstance(modest, p.Welcome) and len(modest.slots) == 1, modest
+        with ExpertClient(small_daemon.endpoint, name="worker") as client:
+            assert len(client.slots) == 2  # no number asked: client_slots
+            assert sorted(fetched(client, [ExpertKey(0, 0), ExpertKey(1, 3)])) == [ExpertKey(0, 0), ExpertKey(1, 3)]
+            assert unleased(small_daemon) == 8 - 4 - 1 - 2
+
+
+BAD_HELLOS = [
+    ({"client": ""}, "HELLO.client"),
+    ({"client": "x" * 65}, "HELLO.client"),
+    ({"client": "worker\nexpertd[1] ERROR forged"}, "HELLO.client"),
+    ({"client": "evil\u202ename"}, "HELLO.client"),  # a right-to-left override
+    ({"client": 7}, "HELLO.client"),
+    ({"slots": -1}, "HELLO.slots"),
+    ({"slots": (1 << 20) + 1}, "HELLO.slots"),
+    ({"slots": "4"}, "HELLO.slots"),
+    ({"slots": 2.0}, "HELLO.slots"),
+    ({"slots": True}, "HELLO.slots"),
+]
+
+
+def test_bad_hello_fields_get_error_naming_the_field_and_the_daemon_serves_on(small_daemon: Daemon) -> None:
+    with ExitStack() as stack:
+        sock = dealer(stack, small_daemon.endpoint)
+        for fields, named in BAD_HELLOS:
+            answer = ask(sock, fields)
+            assert isinstance(answer, p.Error), (fields, answer)
+            assert answer.code is p.ErrorCode.BAD_FIELD and named in answer.message, (fields, answer)
+        assert unleased(small_daemon) == 8  # none of them leased anything
+        welcome = ask(sock, {"client": "expert-worker:Qwen3-30B-A3B pid 12", "slots": 3})
+        assert isinstance(welcome, p.Welcome) and len(welcome.slots) == 3, welcome
+    with ExpertClient(small_daemon.endpoint, name="after") as client:
+        assert fetched(client, [ExpertKey(2, 5)]) == [ExpertKey(2, 5)]
+    assert small_daemon.proc.poll() is None
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--stage-slots", "8", "--max-client-slots", "9"), "max_client_slots (9) cannot exceed stage_slots (8)"),
+    (("--stage-slots", "8", "--client-slots", "4", "--max-client-slots", "2"),
+     "client_slots (4) cannot exceed max_client_slots (2)"),
+    (("--max-client-slots", "-1",), "max_client_slots: must lie in 0.."),
+])
+def test_settings_that_defeat_the_cap_are_refused(tiny_pack: Path, flags: tuple[str, ...], says: str) -> None:
+    proc = subprocess.run([str(BIN / "expertd"), "--pack", str(tiny_pack), *flags], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
