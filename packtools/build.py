@@ -5,7 +5,8 @@ Order of work, each step safe to kill at any point:
 2. create experts.pack.partial and trunk.gguf.partial at full size (fallocate: no ENOSPC later),
    trunk header first with a placeholder fingerprint; record a checkpoint;
 3. one sequential pass over every shard (source_pass), hashing the source as it goes; a layer's
-   blocks are read back and hashed as soon as all its roles are written; every
+   blocks get their sha256 and crc32 as their bytes stream past, or (a layer begun before a resume)
+   are read back and hashed as soon as all its roles are written; every
    `checkpoint_every_s` the outputs are fdatasync'ed and the position recorded;
 4. finalize: manifest and fingerprint, pack header page, fingerprint patched into the trunk,
    fsync, rename the partials, manifest.json last. Only then does the directory look complete.
@@ -33,10 +34,10 @@ from .build_state import BuildState, load_state, remove_state, save_state
 from .errors import BuildLockedError, DiskSpaceError, ExpertpackError, OutputExistsError
 from .gguf_source import SPLIT_NAME
 from .gguf_stream import string_field
-from .hashing import BlockHasher
+from .hashing import READ_PIECE_BYTES, BlockHasher
 from .layout import (
     DATA_START, FORMAT_VERSION, ALIGNMENT, MANIFEST_FILE, PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY,
-    ExpertKey, LayerLayout, Manifest, ModelInfo, PackHeader, SourceFile, TrunkInfo,
+    BlockDigest, ExpertKey, LayerLayout, Manifest, ModelInfo, PackHeader, SourceFile, TrunkInfo,
 )
 from .source_pass import ExpertSegment, OutputFds, Segment, TrunkSegment, copy_shard, hash_prefix, open_direct
 from .units import GIB, human_bytes
@@ -93,6 +94,7 @@ class _Builder:
         self.n_expert = plan.classification.n_expert
         self._lock = threading.Lock()
         self._block_sha: dict[int, list[str | None]] = {}
+        self._block_crc: dict[int, list[int | None]] = {}
 
     # ---- paths -------------------------------------------------------------------------------
     def path(self, name: str, partial: bool = False) -> Path:
@@ -125,7 +127,9 @@ class _Builder:
                 log.info("resuming the interrupted build at %s of %s", human_bytes(done),
                          human_bytes(self.plan.source.size_bytes))
                 for layer, hashes in state.layer_sha256.items():
-                    self._block_sha[layer] = list(hashes)
+                    if layer in state.layer_crc32:  # else hashed again, for its crc32s
+                        self._block_sha[layer] = list(hashes)
+                        self._block_crc[layer] = list(state.layer_crc32[layer])
                 return state
         elif state is not None:
             log.info("the source or the build plan changed since the interrupted build; starting over")
@@ -223,7 +227,7 @@ class _Builder:
                     roles_left[seg.layer] -= 1
         # Layers streamed from their first role hash as they stream; the others (begun before a
         # resume) are read back and hashed once complete.
-        streamed = {l: [hashlib.sha256() for _ in range(self.n_expert)]
+        streamed = {l: [BlockDigest() for _ in range(self.n_expert)]
                     for l, left in roles_left.items() if left == len(self.layers[l].roles)}
 
         def on_bytes(n: int) -> None:
@@ -237,14 +241,15 @@ class _Builder:
                         disable=not self.options.progress, mininterval=0.5, dynamic_ncols=True)
         hash_bar.update(sum(1 for hs in self._block_sha.values() for h in hs if h))
 
-        def on_hashed(key: ExpertKey, digest: str) -> None:
+        def on_hashed(key: ExpertKey, digest: BlockDigest) -> None:
             with self._lock:
-                self._block_sha.setdefault(key.layer, [None] * self.n_expert)[key.expert] = digest
+                self._block_sha.setdefault(key.layer, [None] * self.n_expert)[key.expert] = digest.sha256()
+                self._block_crc.setdefault(key.layer, [None] * self.n_expert)[key.expert] = digest.crc32
             hash_bar.update(1)
 
         del state.source_sha256[state.shard:]  # a digest recorded past the checkpoint is redone
         last_done = (state.shard, state.position)
-        hasher = BlockHasher(readback_fd, self.options.hash_threads, on_hashed)
+        hasher = _BlockDigester(readback_fd, self.options.hash_threads, on_hashed)
         try:
             for layer_id, left in roles_left.items():
                 if left == 0 and not self._layer_hashed(layer_id):
@@ -270,7 +275,7 @@ class _Builder:
                         if roles_left[seg.layer] == 0 and seg.layer in streamed:
                             hashes = streamed.pop(seg.layer)
                             for expert, h in enumerate(hashes):
-                                on_hashed(ExpertKey(seg.layer, expert), h.hexdigest())
+                                on_hashed(ExpertKey(seg.layer, expert), h)
                         elif roles_left[seg.layer] == 0:
                             hasher.submit_layer(self.layers[seg.layer], self.n_expert)
                     if time.monotonic() - last_checkpoint >= self.options.checkpoint_every_s:
@@ -295,14 +300,16 @@ class _Builder:
             hash_bar.close()
 
     def _layer_hashed(self, layer: int) -> bool:
-        hashes = self._block_sha.get(layer)
-        return hashes is not None and all(hashes)
+        hashes, crcs = self._block_sha.get(layer), self._block_crc.get(layer)
+        return hashes is not None and all(hashes) and crcs is not None and all(c is not None for c in crcs)
 
     def _checkpoint(self, state: BuildState, fds: OutputFds, shard: int, position: int) -> None:
         os.fdatasync(fds.pack)
         os.fdatasync(fds.trunk)
         with self._lock:
-            state.layer_sha256 = {l: list(h) for l, h in self._block_sha.items() if all(h)}
+            hashed = [l for l in self._block_sha if self._layer_hashed(l)]
+            state.layer_sha256 = {l: list(self._block_sha[l]) for l in hashed}
+            state.layer_crc32 = {l: list(self._block_crc[l]) for l in hashed}
         state.shard = shard
         state.position = position
         save_state(self.out, state)
@@ -312,7 +319,8 @@ class _Builder:
         plan = self.plan
         cls = plan.classification
         layers = tuple(
-            LayerLayout(l.layer, l.offset, l.stride, l.payload_bytes, l.roles, tuple(state.layer_sha256[l.layer]))
+            LayerLayout(l.layer, l.offset, l.stride, l.payload_bytes, l.roles, tuple(state.layer_sha256[l.layer]),
+                        tuple(state.layer_crc32[l.layer]))
             for l in plan.layers
         )
         manifest = Manifest(
@@ -347,6 +355,23 @@ class _Builder:
 
 
 # ---- small helpers -------------------------------------------------------------------------------
+class _BlockDigester(BlockHasher):
+    """BlockHasher giving both of a block's checksums (a BlockDigest) instead of its sha256 alone."""
+
+    def _hash_one(self, layer: LayerLayout, expert: int) -> None:
+        offset, nbytes = layer.block_offset(expert), layer.payload_bytes
+        digest = BlockDigest()
+        done = 0
+        while done < nbytes:
+            want = min(READ_PIECE_BYTES, nbytes - done)
+            piece = os.pread(self._fd, want, offset + done)
+            if len(piece) != want:
+                raise OSError(f"short read at byte {offset + done}: wanted {want}, got {len(piece)} (file truncated?)")
+            digest.update(piece)
+            done += want
+        self._on_done(ExpertKey(layer.layer, expert), digest)  # type: ignore[arg-type]
+
+
 def _allocate(path: Path, size: int) -> None:
     """Reserves the blocks now so a full disk fails here, not mid-copy; unwritten ranges read as 0."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

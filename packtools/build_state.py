@@ -27,6 +27,8 @@ class BuildState:
     source_sha256: list[str] = field(default_factory=list)  # per fully copied shard
     trunk_sha256: dict[str, str] = field(default_factory=dict)
     layer_sha256: dict[int, list[str]] = field(default_factory=dict)  # fully hashed layers only
+    layer_crc32: dict[int, list[int]] = field(default_factory=dict)  # the same layers' crc32s (absent in
+    # a state written before format 1.1: those layers are read back and hashed again)
 
     def done_bytes(self, shards: tuple[Shard, ...]) -> int:
         return sum(s.size_bytes for s in shards[:self.shard]) + (self.position if self.shard < len(shards) else 0)
@@ -40,6 +42,7 @@ def load_state(out: Path) -> BuildState | None:
     try:
         data = json.loads(path.read_text())
         data["layer_sha256"] = {int(k): v for k, v in data["layer_sha256"].items()}
+        data["layer_crc32"] = {int(k): v for k, v in data.get("layer_crc32", {}).items()}
         return BuildState(**data)
     except FileNotFoundError:
         return None

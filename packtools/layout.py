@@ -7,14 +7,23 @@ experts.pack
     A block holds every per-expert tensor ("role") of one expert, each at a sub-offset that is a
     multiple of 256 (the format's contract; this builder uses 4096 so that every role can be written
     and read with O_DIRECT), copied verbatim from the source (same ggml type, same bytes);
-    `payload_bytes` is the un-padded block length the per-block sha256 covers; the rest is zeros.
+    `payload_bytes` is the un-padded block length the per-block sha256 and crc32 cover; the rest is
+    zeros.
 
 manifest.json
     The keys DESIGN.md fixes (format, version, fingerprint, alignment, pack, trunk, source, model,
     layers) plus what this project adds (model.moe_layers, trunk.size_bytes, trunk.tensor_sha256,
-    created_utc). `fingerprint` is the sha256 of the canonical JSON (keys sorted, no spaces,
+    created_utc, minor_version, layers[].crc32). `fingerprint` is the sha256 of the canonical JSON (keys sorted, no spaces,
     ASCII) of the manifest as stored, every key, without NON_FINGERPRINT_KEYS; it is also stored in the pack header and in trunk.gguf, which is how a
     pack, its manifest and its trunk are known to belong together.
+
+Revisions of v1 (additive: `version` stays 1, so a reader of an earlier revision still reads a pack of
+a later one; `minor_version`, absent before 1.1, says which revision wrote it):
+    1.0  per-block sha256 (`layers[].sha256`), checked on demand by `expertpack verify`.
+    1.1  (2026-11-30) `layers[].crc32`: the CRC-32 (zlib's, as `zlib.crc32` and `crc32` tools print
+         it, 8 lowercase hex digits) of each block's payload, one per expert beside its sha256, so
+         that expertd can check every block as it reads it at a cost of a fraction of a CPU second
+         per GB. A 1.0 pack (no `crc32`) is still served, unchecked at read time.
 
 This module does no I/O beyond reading and writing these two small structures.
 """
@@ -23,7 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,6 +44,7 @@ from .units import round_up
 
 FORMAT_NAME = "expertpack"
 FORMAT_VERSION = 1
+FORMAT_MINOR_VERSION = 1  # 1.1: layers[].crc32 (see the module docstring)
 ALIGNMENT = 4096  # O_DIRECT contract: every block offset, stride and read length
 MIN_ROLE_ALIGNMENT = 256  # format v1: every role's sub-offset inside its block is a multiple of this
 ROLE_ALIGNMENT = ALIGNMENT  # what plan_layers uses: each role slice is an O_DIRECT-able range
@@ -72,6 +84,7 @@ class LayerLayout:
     payload_bytes: int
     roles: tuple[RoleLayout, ...]
     sha256: tuple[str, ...] = ()  # one per expert; empty while a build has not hashed the layer
+    crc32: tuple[int, ...] = ()  # one per expert (format 1.1); empty in a 1.0 pack
 
     def block_offset(self, expert: int) -> int:
         return self.offset + expert * self.stride
@@ -138,6 +151,7 @@ class Manifest:
     layers: tuple[LayerLayout, ...]
     trunk: TrunkInfo
     created_utc: str = ""
+    minor_version: int = FORMAT_MINOR_VERSION
     raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as loaded, for the check
 
     def fingerprint_matches(self) -> bool:
@@ -154,6 +168,11 @@ class Manifest:
         return self.layer(key.layer).block_offset(key.expert)
 
     @property
+    def has_crc32(self) -> bool:
+        """Whether every block has a crc32 (format 1.1), so that a reader can check each one it reads."""
+        return bool(self.layers) and all(len(entry.crc32) == self.model.n_expert for entry in self.layers)
+
+    @property
     def max_stride(self) -> int:
         return max(entry.stride for entry in self.layers)
 
@@ -161,6 +180,7 @@ class Manifest:
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
+            "minor_version": self.minor_version,
             "fingerprint": self.fingerprint,
             "created_utc": self.created_utc,
             "alignment": ALIGNMENT,
@@ -187,7 +207,7 @@ class Manifest:
 
     def with_fingerprint(self) -> "Manifest":
         return Manifest(self.compute_fingerprint(), self.pack_size_bytes, self.data_start, self.source_files,
-                        self.model, self.layers, self.trunk, self.created_utc)
+                        self.model, self.layers, self.trunk, self.created_utc, self.minor_version)
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -240,6 +260,7 @@ class Manifest:
                 tensor_sha256={str(k): str(v) for k, v in tensor_sha.items()},
             ),
             created_utc=str(data.get("created_utc", "")),
+            minor_version=r.integer(data, "minor_version") if "minor_version" in data else 0,
             raw=data,
         )
 
@@ -277,6 +298,37 @@ def plan_layers(roles_by_layer: dict[int, list[RoleSpec]], n_expert: int) -> tup
         layers.append(LayerLayout(layer, cursor, stride, end, tuple(roles)))
         cursor += n_expert * stride
     return tuple(layers), cursor
+
+
+CRC32_HEX = re.compile(r"[0-9a-f]{8}")
+
+
+def block_crc32(data: Any, value: int = 0) -> int:
+    """The format's fast block checksum: zlib's CRC-32 of `data` (any buffer), continuing from
+    `value`. C speed, and it releases the GIL on large buffers, so reader threads check in parallel."""
+    return zlib.crc32(data, value)
+
+
+def format_crc32(value: int) -> str:
+    return f"{value:08x}"
+
+
+class BlockDigest:
+    """Both checksums of one block's payload, fed in order as its bytes pass: sha256 (verify) and
+    crc32 (every read)."""
+
+    __slots__ = ("_sha", "crc32")
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self.crc32 = 0
+
+    def update(self, data: Any) -> None:
+        self._sha.update(data)
+        self.crc32 = block_crc32(data, self.crc32)
+
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
 
 
 MAX_EXPERTS = 1 << 31  # the wire protocol's expert index is below this
@@ -330,6 +382,8 @@ def layout_problems(manifest: Manifest) -> list[str]:
         cursor = entry.offset + n_expert * entry.stride
         if len(entry.sha256) != n_expert:
             problems.append(f"{where}: {len(entry.sha256)} block hashes for {n_expert} experts")
+        if len(entry.crc32) not in (0, n_expert):
+            problems.append(f"{where}: {len(entry.crc32)} block crc32s for {n_expert} experts")
         role_end = 0
         for role in sorted(entry.roles, key=lambda r: r.offset):
             if role.offset % MIN_ROLE_ALIGNMENT:
@@ -339,6 +393,8 @@ def layout_problems(manifest: Manifest) -> list[str]:
             role_end = role.offset + role.nbytes
         if role_end != entry.payload_bytes:
             problems.append(f"{where}: roles end at {role_end} but payload_bytes is {entry.payload_bytes}")
+    if len({bool(entry.crc32) for entry in manifest.layers}) > 1:
+        problems.append("some layers have block crc32s and others not")
     if cursor > manifest.pack_size_bytes:
         problems.append(f"the last layer ends at {cursor}, past the pack size {manifest.pack_size_bytes}")
     return problems
@@ -356,6 +412,7 @@ def _layer_to_dict(entry: LayerLayout) -> dict[str, Any]:
             for r in entry.roles
         ],
         "sha256": list(entry.sha256),
+        **({"crc32": [format_crc32(c) for c in entry.crc32]} if entry.crc32 else {}),
     }
 
 
@@ -378,6 +435,7 @@ def _layer_from_dict(data: Any, r: "_Reader") -> LayerLayout:
             for x in r.array(data, "roles", p)
         ),
         sha256=tuple(str(h) for h in r.array(data, "sha256", p)),
+        crc32=r.crc32s(data, "crc32", p) if isinstance(data, dict) and "crc32" in data else (),
     )
 
 
@@ -415,6 +473,12 @@ class _Reader:
         value = self._get(obj, key, prefix)
         self.check(_is_count(value), prefix + key, "a non-negative integer")
         return value
+
+    def crc32s(self, obj: Any, key: str, prefix: str = "") -> tuple[int, ...]:
+        values = self.array(obj, key, prefix)
+        self.check(all(isinstance(v, str) and CRC32_HEX.fullmatch(v) for v in values), prefix + key,
+                   "a list of crc32s, 8 lowercase hex digits each")
+        return tuple(int(v, 16) for v in values)
 
     def integers(self, obj: Any, key: str, prefix: str = "") -> tuple[int, ...]:
         values = self.array(obj, key, prefix)
