@@ -47,12 +47,14 @@ class DaemonError(ClientError):
 
 
 class FetchFailed(ClientError):
-    """expertd could not deliver an expert (FAIL): an I/O error, a cancel or a shutdown."""
+    """expertd could not deliver an expert (FAIL): an I/O error, a corrupt block (code CORRUPT), a
+    cancel or a shutdown."""
 
     def __init__(self, key: ExpertKey, code: p.FailCode, message: str) -> None:
         super().__init__(f"expert {tuple(key)}: {code.name}: {message}")
         self.key = key
         self.code = code
+        self.message = message
 
 
 class FingerprintMismatch(ClientError):

@@ -1,4 +1,4 @@
-"""Protocol v1 between expertd and its clients: the one module that knows the wire format.
+"""Protocol v2 between expertd and its clients: the one module that knows the wire format.
 
 Transport: ZeroMQ, the daemon a ROUTER, each client a DEALER. Every message is ONE frame holding ONE
 msgpack map with an integer `op`:
@@ -27,6 +27,11 @@ Expert bytes never travel in a message: READY names a slot of the shared staging
 payload is its first `nbytes` bytes. Keys are ExpertKey(layer, expert), the pack's own key type.
 Decoding validates every field (type, range, length) and the message size before anything acts on
 it; it never raises anything but ProtocolError. Never pickle.
+
+Versions (HELLO must name this one; the daemon refuses any other with ERROR VERSION):
+    1  the messages above.
+    2  (2026-11-30) FAIL code CORRUPT: the block was read whole but fails the crc32 its pack recorded;
+       its bytes are never served. A v1 client could not decode that FAIL, hence the new version.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import msgpack
 
 from expertpack.packtools.layout import ExpertKey
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
 MAX_KEYS = 65536
 MAX_TEXT = 1024
@@ -83,6 +88,7 @@ class FailCode(IntEnum):
     IO_ERROR = 1  # the read failed or came back short; the slot's bytes are not used
     CANCELLED = 2
     SHUTDOWN = 3
+    CORRUPT = 4  # v2: the block's bytes fail the pack's crc32 (damaged on disk); the slot's bytes are not used
 
 
 class Priority(IntEnum):

@@ -17,6 +17,7 @@ EXAMPLES: list[p.Message] = [
     p.Fetch(7, (ExpertKey(1, 2), ExpertKey(3, 4)), p.Priority.PREFETCH),
     p.Ready(7, ExpertKey(1, 2), 5, 110592),
     p.Fail(7, ExpertKey(3, 4), p.FailCode.IO_ERROR, "short read"),
+    p.Fail(7, ExpertKey(3, 4), p.FailCode.CORRUPT, "crc32 mismatch"),
     p.Release((5, 6)),
     p.Cancel(7),
     p.Stats(),
@@ -34,6 +35,17 @@ def test_golden_bytes() -> None:
     assert p.encode(p.Ready(7, ExpertKey(1, 2), 5, 110592)).hex() == (
         "85" "a26f70" "04" "a26964" "07" "a36b6579" "920102" "a4736c6f74" "05" "a66e6279746573" "ce0001b000")
     assert p.encode(p.Ping()).hex() == "81a26f700a"
+
+
+def test_version_2_adds_fail_corrupt() -> None:
+    """v2's one change: FAIL code CORRUPT (4). HELLO carries the version the daemon checks."""
+    assert p.PROTOCOL_VERSION == 2
+    assert p.encode(p.Hello(p.PROTOCOL_VERSION, "w")).hex() == (
+        "84" "a26f70" "01" "a776657273696f6e" "02" "a6636c69656e74" "a177" "ab66696e6765727072696e74" "a0")
+    assert p.encode(p.Fail(7, ExpertKey(3, 4), p.FailCode.CORRUPT, "crc")).hex() == (
+        "85" "a26f70" "05" "a26964" "07" "a36b6579" "920304" "a4636f6465" "04" "a76d657373616765" "a3637263")
+    assert p.decode(bytes.fromhex("85a26f7005a2696407a36b6579920304a4636f646504a76d657373616765a3637263")) == \
+        p.Fail(7, ExpertKey(3, 4), p.FailCode.CORRUPT, "crc")
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
