@@ -1,7 +1,7 @@
 """`expertctl`: ops tooling for a running expertd. `stats` prints a table for people (throughput,
 latency percentiles, errors, clients, slots) or JSON for scripts; `ping` prints the round trip;
-`health` exits 0 when the daemon answers and has seen no I/O errors, 1 when it answers but is
-degraded, 2 when it does not answer. Never leases slots (STATS and PING need no HELLO)."""
+`health` exits 0 when the daemon answers and has seen no I/O errors and no corrupt blocks, 1 when it
+answers but is degraded, 2 when it does not answer. Never leases slots (STATS and PING need no HELLO)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ def render(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: f
         f"fetches {c['fetches']:,}  keys {c['keys']:,}  ready {c['ready']:,}  failed {c['failed']:,}  "
         f"cancelled {c['cancelled']:,}",
         f"read {c['pack_read_bytes'] / 1e9:,.2f} GB in {c['read_ops']:,} ops  io_errors {c['io_errors']}  "
-        f"fallback_count {c['fallback_count']}  protocol_errors {c['protocol_errors']}",
+        f"corrupt_blocks {c.get('corrupt_blocks', 0)}  fallback_count {c['fallback_count']}  "
+        f"protocol_errors {c['protocol_errors']}",
+        f"checked  {c.get('checked_blocks', 0):,} blocks ({c.get('checked_bytes', 0) / 1e9:,.2f} GB) against their crc32",
     ]
     if previous is not None and interval_s:
         delta = c["pack_read_bytes"] - previous["counters"]["pack_read_bytes"]
@@ -91,7 +93,8 @@ def render(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: f
 
 def health(stats: dict[str, Any]) -> tuple[int, str]:
     """(exit code, one line) from a STATS reply: degraded when the pack is not what the daemon
-    opened (truncated, replaced, removed) or reads of it have failed, or reads go buffered."""
+    opened (truncated, replaced, removed), reads of it have failed or read corrupt blocks, or
+    reads go buffered."""
     c = stats["counters"]
     pack = stats["pack"]
     if pack["size_bytes"] != pack["manifest_size_bytes"]:
@@ -99,6 +102,9 @@ def health(stats: dict[str, Any]) -> tuple[int, str]:
                                f"{pack['manifest_size_bytes']:,} (truncated or replaced; run expertpack verify)")
     if not pack["same_file"]:
         return EXIT_DEGRADED, "degraded: the pack file was removed or replaced since expertd opened it (restart expertd)"
+    if c.get("corrupt_blocks"):
+        return EXIT_DEGRADED, (f"degraded: {c['corrupt_blocks']} blocks failed their crc32 check and were not served "
+                               "(the pack is damaged on disk; run expertpack verify, rebuild or restore it)")
     if c["io_errors"]:
         return EXIT_DEGRADED, f"degraded: {c['io_errors']} I/O errors reading the pack (check the disk, run expertpack verify)"
     if not stats["direct_io"]:

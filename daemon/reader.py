@@ -1,8 +1,10 @@
 """reader.py opens experts.pack fail-closed and does aligned O_DIRECT reads into staging slots from a
 pool of threads (os.preadv releases the GIL). It checks the whole contract before the daemon says
 it is ready: manifest against pack (size, header, fingerprint), every block offset, every split read
-range and length a multiple of 4096. Demand reads overtake prefetch reads in its queue. It knows
-nothing of sockets or clients: completions go to a callback."""
+range and length a multiple of 4096. Demand reads overtake prefetch reads in its queue. Once a
+block's pieces are in, a check job on the same threads compares its crc32 with the manifest's
+(format 1.1; CorruptBlock on a mismatch), ahead of every read: no byte of a block that fails it is
+served. It knows nothing of sockets or clients: completions go to a callback."""
 
 from __future__ import annotations
 
@@ -17,11 +19,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from expertpack.packtools.layout import ALIGNMENT, PACK_FILE, LayerLayout, Manifest, PackHeader, manifest_problems
+from expertpack.packtools.layout import (
+    ALIGNMENT, PACK_FILE, LayerLayout, Manifest, PackHeader, block_crc32, format_crc32, manifest_problems,
+)
+
+CHECK_PRIO = -1  # a check finishes a block whose bytes are in: it goes before any read
 
 
 class PackContractError(RuntimeError):
     """The pack cannot be served safely; the message says what is wrong and what to do."""
+
+
+class CorruptBlock(Exception):
+    """A block read whole whose bytes do not match the crc32 the build recorded for them."""
+
+    def __init__(self, offset: int, nbytes: int, expected: int, found: int) -> None:
+        super().__init__(f"the {nbytes} bytes at offset {offset} have crc32 {format_crc32(found)}, the manifest "
+                         f"says {format_crc32(expected)}")
+        self.offset = offset
+        self.nbytes = nbytes
+        self.expected = expected
+        self.found = found
 
 
 @dataclass(frozen=True)
@@ -117,8 +135,9 @@ class ReadJob:
     prio: int
     seq: int
     offset: int = field(compare=False)  # in experts.pack
-    dest: memoryview = field(compare=False)  # the slot bytes to fill
+    dest: memoryview = field(compare=False)  # the slot bytes to fill (a check: the payload to check)
     token: Any = field(compare=False)  # the caller's (the key this piece belongs to)
+    crc32: int | None = field(default=None, compare=False)  # set: a check of `dest` against it, not a read
 
 
 Completion = Callable[[ReadJob, "BaseException | None", int], None]  # job, error, elapsed_ns
@@ -139,6 +158,11 @@ class ReaderPool:
     def submit(self, prio: int, offset: int, dest: memoryview, token: Any) -> None:
         self._queue.put(ReadJob(prio, next(self._seq), offset, dest, token))
 
+    def submit_check(self, offset: int, payload: memoryview, crc32: int, token: Any) -> None:
+        """Checks a block read into `payload` (from `offset` in the pack) against `crc32`; the
+        completion's error is CorruptBlock when it does not match."""
+        self._queue.put(ReadJob(CHECK_PRIO, next(self._seq), offset, payload, token, crc32))
+
     @property
     def queued(self) -> int:
         return self._queue.qsize()
@@ -150,6 +174,12 @@ class ReaderPool:
                 return
             start = time.monotonic_ns()
             error: BaseException | None = None
+            if job.crc32 is not None:
+                found = block_crc32(job.dest)  # releases the GIL: the threads check in parallel
+                if found != job.crc32:
+                    error = CorruptBlock(job.offset, job.dest.nbytes, job.crc32, found)
+                self._on_complete(job, error, time.monotonic_ns() - start)
+                continue
             try:
                 got = os.preadv(self._fd, [job.dest], job.offset)
                 if got != len(job.dest):

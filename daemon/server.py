@@ -1,7 +1,10 @@
 """expertd's main loop: one ZeroMQ ROUTER socket, the reader pool's completions (an eventfd) and the
 signal self-pipe, all polled by one thread that owns every piece of state (sessions, requests,
 slots), so nothing here takes a lock. A FETCH's keys queue per client (demand before prefetch) and
-get one of the client's leased slots each; reads land in the slot; READY names the slot.
+get one of the client's leased slots each; reads land in the slot; once every piece is in, the
+block's crc32 is checked on a reader thread (packs of format 1.1) and only then does READY name the
+slot: a block that fails the check is FAILed CORRUPT, counted and logged by (layer, expert), and
+the daemon serves every other key on.
 A client that disconnects or stops answering ZMTP heartbeats loses its leases: the socket monitor
 reports the connection's fd, and every message's source fd (ZMQ_SRCFD) says whose it was; the
 monitor is drained before each message is handled, so an fd reused by a new connection is never
@@ -37,7 +40,7 @@ from expertpack.packtools.layout import ExpertKey
 
 from .config import DaemonConfig
 from .notify import notify, watchdog_interval_s
-from .reader import OpenPack, ReaderPool, ReadJob, open_pack
+from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, open_pack
 from .staging import SlotState, StagingSegment, remove_orphans
 from .stats import Counters, Histogram
 
@@ -63,6 +66,7 @@ class Work:
     error: BaseException | None = None
     cancelled: bool = False
     done: bool = False
+    checked: bool = False  # its crc32 check has run (or the pack has none to check)
 
 
 @dataclass(eq=False)
@@ -94,6 +98,11 @@ class ExpertDaemon:
         self.pack: OpenPack = open_pack(config.pack, config.direct_io, config.read_splits)
         self.manifest = self.pack.manifest
         self.layers = {l.layer: l for l in self.manifest.layers}
+        self.check_crc32 = self.manifest.has_crc32
+        if not self.check_crc32:
+            log.warning("%s was built before pack format 1.1 and has no block crc32s: blocks are served without "
+                        "a check as they are read (`expertpack verify` checks their sha256; a rebuild adds the "
+                        "crc32s)", config.pack)
         self.started = time.monotonic()
         self.counters = Counters()
         self.read_latency = Histogram()
@@ -382,6 +391,13 @@ class ExpertDaemon:
             nbytes = job.dest.nbytes
             job.dest.release()
             work: Work = job.token
+            if job.crc32 is not None:  # a check, not a read
+                self.counters.checked_blocks += 1
+                self.counters.checked_bytes += nbytes
+                work.error = error
+                work.checked = True
+                self._read_complete(work)
+                continue
             self.read_latency.add_ns(elapsed_ns)
             self.counters.read_ops += 1
             if not self.pack.direct:
@@ -398,6 +414,14 @@ class ExpertDaemon:
     def _read_complete(self, work: Work) -> None:
         slot = self.staging.pool.slots[work.slot]
         session = work.session
+        if not work.checked and work.error is None and not work.cancelled and not session.closed:
+            work.checked = True
+            if self.check_crc32:  # READY waits for the check; the slot stays READING meanwhile
+                layer = self.layers[work.key.layer]
+                self.readers.submit_check(layer.block_offset(work.key.expert),
+                                          self.staging.view(slot.index, 0, layer.payload_bytes),
+                                          layer.crc32[work.key.expert], work)
+                return
         if session.closed:  # the client is gone: its slot leaves with it
             slot.move(SlotState.FREE)
             self.staging.pool.give_back(slot.index)
@@ -407,6 +431,15 @@ class ExpertDaemon:
             session.free.append(slot.index)
             if work.cancelled:
                 self._finish(work, p.FailCode.CANCELLED, "cancelled")
+            elif isinstance(work.error, CorruptBlock):
+                self.counters.corrupt_blocks += 1
+                layer, expert = work.key
+                log.error("corrupt block: layer %d expert %d of %s fails its crc32 check (%s); FAILed CORRUPT, "
+                          "never served (run expertpack verify %s; rebuild or restore the pack)",
+                          layer, expert, self.pack.path, work.error, self.config.pack)
+                self._finish(work, p.FailCode.CORRUPT,
+                             f"layer {layer} expert {expert} of {self.pack.path} is corrupt: {work.error}; "
+                             f"run expertpack verify {self.config.pack}")
             else:
                 log.warning("read of %s failed: %s", list(work.key), work.error)
                 self._finish(work, p.FailCode.IO_ERROR, f"read failed: {work.error}")

@@ -49,6 +49,9 @@ class Counters:
     pack_read_bytes: int = 0
     read_ops: int = 0
     io_errors: int = 0
+    corrupt_blocks: int = 0  # blocks read whole whose crc32 did not match the manifest's: FAILed CORRUPT
+    checked_blocks: int = 0  # blocks whose crc32 was checked (0 for a pack built before format 1.1)
+    checked_bytes: int = 0
     fallback_count: int = 0  # reads that went through the page cache (direct_io = false)
     protocol_errors: int = 0  # ERROR replies
     clients_total: int = 0

@@ -1,0 +1,143 @@
+"""Corrupt bytes never reach a client: with one byte of one block flipped on disk, expertd FAILs that
+key CORRUPT (counted, named by layer and expert in the log, health degraded) and serves every other
+key byte-exact; a pack built before format 1.1 (no crc32s) is still served, unchecked and said so."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from expertpack.client import ExpertClient, FetchFailed
+from expertpack.client import protocol as p
+from expertpack.client.expertctl import EXIT_DEGRADED, EXIT_OK, health
+from expertpack.packtools.layout import (
+    MANIFEST_FILE, PACK_FILE, ExpertKey, Manifest, PackHeader, block_crc32, fingerprint_of,
+)
+
+from ..conftest import start_daemon
+
+BAD = ExpertKey(1, 5)
+
+
+def flip_byte(pack: Path, key: ExpertKey) -> None:
+    """Flips one bit of one byte in the middle of `key`'s payload in experts.pack."""
+    layer = Manifest.load(pack).layer(key.layer)
+    at = layer.block_offset(key.expert) + layer.payload_bytes // 2
+    with open(pack / PACK_FILE, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def as_built_before_crc32(pack: Path) -> None:
+    """Makes `pack` what a format 1.0 build wrote: no minor_version, no crc32s, and the fingerprint
+    of that manifest in manifest.json and in the pack's header."""
+    data = json.loads((pack / MANIFEST_FILE).read_text())
+    del data["minor_version"]
+    for layer in data["layers"]:
+        del layer["crc32"]
+    data["fingerprint"] = fingerprint_of(data)
+    (pack / MANIFEST_FILE).write_text(json.dumps(data))
+    header = PackHeader.expected_for(Manifest.load(pack))
+    with open(pack / PACK_FILE, "r+b") as f:
+        f.write(header.encode())
+
+
+def every_key(m: Manifest) -> list[ExpertKey]:
+    return [ExpertKey(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]
+
+
+def test_the_build_records_each_blocks_crc32(tiny_pack: Path) -> None:
+    m = Manifest.load(tiny_pack)
+    assert m.minor_version == 1 and m.has_crc32
+    with open(tiny_pack / PACK_FILE, "rb") as f:
+        for key in every_key(m):
+            layer = m.layer(key.layer)
+            f.seek(layer.block_offset(key.expert))
+            assert block_crc32(f.read(layer.payload_bytes)) == layer.crc32[key.expert], key
+
+
+def test_a_flipped_byte_fails_that_key_corrupt_and_only_that_key(tiny_pack: Path, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    m = Manifest.load(pack)
+    flip_byte(pack, BAD)
+    d = start_daemon(pack, tmp_path, "--stage-slots", "16", "--client-slots", "4")
+    d.wait_for("READY=1")
+    try:
+        with ExpertClient(d.endpoint) as client:
+            with pytest.raises(FetchFailed) as caught:
+                list(client.fetch([BAD]))
+            assert caught.value.code is p.FailCode.CORRUPT and caught.value.key == BAD
+            assert "layer 1 expert 5" in str(caught.value) and "crc32" in str(caught.value)
+            good = [k for k in every_key(m) if k != BAD]
+            served = []
+            for expert in client.fetch(good):  # after the corrupt one: the daemon serves on
+                layer = m.layer(expert.key.layer)
+                assert hashlib.sha256(expert.data).hexdigest() == layer.sha256[expert.key.expert], expert.key
+                served.append(expert.key)
+                expert.release()
+            assert sorted(served) == good
+            with pytest.raises(FetchFailed) as again:  # never from a cache of any kind: read and checked again
+                list(client.fetch([BAD]))
+            assert again.value.code is p.FailCode.CORRUPT
+            stats = client.stats()
+        c = stats["counters"]
+        assert c["corrupt_blocks"] == 2 and c["io_errors"] == 0 and c["failed"] == 2
+        assert c["checked_blocks"] == len(good) + 2 and c["ready"] == len(good)
+        assert stats["slots"]["reading"] == 0 and stats["slots"]["leased"] == 0
+        code, line = health(stats)
+        assert code == EXIT_DEGRADED and "crc32" in line
+    finally:
+        code, log = d.stop()
+    assert code == 0, log
+    assert "corrupt block: layer 1 expert 5" in log and log.count("corrupt block:") == 2
+
+
+def test_one_corrupt_key_is_counted_once(tiny_pack: Path, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    flip_byte(pack, BAD)
+    d = start_daemon(pack, tmp_path)
+    d.wait_for("READY=1")
+    try:
+        with ExpertClient(d.endpoint) as client:
+            with pytest.raises(FetchFailed, match="CORRUPT"):
+                list(client.fetch([BAD]))
+            for expert in client.fetch([(1, 4), (1, 6)]):
+                expert.release()
+            stats = client.stats()
+        assert stats["counters"]["corrupt_blocks"] == 1 and stats["counters"]["ready"] == 2
+    finally:
+        code, log = d.stop()
+    assert code == 0, log
+    assert log.count("corrupt block: layer 1 expert 5 ") == 1
+
+
+def test_a_pack_built_before_crc32s_still_serves(tiny_pack: Path, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    as_built_before_crc32(pack)
+    m = Manifest.load(pack)
+    assert m.minor_version == 0 and not m.has_crc32
+    d = start_daemon(pack, tmp_path, "--stage-slots", "16", "--client-slots", "4")
+    d.wait_for("READY=1")
+    try:
+        with ExpertClient(d.endpoint) as client:
+            assert client.fingerprint == m.fingerprint
+            for expert in client.fetch(every_key(m)):
+                assert hashlib.sha256(expert.data).hexdigest() == m.layer(expert.key.layer).sha256[expert.key.expert]
+                expert.release()
+            stats = client.stats()
+        c = stats["counters"]
+        assert c["ready"] == len(every_key(m)) and c["checked_blocks"] == 0 and c["corrupt_blocks"] == 0
+        assert health(stats)[0] == EXIT_OK
+    finally:
+        code, log = d.stop()
+    assert code == 0, log
+    assert "built before pack format 1.1" in log
