@@ -1,6 +1,8 @@
 """The worker's connection to expertd: fetches experts through the client library, reconnects with
 backoff when the daemon goes away and fetches again what had not arrived (reads are idempotent), and
-gives up with a clear error once the daemon has been gone longer than `down_timeout_s`. It also
+gives up with a clear error once the daemon has been gone longer than `down_timeout_s`. A block
+expertd read but found corrupt (FAIL CORRUPT) fails the request with CorruptExpert, naming the expert
+and the pack: nothing is computed with it, and no retry can help. It also
 exposes the shared staging segment as a tensor, registered with CUDA (cudaHostRegister) when the
 worker runs on a GPU, so copies out of it are true async DMA.
 
@@ -19,7 +21,7 @@ from typing import Iterator
 import torch
 import zmq
 
-from expertpack.client import DaemonUnavailable, Expert, ExpertClient
+from expertpack.client import ClientError, DaemonUnavailable, Expert, ExpertClient, FetchFailed
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
@@ -30,6 +32,19 @@ PROBE_TIMEOUT_S = 2.0  # how long /health and /metrics wait for the daemon's STA
 
 class DaemonLost(RuntimeError):
     """expertd stayed unreachable past the timeout; the request fails, nothing wrong was computed."""
+
+
+class CorruptExpert(FetchFailed):
+    """expertd read an expert's block and found it damaged (its crc32 does not match the pack's
+    manifest): the request fails, nothing was computed with those bytes."""
+
+    def __init__(self, failed: FetchFailed, endpoint: str, fingerprint: str) -> None:
+        ClientError.__init__(self, f"expert (layer {failed.key.layer}, expert {failed.key.expert}) of pack "
+                                   f"{fingerprint[:16]} (served by expertd at {endpoint}) is corrupt on disk; the "
+                                   f"request fails and nothing was computed with it. expertd: {failed.message}")
+        self.key = failed.key
+        self.code = failed.code
+        self.message = failed.message
 
 
 class DaemonLink:
@@ -155,6 +170,10 @@ class DaemonLink:
                     remaining.remove(expert.key)
                     down_since = None
                     yield expert
+            except FetchFailed as exc:
+                if exc.code is p.FailCode.CORRUPT:
+                    raise CorruptExpert(exc, self.endpoint, self.client.fingerprint if self.client else "?") from None
+                raise
             except DaemonUnavailable as exc:
                 now = time.monotonic()
                 down_since = down_since or now

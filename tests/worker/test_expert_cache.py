@@ -9,12 +9,15 @@ protocol and the copies are the same code as on a GPU):
 - the daemon SIGKILLed in the middle of a fetch: restarted, the worker reconnects and the tokens
   are unchanged; left dead, the request fails with DaemonLost, and a later request, once the
   daemon is back, is exact again;
-- refusals at load: a daemon serving another pack, a cache below one step.
+- refusals at load: a daemon serving another pack, a cache below one step;
+- a block corrupt on disk: the request fails with CorruptExpert naming the expert and the pack, and
+  the bytes never enter the cache.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import threading
 import time
@@ -25,9 +28,9 @@ import pytest
 import torch
 
 from expertpack.client import FingerprintMismatch
-from expertpack.packtools.layout import ExpertKey, Manifest
+from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
 from expertpack.worker.cache_policy import CacheTooSmall
-from expertpack.worker.daemon_link import DaemonLost
+from expertpack.worker.daemon_link import CorruptExpert, DaemonLost
 from expertpack.worker.engine import Engine
 from expertpack.worker.expert_cache import slot_bytes
 
@@ -214,6 +217,46 @@ def test_daemon_gone_for_good_fails_the_request_clearly(fixture_packs, resident,
             assert back.stop()[0] == 0
     finally:
         engine.close()  # idempotent
+
+
+def test_a_corrupt_block_fails_the_request_and_is_never_computed(fixture_packs, resident, tmp_path: Path) -> None:
+    name = "qwen3moe-a.Q4_K_M"
+    pack = tmp_path / "pack"
+    shutil.copytree(fixture_packs[name][1], pack)
+    manifest = Manifest.load(pack)
+    prompt = prompts(MODELS[name])[0]
+    resident[name].model.moe.routing_log = {}
+    try:
+        greedy_run(resident[name], prompt, 0)  # the prompt's routing, from the intact pack
+        layer, calls = next(iter(resident[name].model.moe.routing_log.items()))
+    finally:
+        resident[name].model.moe.routing_log = None
+    bad = ExpertKey(layer, int(calls[0][0, 0]))  # the first expert the prompt's first MoE layer selects
+    block = manifest.layer(bad.layer)
+    with open(pack / PACK_FILE, "r+b") as f:
+        at = block.block_offset(bad.expert) + block.payload_bytes // 3
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x01]))
+
+    d = daemon_for(pack, tmp_path)
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+    try:
+        with pytest.raises(CorruptExpert) as caught:
+            greedy_run(engine, prompt, 1)
+        text = str(caught.value)
+        assert caught.value.key == bad
+        assert f"(layer {bad.layer}, expert {bad.expert}) of pack {manifest.fingerprint[:16]}" in text
+        assert "corrupt on disk" in text and str(pack) in text and "nothing was computed" in text
+        cache = engine.expert_cache
+        assert bad not in cache.policy.slot_of
+        assert cache.stats()["daemon"]["corrupt_blocks"] == 1
+    finally:
+        engine.close()
+        code, log = d.stop()
+    assert code == 0, log
+    assert f"corrupt block: layer {bad.layer} expert {bad.expert} " in log
 
 
 def test_a_daemon_serving_another_pack_is_refused(fixture_packs, tmp_path: Path) -> None:
