@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from expertpack.packtools.layout import (
     MANIFEST_FILE, PACK_FILE, ExpertKey, Manifest, PackHeader, block_crc32, fingerprint_of,
 )
 
-from ..conftest import start_daemon
+from ..conftest import BIN, start_daemon
 
 BAD = ExpertKey(1, 5)
 
@@ -93,6 +94,10 @@ def test_a_flipped_byte_fails_that_key_corrupt_and_only_that_key(tiny_pack: Path
         assert stats["slots"]["reading"] == 0 and stats["slots"]["leased"] == 0
         code, line = health(stats)
         assert code == EXIT_DEGRADED and "crc32" in line
+        ctl = subprocess.run([str(BIN / "expertctl"), "stats", "--endpoint", d.endpoint], capture_output=True, text=True)
+        assert ctl.returncode == 0 and "corrupt_blocks 2" in ctl.stdout, ctl
+        ctl = subprocess.run([str(BIN / "expertctl"), "health", "--endpoint", d.endpoint], capture_output=True, text=True)
+        assert ctl.returncode == EXIT_DEGRADED and "failed their crc32 check" in ctl.stdout, ctl
     finally:
         code, log = d.stop()
     assert code == 0, log
