@@ -34,13 +34,14 @@ from .build_state import BuildState, load_state, remove_state, save_state
 from .errors import BuildLockedError, DiskSpaceError, ExpertpackError, OutputExistsError
 from .gguf_source import SPLIT_NAME
 from .gguf_stream import string_field
-from .hashing import READ_PIECE_BYTES, BlockHasher
+from .hashing import BlockHasher
 from .layout import (
     DATA_START, FORMAT_VERSION, ALIGNMENT, MANIFEST_FILE, PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY,
     BlockDigest, ExpertKey, LayerLayout, Manifest, ModelInfo, PackHeader, SourceFile, TrunkInfo,
 )
 from .source_pass import ExpertSegment, OutputFds, Segment, TrunkSegment, copy_shard, hash_prefix, open_direct
 from .units import GIB, human_bytes
+from .verify import digest_range
 
 log = logging.getLogger("expertpack.build")
 
@@ -359,16 +360,7 @@ class _BlockDigester(BlockHasher):
     """BlockHasher giving both of a block's checksums (a BlockDigest) instead of its sha256 alone."""
 
     def _hash_one(self, layer: LayerLayout, expert: int) -> None:
-        offset, nbytes = layer.block_offset(expert), layer.payload_bytes
-        digest = BlockDigest()
-        done = 0
-        while done < nbytes:
-            want = min(READ_PIECE_BYTES, nbytes - done)
-            piece = os.pread(self._fd, want, offset + done)
-            if len(piece) != want:
-                raise OSError(f"short read at byte {offset + done}: wanted {want}, got {len(piece)} (file truncated?)")
-            digest.update(piece)
-            done += want
+        digest = digest_range(self._fd, layer.block_offset(expert), layer.payload_bytes)
         self._on_done(ExpertKey(layer.layer, expert), digest)  # type: ignore[arg-type]
 
 

@@ -1,7 +1,8 @@
 """`expertpack verify OUT`: proves a pack is whole. Checks the manifest against its own fingerprint,
 the layout contract (alignment, strides, non-overlap), the pack's size and header, the trunk's
-fingerprint key and tensor hashes, and re-hashes every expert block in parallel. Reports every
-problem it finds, each damaged block by (layer, expert); it never modifies the pack."""
+fingerprint key and tensor hashes, and re-hashes every expert block in parallel (sha256, and the
+crc32 expertd checks on every read where the pack has them, format 1.1). Reports every problem it
+finds, each damaged block by (layer, expert); it never modifies the pack."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from gguf import GGUFReader
 from tqdm import tqdm
 
 from .errors import ManifestError
-from .hashing import hash_range
-from .layout import DATA_START, PACK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, Manifest, PackHeader, manifest_problems
+from .hashing import READ_PIECE_BYTES, hash_range
+from .layout import (
+    DATA_START, PACK_FILE, TRUNK_FINGERPRINT_KEY, BlockDigest, ExpertKey, Manifest, PackHeader, format_crc32,
+    manifest_problems,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,29 +113,51 @@ def _check_blocks(pack_path: Path, manifest: Manifest, report: VerifyReport, thr
     total = sum(layer.payload_bytes for layer, _ in jobs)
     fd = os.open(pack_path, os.O_RDONLY)
 
-    def check(job: tuple) -> tuple[ExpertKey, str, str, int]:
+    def check(job: tuple) -> tuple[ExpertKey, str, str, int, str | None]:
         layer, e = job
         offset = layer.block_offset(e)
         key = ExpertKey(layer.layer, e)
         if offset + layer.payload_bytes > size:
-            return key, layer.sha256[e], "<beyond end of file>", layer.payload_bytes
+            return key, layer.sha256[e], "<beyond end of file>", layer.payload_bytes, None
+        crc_problem = None
         try:
-            found = hash_range(fd, offset, layer.payload_bytes)
+            digest = digest_range(fd, offset, layer.payload_bytes)
+            found = digest.sha256()
+            if found == layer.sha256[e] and e < len(layer.crc32) and digest.crc32 != layer.crc32[e]:
+                crc_problem = (f"layer {layer.layer} expert {e}: its bytes match their sha256 but have crc32 "
+                               f"{format_crc32(digest.crc32)}, the manifest says {format_crc32(layer.crc32[e])}: "
+                               "the build recorded a wrong crc32 and expertd will refuse this block (rebuild)")
         except OSError as exc:  # a bad sector is damage to report, not a crash
             found = f"<read error: {exc}>"
-        return key, layer.sha256[e], found, layer.payload_bytes
+        return key, layer.sha256[e], found, layer.payload_bytes, crc_problem
 
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool, tqdm(
             total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=not progress,
             mininterval=0.5, dynamic_ncols=True,
         ) as bar:
-            for key, expected, found, nbytes in pool.map(check, jobs):
+            for key, expected, found, nbytes, crc_problem in pool.map(check, jobs):
                 report.blocks_checked += 1
                 report.bytes_checked += nbytes
                 bar.update(nbytes)
                 if expected != found:
                     report.damaged.append(DamagedBlock(key, expected, found))
+                if crc_problem is not None:
+                    report.problems.append(crc_problem)
     finally:
         os.close(fd)
+
+
+def digest_range(fd: int, offset: int, nbytes: int) -> BlockDigest:
+    """sha256 and crc32 of bytes [offset, offset + nbytes) in one read; a short read is an error."""
+    digest = BlockDigest()
+    done = 0
+    while done < nbytes:
+        want = min(READ_PIECE_BYTES, nbytes - done)
+        piece = os.pread(fd, want, offset + done)
+        if len(piece) != want:
+            raise OSError(f"short read at byte {offset + done}: wanted {want}, got {len(piece)} (file truncated?)")
+        digest.update(piece)
+        done += want
+    return digest
 

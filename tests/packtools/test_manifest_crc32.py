@@ -1,9 +1,11 @@
 """Pack format 1.1's block crc32s in the manifest: written by the build, validated on load (a bad
-value names its key), counted against n_expert by the one manifest check, optional for a 1.0 pack."""
+value names its key), counted against n_expert by the one manifest check, optional for a 1.0 pack,
+and checked by verify beside the sha256s."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from expertpack.packtools.errors import ManifestError
 from expertpack.packtools.layout import (
     FORMAT_MINOR_VERSION, MANIFEST_FILE, Manifest, fingerprint_of, manifest_problems,
 )
+from expertpack.packtools.verify import verify_pack
 
 
 def manifest_data(pack: Path) -> dict:
@@ -57,3 +60,17 @@ def test_crc32s_must_cover_every_expert_of_every_layer(tiny_pack: Path) -> None:
     problems = manifest_problems(loaded(data))
     assert any("block crc32s for" in p for p in problems)
     assert "some layers have block crc32s and others not" in problems
+
+
+def test_verify_reports_a_wrong_crc32_the_build_recorded(tiny_pack: Path, tmp_path: Path) -> None:
+    """Bytes that match their sha256 but not their crc32: expertd would refuse them, so verify says so."""
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    data = manifest_data(pack)
+    data["layers"][2]["crc32"][7] = f"{int(data['layers'][2]['crc32'][7], 16) ^ 1:08x}"
+    data["fingerprint"] = fingerprint_of(data)
+    (pack / MANIFEST_FILE).write_text(json.dumps(data))
+    report = verify_pack(pack, progress=False)
+    layer = data["layers"][2]["layer"]
+    assert report.damaged == []
+    assert any(p.startswith(f"layer {layer} expert 7: its bytes match their sha256 but have crc32") for p in report.problems)
