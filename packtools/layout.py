@@ -22,8 +22,8 @@ a later one; `minor_version`, absent before 1.1, says which revision wrote it):
     1.0  per-block sha256 (`layers[].sha256`), checked on demand by `expertpack verify`.
     1.1  (2026-11-30) `layers[].crc32`: the CRC-32 (zlib's, as `zlib.crc32` and `crc32` tools print
          it, 8 lowercase hex digits) of each block's payload, one per expert beside its sha256, so
-         that expertd can check every block as it reads it at a cost of a fraction of a CPU second
-         per GB. A 1.0 pack (no `crc32`) is still served, unchecked at read time.
+         that expertd can check every block as it reads it (~0.25 CPU-s per GB, BENCHMARKS.md;
+         sha256 costs twice that). A 1.0 pack (no `crc32`) is still served, unchecked at read time.
 
 This module does no I/O beyond reading and writing these two small structures.
 """
