@@ -63,6 +63,18 @@ def unleased(daemon: Daemon) -> int:
         return reply.stats["slots"]["unleased"]
 
 
+def test_hello_carries_slots_only_when_it_asks_for_some() -> None:
+    """Golden bytes: HELLO{version 2, client "w", fingerprint "", slots 4}; without slots, the field is
+    left off (older daemons ignore it either way)."""
+    asking = p.Hello(2, "w", "", 4)
+    assert p.encode(asking).hex() == (
+        "85" "a26f70" "01" "a776657273696f6e" "02" "a6636c69656e74" "a177" "ab66696e6765727072696e74" "a0"
+        "a5736c6f7473" "04")
+    assert p.decode(p.encode(asking)) == asking
+    assert "slots" not in msgpack.unpackb(p.encode(p.Hello(2, "w")))
+    assert p.decode(p.encode(p.Hello(2, "w"))).slots == 0
+
+
 @pytest.mark.parametrize("small_daemon", [("--max-client-slots", "4")], indirect=True)
 def test_a_client_asking_for_every_slot_gets_the_cap(small_daemon: Daemon) -> None:
     with ExitStack() as stack:
