@@ -32,7 +32,7 @@ from expertpack.client import ClientError
 from expertpack.client.expertctl import health as daemon_health
 
 from .chat_template import ChatTemplate, ChatTemplateError
-from .daemon_link import DaemonLost
+from .daemon_link import CorruptExpert, DaemonLost
 from .generation import Completion, ContextExceeded, Generator, Request as GenRequest
 from .metrics import ServeCounters, render
 from .sampling import Sampler
@@ -310,8 +310,7 @@ def create_app(service: WorkerService) -> FastAPI:
         try:
             completion = await service.generate(req, gone=gone)
         except (DaemonLost, ClientError) as exc:
-            raise ApiError(503, f"expert storage unavailable: {exc}", kind="server_error",
-                           code="daemon_unavailable") from None
+            raise _storage_error(exc) from None
         except Exception as exc:
             log.exception("generation failed")
             raise ApiError(500, f"generation failed: {exc}", kind="server_error") from None
@@ -350,12 +349,11 @@ def create_app(service: WorkerService) -> FastAPI:
                 yield chunk(piece)
             completion = await work
         except Exception as exc:
-            unavailable = isinstance(exc, (DaemonLost, ClientError))
-            if not unavailable:
+            if isinstance(exc, (DaemonLost, ClientError)):
+                error = _storage_error(exc)
+            else:
                 log.exception("generation failed")
-            error = ApiError(503 if unavailable else 500, f"expert storage unavailable: {exc}" if unavailable else
-                             f"generation failed: {exc}", kind="server_error",
-                             code="daemon_unavailable" if unavailable else None)
+                error = ApiError(500, f"generation failed: {exc}", kind="server_error")
             service.counters.count(request.url.path, error.status)
             yield _sse(error.body())
             yield "data: [DONE]\n\n"
@@ -435,6 +433,15 @@ def _usage_fields(c: Completion) -> dict[str, Any]:
                     "predicted_ms": u.decode_s * 1e3, "predicted_per_second": u.decode_tokens_per_s},
         "expertpack": {"hit_rate": u.hit_rate, "ssd_bytes": u.ssd_bytes, "cache": u.cache},
     }
+
+
+def _storage_error(exc: Exception) -> "ApiError":
+    """A failure of expert storage: a block corrupt on disk is the pack's fault (500, expert_corrupt:
+    retrying will not help, `expertpack verify` names the damage); anything else, the daemon's
+    absence (503, daemon_unavailable: retry later)."""
+    if isinstance(exc, CorruptExpert):
+        return ApiError(500, str(exc), kind="server_error", code="expert_corrupt")
+    return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_unavailable")
 
 
 def _sse(obj: dict) -> str:

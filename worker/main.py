@@ -185,6 +185,7 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
 
     from .api import Limits, WorkerService, create_app
     from .cache_policy import CacheTooSmall
+    from .daemon_link import CorruptExpert
     from .engine import Engine
     from .generation import Generator
     from .tokenizer import TokenizerError, load_tokenizer
@@ -208,7 +209,10 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
         return 2
     try:
         generator = Generator(engine, tokenizer)
-        engine.forward([tokenizer.bos_id or 0], engine.new_cache())  # warm-up: kernels, allocator, first experts
+        try:
+            engine.forward([tokenizer.bos_id or 0], engine.new_cache())  # warm-up: kernels, allocator, first experts
+        except CorruptExpert as exc:  # the pack's damage fails the requests that need it; /health says degraded
+            log.error("warm-up: %s", exc)
         cache = engine.expert_cache
         m = cache.manifest
         log.info("serving %s (%s, %d layers, %d experts top-%d) on %s: %d cache slots of %.2f MiB, %.0f MiB "

@@ -83,7 +83,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str) -> Worker:
+def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str, ready: str = "/health") -> Worker:
     port = free_port()
     log_path = tmp / "worker.log"
     with open(log_path, "w") as log:
@@ -96,7 +96,7 @@ def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str) -> Worker:
         if proc.poll() is not None:
             raise AssertionError(f"expert-worker exited {proc.returncode}: {w.log}")
         try:
-            if w.get("/health")[0] == 200:
+            if w.get(ready)[0] == 200:
                 return w
         except (urllib.error.URLError, ConnectionError):
             pass
@@ -468,3 +468,40 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(served) 
         client.chat.completions.create(model="fixture", messages=[{"role": "user", "content": "b" * n_chars}])
     assert err.value.body["param"] == "messages"
     assert time.monotonic() - start < 5
+
+
+def test_a_corrupt_pack_answers_500_expert_corrupt_streamed_or_not(fixture_packs, tmp_path: Path) -> None:
+    """Every block of layer 0 damaged on disk: the request fails with 500 and code expert_corrupt (the
+    pack's fault, not the daemon's absence: no retry helps), naming the expert; the worker stays up."""
+    import shutil
+
+    from expertpack.packtools.layout import PACK_FILE
+
+    pack = tmp_path / "pack"
+    shutil.copytree(fixture_packs[PACK][1], pack)
+    layer = Manifest.load(pack).layers[0]
+    with open(pack / PACK_FILE, "r+b") as f:
+        for e in range(Manifest.load(pack).model.n_expert):
+            f.seek(layer.block_offset(e) + 7)
+            byte = f.read(1)[0]
+            f.seek(layer.block_offset(e) + 7)
+            f.write(bytes([byte ^ 0x10]))
+    daemon = start_daemon(pack, tmp_path, "--client-slots", "4")
+    daemon.wait_for("READY=1")
+    worker = start_worker(pack, daemon.endpoint, tmp_path, ready="/v1/models")  # /health: degraded
+    try:
+        assert "ERROR warm-up: expert (layer 0" in worker.log and worker.get("/health")[0] == 503
+        status, body = worker.post("/v1/completions", json.dumps(
+            {"model": "fixture", "prompt": "hello", "max_tokens": 2}).encode())
+        assert status == 500 and body["error"]["code"] == "expert_corrupt", body
+        assert f"(layer {layer.layer}, expert " in body["error"]["message"]
+        req = urllib.request.Request(worker.url + "/v1/completions", json.dumps(
+            {"model": "fixture", "prompt": "hello", "max_tokens": 2, "stream": True}).encode(),
+            {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            events = [line for line in r.read().decode().splitlines() if line.startswith("data: {")]
+        assert json.loads(events[-1][6:])["error"]["code"] == "expert_corrupt"
+        assert worker.get("/v1/models")[0] == 200
+    finally:
+        assert worker.stop() == 0, worker.log
+        daemon.stop()
