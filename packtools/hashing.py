@@ -6,16 +6,16 @@ from __future__ import annotations
 import hashlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 from .layout import ExpertKey, LayerLayout
 
 READ_PIECE_BYTES = 8 << 20  # hash a large block in pieces so a thread never holds more than this
 
 
-def hash_range(fd: int, offset: int, nbytes: int) -> str:
-    """sha256 of bytes [offset, offset + nbytes) of an open file; a short read is an error."""
-    digest = hashlib.sha256()
+def read_range(fd: int, offset: int, nbytes: int, digest: Any) -> None:
+    """Feeds bytes [offset, offset + nbytes) of an open file to digest.update, in pieces; a short
+    read is an error."""
     done = 0
     while done < nbytes:
         want = min(READ_PIECE_BYTES, nbytes - done)
@@ -24,6 +24,12 @@ def hash_range(fd: int, offset: int, nbytes: int) -> str:
             raise OSError(f"short read at byte {offset + done}: wanted {want}, got {len(piece)} (file truncated?)")
         digest.update(piece)
         done += want
+
+
+def hash_range(fd: int, offset: int, nbytes: int) -> str:
+    """sha256 of bytes [offset, offset + nbytes) of an open file."""
+    digest = hashlib.sha256()
+    read_range(fd, offset, nbytes, digest)
     return digest.hexdigest()
 
 

@@ -15,7 +15,7 @@ from gguf import GGUFReader
 from tqdm import tqdm
 
 from .errors import ManifestError
-from .hashing import READ_PIECE_BYTES, hash_range
+from .hashing import hash_range, read_range
 from .layout import (
     DATA_START, PACK_FILE, TRUNK_FINGERPRINT_KEY, BlockDigest, ExpertKey, Manifest, PackHeader, format_crc32,
     manifest_problems,
@@ -151,13 +151,6 @@ def _check_blocks(pack_path: Path, manifest: Manifest, report: VerifyReport, thr
 def digest_range(fd: int, offset: int, nbytes: int) -> BlockDigest:
     """sha256 and crc32 of bytes [offset, offset + nbytes) in one read; a short read is an error."""
     digest = BlockDigest()
-    done = 0
-    while done < nbytes:
-        want = min(READ_PIECE_BYTES, nbytes - done)
-        piece = os.pread(fd, want, offset + done)
-        if len(piece) != want:
-            raise OSError(f"short read at byte {offset + done}: wanted {want}, got {len(piece)} (file truncated?)")
-        digest.update(piece)
-        done += want
+    read_range(fd, offset, nbytes, digest)
     return digest
 
