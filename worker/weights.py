@@ -51,7 +51,8 @@ class QTensor:
     ggml_type: T
     shape: tuple[int, ...]  # ggml ne: shape[0] is the contiguous row
     raw: torch.Tensor  # uint8, the bytes exactly as in the file
-    _vector: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # A vector's float32 values, made at its first use and shared by every later one (read-only).
+    _values: torch.Tensor | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.ggml_type is not T.I32:
@@ -60,9 +61,10 @@ class QTensor:
     def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Values in torch order (reversed ne), e.g. a matrix ne [in, out] -> [out, in]."""
         if len(self.shape) == 1:
-            values = self._vector.get("f32")
+            values = self._values
             if values is None:
-                values = self._vector["f32"] = dequantize(self.raw, self.ggml_type, self.shape)
+                values = dequantize(self.raw, self.ggml_type, self.shape)
+                object.__setattr__(self, "_values", values)  # a cache, not state: frozen stays frozen
         elif use_kernels(self.raw.device):  # one launch, and nothing a CUDA graph cannot capture
             from .kernels.linear_tl import dequantize as decode
 
