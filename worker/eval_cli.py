@@ -19,6 +19,7 @@ from .cache_policy import CacheTooSmall
 from .daemon_link import DaemonLost
 from .engine import Engine
 from .main import SettingsError, pick_device
+from .routing_trace import start_trace, stop_trace
 from .sampling import Sampler
 from .tokenizer import load_tokenizer
 
@@ -33,11 +34,19 @@ def run(args: argparse.Namespace) -> int:
                              reserve_bytes=args.cache_reserve_mib << 20, name="expertpack-eval")
     except (ClientError, CacheTooSmall, ValueError) as exc:
         _fail(str(exc))
+    trace = None
     try:
+        if args.trace is not None:
+            try:
+                trace = start_trace(engine, args.trace, args.model.name)
+            except OSError as exc:
+                _fail(f"--trace {args.trace}: {exc.strerror or exc}")
         return _run(args, engine)
     except DaemonLost as exc:
         _fail(str(exc))
     finally:
+        if trace is not None:
+            stop_trace(engine, trace)
         engine.close()
 
 
@@ -63,6 +72,8 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
         np.save(args.save_logits, logits.cpu().numpy().astype(np.float32))
     result = {"prompt": prompt, "continuation": tokens, "text": tokenizer.decode(tokens),
               "arch": engine.files.arch, "device": args.device, "seconds": round(seconds, 3)}
+    if args.trace is not None:
+        result["trace"] = str(args.trace)
     if engine.expert_cache is not None:
         result["expert_cache"] = engine.expert_cache.stats()
     if args.json:
@@ -73,6 +84,8 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
         print(f"text: {result['text']!r}")
         if args.save_logits is not None:
             print(f"logits: {args.save_logits} [{logits.shape[0]}, {logits.shape[1]}] float32")
+        if args.trace is not None:
+            print(f"routing trace: {args.trace}")
         if engine.expert_cache is not None:
             c = result["expert_cache"]["cache"]
             print(f"expert cache: {c['slots']} slots, {c['hits']} hits, {c['misses']} misses, {c['evictions']} "

@@ -27,7 +27,7 @@ DEFAULTS = {
     "pack": None, "daemon": "ipc:///run/expertpack/expertd.sock", "device": None, "cache_vram_mib": 4096,
     "cache_reserve_mib": 1024, "host": "127.0.0.1", "port": 8000, "tokenizer": None, "model_name": None,
     "daemon_timeout_s": 30.0, "daemon_down_timeout_s": 60.0, "max_body_mib": 0, "max_prompt_chars": 0,
-    "log_level": "info",
+    "log_level": "info", "trace": None,
 }
 
 
@@ -78,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
                    help="longest prompt accepted, in characters, checked before tokenizing (default 0: "
                         "32 per token of the context)")
     p.add_argument("--log-level", help="debug, info, warning (default info)")
+    p.add_argument("--trace", type=Path, metavar="FILE",
+                   help="record the experts every token selects in every MoE layer (prompts and decoding) into "
+                        "FILE, a routing trace for `expertpack bench cache` (format: worker/routing_trace.py); "
+                        "costs one host copy of the routing ids per layer call")
     return p
 
 
@@ -108,11 +112,13 @@ def settings(argv: list[str] | None) -> argparse.Namespace:
             problems.append(f"{name}: expected {kind.__name__}, got {value!r}")
         elif not (math.isfinite(value) and low <= value <= high):
             problems.append(f"{name}: must lie in {plain_number(low)}..{plain_number(high)}, got {value!r}")
-    for name in ("pack", "daemon", "device", "host", "tokenizer", "model_name", "log_level"):
+    for name in ("pack", "daemon", "device", "host", "tokenizer", "model_name", "log_level", "trace"):
         if merged[name] is not None and not isinstance(merged[name], (str, Path)):
             problems.append(f"{name}: expected a string, got {merged[name]!r}")
     if str(merged["log_level"]).lower() not in LOG_LEVELS:
         problems.append(f"log_level: one of {', '.join(LOG_LEVELS)}, got {merged['log_level']!r}")
+    if isinstance(merged["trace"], (str, Path)) and not Path(merged["trace"]).parent.is_dir():
+        problems.append(f"trace: {merged['trace']}: its directory does not exist")
     if problems:
         raise SettingsError("; ".join(problems))
     return argparse.Namespace(**merged)
@@ -188,6 +194,7 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     from .daemon_link import CorruptExpert
     from .engine import Engine
     from .generation import Generator
+    from .routing_trace import start_trace, stop_trace
     from .tokenizer import TokenizerError, load_tokenizer
 
     try:
@@ -213,6 +220,14 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
             engine.forward([tokenizer.bos_id or 0], engine.new_cache())  # warm-up: kernels, allocator, first experts
         except CorruptExpert as exc:  # the pack's damage fails the requests that need it; /health says degraded
             log.error("warm-up: %s", exc)
+        trace = None
+        if args.trace is not None:  # after the warm-up: the trace holds what clients asked for
+            try:
+                trace = start_trace(engine, args.trace, name)
+            except OSError as exc:
+                log.error("cannot start: --trace %s: %s", args.trace, exc.strerror or exc)
+                return 2
+            log.info("recording routing into %s", args.trace)
         cache = engine.expert_cache
         m = cache.manifest
         log.info("serving %s (%s, %d layers, %d experts top-%d) on %s: %d cache slots of %.2f MiB, %.0f MiB "
@@ -233,6 +248,9 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
             signal.signal(sig, lambda signum, frame: None)
         server.run(sockets=[listener])
         service.shutdown()  # the generation thread is done with the engine before it is closed
+        if trace is not None:
+            stop_trace(engine, trace)
+            log.info("routing trace: %d layer calls in %s", trace.calls, args.trace)
         log.info("stopped")
         return 0
     finally:
