@@ -7,7 +7,13 @@
 
 Experts arrive in completion order, not request order. `data` is valid until `release()`. The client
 holds a fixed set of staging slots (leased at HELLO); a fetch of more keys than that proceeds as
-experts are released. No GPU needed: the worker adds CUDA registration on top."""
+experts are released. No GPU needed: the worker adds CUDA registration on top.
+
+A daemon that goes away is noticed at once, not after `timeout_s`: a BYE (it is shutting down), or
+the connection closing under the session (it exited, was killed or restarted: a ZeroMQ socket
+monitor reports the disconnect) raise DaemonUnavailable from the call waiting on it. The session
+is then dead (the daemon dropped its leases with the connection); a new ExpertClient starts
+another. `timeout_s` bounds only a daemon that keeps its connection but stops answering."""
 
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ class ClientError(Exception):
 
 
 class DaemonUnavailable(ClientError):
-    """No answer from expertd in time, or it said BYE."""
+    """No answer from expertd in time, it said BYE or that it is shutting down, or the connection
+    closed under the session."""
 
 
 class DaemonError(ClientError):
@@ -120,6 +127,10 @@ class ExpertClient:
         if endpoint.startswith("ipc://") and not _may_connect(endpoint.removeprefix("ipc://")):
             self._sock.close(linger=0)
             raise ClientError(f"expertd at {endpoint}: {PERMISSION_HINT.format(path=endpoint.removeprefix('ipc://'))}")
+        # Only the disconnect of an established connection: connect retries while no daemon is
+        # there yet are ZeroMQ's business (a HELLO waits for the daemon to come).
+        self._monitor: zmq.Socket | None = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._lost: str | None = None  # why the session died, once it has
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._inbox: dict[int, deque[p.Message]] = {}
@@ -182,8 +193,8 @@ class ExpertClient:
             unclaimed = [m.slot for m in self._inbox.pop(request_id) if isinstance(m, p.Ready)]
             if unclaimed:
                 self._release(unclaimed)
-            if remaining > len(unclaimed) and not self._sock.closed:
-                self._send(p.Cancel(request_id))
+            if remaining > len(unclaimed):
+                self._send_if_alive(p.Cancel(request_id))
 
     def stats(self) -> dict[str, Any]:
         self._send(p.Stats())
@@ -203,6 +214,11 @@ class ExpertClient:
             except BufferError:
                 pass  # an Expert still holds a view; the mapping goes when it does
             self._map = None
+        if self._monitor is not None:
+            if not self._sock.closed:
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self._sock.close(linger=0)
 
     def __enter__(self) -> "ExpertClient":
@@ -213,20 +229,51 @@ class ExpertClient:
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _release(self, slots: list[int]) -> None:
-        if not self._sock.closed:
-            self._send(p.Release(tuple(slots)))
+        self._send_if_alive(p.Release(tuple(slots)))
+
+    def _send_if_alive(self, msg: p.Message) -> None:
+        """RELEASE and CANCEL: a closed or dead session has nothing left to give back (the daemon
+        dropped its leases and requests with the connection)."""
+        if not self._sock.closed and not self._disconnected():
+            self._sock.send(p.encode(msg))
 
     def _send(self, msg: p.Message) -> None:
+        if self._disconnected():
+            return  # nobody holds this session any more: the reply's wait raises (after reading any BYE)
         self._sock.send(p.encode(msg))
+
+    def _disconnected(self) -> bool:
+        """True once the connection to the daemon has closed under this session (seen without waiting)."""
+        if self._lost is None and self._monitor is not None and self._monitor.poll(0):
+            self._monitor.recv_multipart()  # the event itself says no more than "disconnected"
+            self._lost = (f"expertd at {self.endpoint} closed the connection (it exited, was killed or is "
+                          "restarting) and no longer knows this client: the session's leases and requests died "
+                          "with it")
+        return self._lost is not None
 
     def _recv(self, timeout_s: float | None) -> p.Message:
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not self._sock.poll(int(timeout * 1000)):
-            why = ipc_problem(self.endpoint) or "is it running? (systemctl status expertd)"
-            raise DaemonUnavailable(f"no answer from expertd at {self.endpoint} within {timeout:g} s; {why}")
+        deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        # What the daemon sent before it went away is still good (a READY names bytes read whole into
+        # a segment we keep mapped): the data socket is read first, the disconnect acted on once it is empty.
+        while not self._sock.poll(0):
+            if self._disconnected():
+                raise DaemonUnavailable(self._lost)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                why = ipc_problem(self.endpoint) or "is it running? (systemctl status expertd)"
+                raise DaemonUnavailable(f"no answer from expertd at {self.endpoint} within {timeout:g} s; {why}")
+            poller.poll(left_ms)
         msg = p.decode(self._sock.recv())
         if isinstance(msg, p.Bye):
             raise DaemonUnavailable(f"expertd at {self.endpoint} is going away: {msg.reason}")
+        if isinstance(msg, p.Error) and msg.code is p.ErrorCode.SHUTTING_DOWN:
+            # On its way out (a restart, mostly): its successor may answer a new session.
+            raise DaemonUnavailable(f"expertd at {self.endpoint} is shutting down: {msg.message}")
         if isinstance(msg, p.Error) and msg.code is p.ErrorCode.NO_SESSION:
             # A daemon that restarted behind the same endpoint got a message of our old session.
             raise DaemonUnavailable(f"expertd at {self.endpoint} no longer knows this client (it restarted): "

@@ -1,6 +1,12 @@
-"""The worker's connection to expertd: fetches experts through the client library, reconnects with
-backoff when the daemon goes away and fetches again what had not arrived (reads are idempotent), and
-gives up with a clear error once the daemon has been gone longer than `down_timeout_s`. A block
+"""The worker's connection to expertd: fetches experts through the client library, reconnects when
+the daemon goes away and fetches again what had not arrived (reads are idempotent), and gives up
+with a clear error once the daemon has been gone `down_timeout_s`.
+
+Recovery takes what the daemon's restart takes, not a timeout: the client notices a daemon that
+exits (its BYE, or the connection closing, from a socket monitor) at once; the new HELLO is queued
+on a fresh socket and answered as soon as a daemon binds the endpoint. A daemon that stays away
+fails the request DaemonLost `down_timeout_s` after it was found gone (its HELLO waits no longer);
+one that hangs with its connection open is found gone after `timeout_s` without an answer. A block
 expertd read but found corrupt (FAIL CORRUPT) fails the request with CorruptExpert, naming the expert
 and the pack: nothing is computed with it, and no retry can help. It also
 exposes the shared staging segment as a tensor, registered with CUDA (cudaHostRegister) when the
@@ -28,6 +34,7 @@ from expertpack.packtools.layout import ExpertKey
 log = logging.getLogger("expert-worker")
 
 PROBE_TIMEOUT_S = 2.0  # how long /health and /metrics wait for the daemon's STATS
+RETRY_PAUSE_S = 0.05  # between a failed session and the next HELLO (which itself waits for a daemon)
 
 
 class DaemonLost(RuntimeError):
@@ -158,29 +165,46 @@ class DaemonLink:
 
     def _fetch(self, keys: list[ExpertKey]) -> Iterator[Expert]:
         remaining = list(keys)
-        down_since: float | None = None
-        backoff = 0.05
+        # When the daemon was found gone; None while it serves. No session at the start: an earlier
+        # request found it gone, and this one waits for it no longer than down_timeout_s either.
+        down_since: float | None = time.monotonic() if self.client is None else None
         while remaining:
             try:
                 if self.client is None:
-                    self._connect()
-                    self.reconnects += 1
-                    log.info("reconnected to expertd at %s", self.endpoint)
+                    self._reconnect(down_since)
                 for expert in self.client.fetch(remaining):
                     remaining.remove(expert.key)
                     down_since = None
                     yield expert
+                continue
             except FetchFailed as exc:
                 if exc.code is p.FailCode.CORRUPT:
                     raise CorruptExpert(exc, self.endpoint, self.client.fingerprint if self.client else "?") from None
-                raise
+                if exc.code is not p.FailCode.SHUTDOWN:
+                    raise
+                lost: ClientError = DaemonUnavailable(f"expertd at {self.endpoint} is shutting down ({exc.message})")
             except DaemonUnavailable as exc:
-                now = time.monotonic()
-                down_since = down_since or now
-                if now - down_since > self.down_timeout_s:
-                    raise DaemonLost(f"expertd at {self.endpoint} has not answered for {self.down_timeout_s:g} s "
-                                     f"({exc}); {len(remaining)} experts could not be fetched") from exc
-                log.warning("expertd unavailable (%s); retrying %d experts", exc, len(remaining))
-                self._disconnect()
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                lost = exc
+            # The daemon went away (a restart, mostly): a new session fetches what had not arrived.
+            now = time.monotonic()
+            down_since = down_since or now
+            self._disconnect()
+            if now - down_since >= self.down_timeout_s:
+                raise DaemonLost(
+                    f"expertd at {self.endpoint} went away and none came back within {self.down_timeout_s:g} s "
+                    f"(--daemon-down-timeout-s); {len(remaining)} experts could not be fetched; last: {lost}. "
+                    "Start expertd (systemctl start expertd); the worker keeps serving and reconnects at the "
+                    "next request") from lost
+            log.warning("expertd unavailable (%s); reconnecting for %d experts, for at most %.1f s more", lost,
+                        len(remaining), down_since + self.down_timeout_s - now)
+            time.sleep(RETRY_PAUSE_S)  # a daemon that refuses at once (shutting down) is not asked in a spin
+
+    def _reconnect(self, down_since: float | None) -> None:
+        """A new session; its HELLO waits for a daemon to come, but never past the down budget."""
+        left_s = self.timeout_s if down_since is None else down_since + self.down_timeout_s - time.monotonic()
+        if left_s <= 0:
+            raise DaemonUnavailable(f"no expertd answered at {self.endpoint}")
+        self._connect(timeout_s=min(self.timeout_s, left_s))
+        self.reconnects += 1
+        log.info("reconnected to expertd at %s%s", self.endpoint,
+                 "" if down_since is None else f" after {time.monotonic() - down_since:.2f} s")

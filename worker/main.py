@@ -67,10 +67,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help="the model id clients ask for (default: the pack directory's name)")
     p.add_argument("--daemon-timeout-s", type=float, metavar="S",
                    help=f"a request expertd leaves unanswered this long counts as the daemon gone (default "
-                        f"{DEFAULTS['daemon_timeout_s']:g})")
+                        f"{DEFAULTS['daemon_timeout_s']:g}); only for a daemon that hangs: one that exits or "
+                        "restarts is noticed at once and resumed as soon as it answers again")
     p.add_argument("--daemon-down-timeout-s", type=float, metavar="S",
-                   help=f"how long to keep reconnecting before a request fails (default "
-                        f"{DEFAULTS['daemon_down_timeout_s']:g})")
+                   help=f"a daemon gone this long fails the request waiting for it with 503 daemon_unavailable "
+                        f"(default {DEFAULTS['daemon_down_timeout_s']:g}); until then the worker reconnects and "
+                        "resumes as soon as a daemon answers")
     p.add_argument("--max-body-mib", type=int, metavar="N",
                    help="largest request body accepted, in MiB; larger ones get 413 before they are read "
                         "(default 0: sized from the context)")
