@@ -21,6 +21,7 @@ from ..units import GIB, human_bytes
 from .archs import ARCHS, Kind, Meta, TensorSpec
 from .presets import PRESETS
 from .quant_fill import BLOCKS, RandomFill, parse_type
+from .skew import expert_gains, skewed_expert_ids
 from .vocab import tokenizer_fields
 
 log = logging.getLogger("expertpack.synth")
@@ -44,6 +45,7 @@ class SynthOptions:
     seed: int = 0
     force: bool = False
     progress: bool = True
+    routing_skew: float = 0.0  # Zipf-like expert popularity per layer (skew.py); 0: uniform routing
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,8 @@ class SynthPlan:
     n_expert: int
     metadata: list[MetadataField]
     tensors: list[SynthTensor]
+    seed: int = 0
+    routing_skew: float = 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -71,6 +75,8 @@ class SynthPlan:
 
 def plan_synth(options: SynthOptions) -> SynthPlan:
     preset = PRESETS[options.preset]
+    if not (0.0 <= options.routing_skew < float("inf")):
+        raise ExpertpackError(f"--routing-skew must be 0 or more, got {options.routing_skew!r}")
     try:
         expert_type = parse_type(options.expert_type or preset.expert_type)
         trunk_type = parse_type(options.trunk_type or preset.trunk_type)
@@ -93,7 +99,10 @@ def plan_synth(options: SynthOptions) -> SynthPlan:
         MetadataField("expertpack.synth.preset", options.preset, GGUFValueType.STRING),
         MetadataField("expertpack.synth.seed", options.seed, GGUFValueType.UINT32),
     ]
-    return SynthPlan(preset.arch, preset.n_vocab, int(values["expert_count"]), metadata, tensors)
+    if options.routing_skew:  # absent at 0: a uniform model's file is what it always was
+        metadata.append(MetadataField("expertpack.synth.routing_skew", options.routing_skew, GGUFValueType.FLOAT32))
+    return SynthPlan(preset.arch, preset.n_vocab, int(values["expert_count"]), metadata, tensors, options.seed,
+                     options.routing_skew)
 
 
 def shard_paths(out: Path, shards: int) -> list[Path]:
@@ -143,11 +152,16 @@ def _write_tensor(fd: int, offset: int, t: SynthTensor, plan: SynthPlan, fill: R
     if t.spec.kind is Kind.INDEX:
         k, n_vocab = t.spec.shape
         data = fill.expert_ids(plan.n_expert, k, n_vocab).view(np.uint8)
+        if plan.routing_skew:  # drawn anyway above, so that the weights after it stay the same
+            data = skewed_expert_ids(plan.seed, _layer(t.spec.name), plan.n_expert, k, n_vocab,
+                                     plan.routing_skew).view(np.uint8)
         _pwrite(fd, data, offset)
         on_bytes(len(data))
         return
     block_values, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
     per_chunk = max(1, CHUNK_BYTES // block_bytes) * block_bytes
+    if t.ggml_type not in BLOCKS:  # float values come from a pool of normal_pool.size (F16: half a chunk)
+        per_chunk = min(per_chunk, fill.normal_pool.size * block_bytes)
     done = 0
     while done < t.nbytes:
         n = min(per_chunk, t.nbytes - done)
@@ -158,9 +172,26 @@ def _write_tensor(fd: int, offset: int, t: SynthTensor, plan: SynthPlan, fill: R
             data = fill.floats(t.ggml_type, n // block_bytes, mean=1.0, std=0.1)
         else:
             data = fill.floats(t.ggml_type, n // block_bytes, std=0.02 * gain)
+            if t.spec.kind is Kind.ROUTER and plan.routing_skew:
+                data = _skewed_router(data, done, t, plan)
         _pwrite(fd, data, offset + done)
         done += n
         on_bytes(n)
+
+
+def _skewed_router(data: np.ndarray, done: int, t: SynthTensor, plan: SynthPlan) -> np.ndarray:
+    """Scales each expert's router row (ggml ne0 = the hidden size, one row per expert) by its gain."""
+    assert t.ggml_type == T.F32, t  # routers are written as F32
+    values = data.view(np.float32)
+    first = done // 4
+    rows = (first + np.arange(len(values))) // t.spec.shape[0]  # the expert of each value
+    gains = expert_gains(plan.seed, _layer(t.spec.name), plan.n_expert, plan.routing_skew)
+    return (values * gains[rows]).view(np.uint8)
+
+
+def _layer(name: str) -> int:
+    """blk.N.… -> N"""
+    return int(name.split(".")[1])
 
 
 def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:

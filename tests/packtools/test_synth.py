@@ -183,3 +183,85 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     proc = run_cli("synth", "--preset", "tiny", "-o", tmp_path / "x.gguf")
     assert proc.returncode == 2 and "--force" in proc.stderr
     assert not list(tmp_path.glob("*.partial"))
+
+
+# sha256 of `synth --preset tiny` (seed 0) as written before --routing-skew existed (commit 5c12ec8).
+TINY_SEED0_SHA256 = "3065bb327fb39b1b05d4f900c1c05202fb7a68abceb8bf468804a90d2df9ecb8"
+
+
+def test_no_routing_skew_writes_the_same_bytes_as_before(tiny_gguf: Path, tmp_path: Path) -> None:
+    import hashlib
+
+    zero = write_synth(tmp_path / "zero.gguf", SynthOptions(preset="tiny", routing_skew=0.0, progress=False))[0]
+    assert zero.read_bytes() == tiny_gguf.read_bytes()
+    assert hashlib.sha256(zero.read_bytes()).hexdigest() == TINY_SEED0_SHA256
+
+
+def test_routing_skew_scales_only_the_router_rows(tiny_gguf: Path, tmp_path: Path) -> None:
+    """Every tensor but the routers is the uniform model's; each router row (one per expert) is the
+    uniform row times its gain, the gains a per-layer permutation of (r+1)**-S."""
+    from expertpack.packtools.synth.skew import expert_gains
+
+    skewed = write_synth(tmp_path / "skew.gguf", SynthOptions(preset="tiny", routing_skew=1.5, progress=False))[0]
+    a, b = GGUFReader(tiny_gguf), GGUFReader(skewed)
+    assert float(b.fields["expertpack.synth.routing_skew"].contents()) == 1.5
+    assert "expertpack.synth.routing_skew" not in a.fields
+    n_expert = PRESETS["tiny"].meta["expert_count"]
+    orders = []
+    for ta, tb in zip(a.tensors, b.tensors, strict=True):
+        assert ta.name == tb.name
+        if not ta.name.endswith("ffn_gate_inp.weight"):
+            assert np.array_equal(ta.data, tb.data), ta.name
+            continue
+        layer = int(ta.name.split(".")[1])
+        gains = expert_gains(0, layer, n_expert, 1.5)
+        assert sorted(gains.tolist(), reverse=True) == pytest.approx([(r + 1) ** -1.5 for r in range(n_expert)])
+        assert np.array_equal(tb.data, ta.data * gains[:, None])  # rows: [n_expert, hidden]
+        orders.append(np.argsort(gains).tolist())
+    assert len(orders) == 4 and len({tuple(o) for o in orders}) == 4, "every layer has its own popular experts"
+
+
+def test_skewed_hash_routing_draws_distinct_experts_by_popularity() -> None:
+    from expertpack.packtools.synth.skew import expert_gains, skewed_expert_ids
+
+    ids = skewed_expert_ids(5, 1, 16, 4, 20000, 1.0)
+    assert ids.shape == (20000, 4) and ids.dtype == np.int32
+    assert all(len(set(row)) == 4 for row in ids[:500].tolist())
+    counts = np.bincount(ids.ravel(), minlength=16)
+    gains = expert_gains(5, 1, 16, 1.0)
+    assert np.argmax(counts) == np.argmax(gains) and np.argmin(counts) == np.argmin(gains)
+    assert np.array_equal(skewed_expert_ids(5, 1, 16, 4, 20000, 1.0), ids)
+
+
+@pytest.mark.slow
+def test_routing_skew_raises_a_caches_hit_rate(tmp_path: Path) -> None:
+    """The reason for the option: 40 decode steps of a 2-layer `small` model (32 experts, top-4)
+    traced through the worker's engine on the CPU, replayed against LRU at 25% of the experts:
+    the skewed model (S=1) hits far more often than the uniform one, whose hit rate is about the
+    cache's share, and its busiest quarter of experts takes most selections."""
+    from expertpack.client.bench_cache import replay
+    from expertpack.worker.engine import Engine
+    from expertpack.worker.routing_trace import read_trace, start_trace, stop_trace
+
+    tokens = np.random.default_rng(4).integers(0, PRESETS["small"].n_vocab, 40).tolist()
+    lru, top_quarter = {}, {}
+    for skew in (0.0, 1.0):
+        path = write_synth(tmp_path / f"s{skew}.gguf", SynthOptions(preset="small", n_layer=2, routing_skew=skew,
+                                                                    progress=False))[0]
+        engine = Engine.load(path)
+        writer = start_trace(engine, tmp_path / f"s{skew}.jsonl")
+        cache = engine.new_cache()
+        for t in tokens:
+            engine.forward([t], cache)
+        stop_trace(engine, writer)
+        trace = read_trace(tmp_path / f"s{skew}.jsonl")
+        (row,) = replay(trace, [trace.header.n_keys // 4], policies=["lru"])
+        lru[skew] = row.hit_rate["lru"]
+        shares = []
+        for layer in trace.header.moe_layers:
+            ids = np.concatenate([c.ids.ravel() for c in trace.calls if c.layer == layer])
+            counts = np.sort(np.bincount(ids, minlength=32))[::-1]
+            shares.append(counts[:8].sum() / counts.sum())
+        top_quarter[skew] = min(shares) if skew else max(shares)
+    assert lru[0.0] < 0.3 and lru[1.0] > lru[0.0] + 0.12, lru
+    assert top_quarter[0.0] < 0.45 < 0.55 < top_quarter[1.0], top_quarter
