@@ -30,6 +30,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "layers": (1, 1 << 16),
     "shards": (1, 9999),
     "seed": (0, (1 << 63) - 1),
+    "routing_skew": (0.0, 16.0),
     "greedy": (0, 1 << 24),
     "temperature": (0.0, 100.0),
     "top_k": (0, 1 << 31),
@@ -122,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--trunk-type", metavar="T", help="ggml type of the other matrices (default: preset's)")
     s.add_argument("--shards", type=int, default=1, metavar="N", help="write a llama.cpp split set of N shards")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
+                   help="Zipf-like expert popularity: in each layer the router row of the expert of (randomly "
+                        "permuted) rank r is scaled by (r+1)**-S, so some experts are chosen far more often than "
+                        "others (1 is strong); 0 (default) routes uniformly and writes the same bytes as before")
     s.add_argument("--force", action="store_true", help="overwrite existing output files")
     s.add_argument("--list", action="store_true", help="list presets with their sizes and exit")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -137,8 +142,10 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print a table and a JSON line",
                            description="io: expertd against fio and the buffered path on one pack "
                                        "(`expertpack bench io --help`); serve: the reference serving protocol "
-                                       "against an OpenAI-compatible endpoint (`expertpack bench serve --help`).")
-    bench.add_argument("kind", choices=("io", "serve"))
+                                       "against an OpenAI-compatible endpoint (`expertpack bench serve --help`); "
+                                       "cache: a routing trace replayed against LRU, LFU, the worker's policy and "
+                                       "Belady's optimum (`expertpack bench cache --help`).")
+    bench.add_argument("kind", choices=tuple(BENCHES))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(run=_bench)
     return p
@@ -205,7 +212,8 @@ def _synth(args: argparse.Namespace) -> int:
         raise ExpertpackError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     paths = write_synth(args.out, SynthOptions(
         preset=args.preset, n_layer=args.layers, expert_type=args.expert_type, trunk_type=args.trunk_type,
-        shards=args.shards, seed=args.seed, force=args.force, progress=not args.quiet))
+        shards=args.shards, seed=args.seed, force=args.force, progress=not args.quiet,
+        routing_skew=args.routing_skew))
     for path in paths:
         print(path)
     return 0
@@ -218,12 +226,16 @@ def _eval(args: argparse.Namespace) -> int:
     return eval_cli.run(args)
 
 
+# bench KIND -> the module (under expertpack.client) that runs it with the remaining arguments.
+BENCHES = {"io": "bench_io", "serve": "bench_serve", "cache": "bench_cache"}
+
+
 def _bench(args: argparse.Namespace) -> int:
     # The benchmarks drive the daemon and its client: imported only here, so the offline tools
     # keep depending on nothing above packtools.
-    from expertpack.client import bench_io, bench_serve
+    import importlib
 
-    return (bench_io if args.kind == "io" else bench_serve).main(args.rest)
+    return importlib.import_module(f"expertpack.client.{BENCHES[args.kind]}").main(args.rest)
 
 
 if __name__ == "__main__":

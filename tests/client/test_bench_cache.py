@@ -1,0 +1,154 @@
+"""`expertpack bench cache`: the policies' hit counts on traces worked out by hand (Belady beats LRU
+on a loop one key larger than the cache; LFU keeps a hot key LRU drops), Belady equal to an
+exhaustive search for the best eviction sequence on small random traces and never beaten by an
+online policy, the worker's policy replayed exactly as the expert cache runs it (the same hits and
+misses as a real ExpertCache fed by a real expertd on a fixture model), and the command's output."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from expertpack.client.bench_cache import LFU, LRU, InUse, belady_hits, online_hits, pack_slot_bytes, replay
+from expertpack.packtools.build import BuildOptions, build_pack
+from expertpack.packtools.layout import ExpertKey, Manifest
+from expertpack.worker.routing_trace import read_trace
+
+from ..conftest import BIN, FIXTURES, run_cli, start_daemon
+
+A, B, C, D = (ExpertKey(0, i) for i in range(4))
+ONLINE = {"lru": LRU, "lfu": LFU, "in_use": InUse}
+
+
+def singles(*keys: ExpertKey) -> list[list[ExpertKey]]:
+    return [[k] for k in keys]
+
+
+def hits(requests, n_slots: int) -> dict[str, int]:
+    out = {name: online_hits(make, requests, n_slots) for name, make in ONLINE.items()}
+    out["belady"] = belady_hits(requests, n_slots)
+    return out
+
+
+def test_a_loop_one_larger_than_the_cache() -> None:
+    """A B C D three times, 3 slots: LRU (and the LFU-with-LRU-ties in use) always evicts the key
+    needed next: 0 hits. Belady hits A B (2nd round), D A (3rd after evicting B), C D: 6 of 12."""
+    trace = singles(A, B, C, D) * 3
+    assert hits(trace, 3) == {"lru": 0, "lfu": 0, "in_use": 0, "belady": 6}
+
+
+def test_lfu_keeps_the_hot_key_that_lru_drops() -> None:
+    """A A B C A, 2 slots: C evicts A under LRU (A is older than B), B under LFU (A was used twice)."""
+    trace = singles(A, A, B, C, A)
+    assert hits(trace, 2) == {"lru": 1, "lfu": 2, "in_use": 2, "belady": 2}
+
+
+def test_the_policy_in_use_remembers_counts_across_evictions() -> None:
+    """A A A then B C five times over, 2 slots. LRU evicts A at the first C and hits every B and C
+    after: 2 + 6. In-cache LFU keeps A (count 3) and thrashes B and C in the other slot, each coming
+    back with a count of 1: 2. The policy in use counts uses over the run: B and C come back with
+    their history, reach A's 3 at the 9th request and A (older) leaves: 2 + 2. Belady: 2 + 6."""
+    trace = singles(A, A, A, B, C, B, C, B, C, B, C)
+    assert hits(trace, 2) == {"lru": 8, "lfu": 2, "in_use": 4, "belady": 8}
+
+
+def test_a_request_is_resident_together() -> None:
+    """Requests of two keys in a cache of 2: each request fills the cache; nothing of it may be
+    evicted for its own other key. [A B] [C D] [A B]: 0 hits for all, Belady included. With 3
+    slots one of A, B survives [C D] under every policy: 1 hit each."""
+    trace = [[A, B], [C, D], [A, B]]
+    assert hits(trace, 2) == {"lru": 0, "lfu": 0, "in_use": 0, "belady": 0}
+    assert hits(trace, 3) == {"lru": 1, "lfu": 1, "in_use": 1, "belady": 1}
+
+
+def best_hits(requests: list[list[ExpertKey]], n_slots: int) -> int:
+    """The most hits any eviction sequence reaches: every choice of victims tried."""
+    from itertools import combinations
+
+    @functools.lru_cache(maxsize=None)
+    def go(t: int, resident: frozenset) -> int:
+        if t == len(requests):
+            return 0
+        keys = requests[t]
+        n_hit = sum(k in resident for k in keys)
+        need = len(resident) + len(keys) - n_hit - n_slots
+        others = sorted(resident - set(keys))
+        best = -1
+        for out in combinations(others, max(0, need)):
+            best = max(best, go(t + 1, (resident - set(out)) | set(keys)))
+        return n_hit + best
+
+    return go(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_belady_is_the_optimum_on_random_traces(seed: int) -> None:
+    rng = random.Random(seed)
+    n_keys, n_slots = rng.randint(3, 6), rng.randint(2, 4)
+    keys = [ExpertKey(rng.randint(0, 1), rng.randint(0, 3)) for _ in range(n_keys)]
+    keys = sorted(set(keys))
+    requests = [rng.sample(keys, rng.randint(1, min(n_slots, len(keys), 2))) for _ in range(rng.randint(4, 12))]
+    optimum = best_hits(requests, n_slots)
+    got = hits(requests, n_slots)
+    assert got["belady"] == optimum, (requests, n_slots, got)
+    assert all(got[p] <= optimum for p in ONLINE), got
+
+
+def test_every_policy_hits_all_but_the_first_uses_when_everything_fits() -> None:
+    rng = random.Random(7)
+    keys = [ExpertKey(l, e) for l in range(3) for e in range(8)]
+    requests = [rng.sample(keys, 4) for _ in range(200)]
+    distinct = len({k for r in requests for k in r})
+    want = sum(map(len, requests)) - distinct
+    assert hits(requests, len(keys)) == {p: want for p in ("lru", "lfu", "in_use", "belady")}
+
+
+@pytest.fixture(scope="module")
+def qwen_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench-cache") / "pack"
+    build_pack(FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", out,
+               BuildOptions(progress=False, safety_margin_bytes=0))
+    return out
+
+
+def test_the_policy_in_use_replays_the_expert_caches_own_counts(qwen_pack: Path, tmp_path: Path) -> None:
+    """A real expertd, `expertpack eval --daemon` with an 8-slot cache (half the fixture's experts)
+    recording a trace: replaying it, the policy in use has exactly the cache's hits and misses,
+    and Belady at least as many hits."""
+    daemon = start_daemon(qwen_pack, tmp_path, "--client-slots", "8")
+    try:
+        daemon.wait_for("READY=1")
+        trace_path = tmp_path / "run.jsonl"
+        proc = subprocess.run([str(BIN / "expertpack"), "eval", str(qwen_pack), "--text", "The quick brown fox jumps",
+                               "--greedy", "24", "--temperature", "1", "--seed", "3", "--daemon", daemon.endpoint,
+                               "--cache-vram-mib", "1", "--cache-reserve-mib", "0", "--trace", str(trace_path),
+                               "--json"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        assert daemon.stop()[0] == 0
+    cache = json.loads(proc.stdout)["expert_cache"]["cache"]
+    slots = 1 * 2**20 // pack_slot_bytes(Manifest.load(qwen_pack))
+    assert cache["slots"] == slots == 8
+    trace = read_trace(trace_path)
+    assert trace.n_tokens == len(json.loads(proc.stdout)["prompt"]) + 24 - 1  # the last token is not run
+    (row,) = replay(trace, [slots])
+    assert round(row.hit_rate["in_use"] * row.requests) == cache["hits"]
+    assert row.requests == cache["hits"] + cache["misses"]
+    assert row.hit_rate["belady"] >= row.hit_rate["in_use"]
+
+    out = run_cli("bench", "cache", trace_path, "--pack", qwen_pack, "--slots", "2", "8", "16", "--share", "0.25",
+                  check=True)
+    lines = out.stdout.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert report["bench"] == "cache" and report["slot_bytes"] == pack_slot_bytes(Manifest.load(qwen_pack))
+    assert [r["slots"] for r in report["rows"]] == [2, 4, 8, 16]
+    full = report["rows"][-1]["hit_rate"]  # every expert fits: only first uses miss, for everyone
+    assert len(set(full.values())) == 1
+    assert any(line.split()[:1] == ["8"] for line in lines)
+    bad = run_cli("bench", "cache", trace_path, "--slots", "1")
+    assert bad.returncode == 2 and "top-k" in bad.stderr
