@@ -2,7 +2,12 @@
 token, a stop string or max_tokens, with text handed out as it becomes final (a streamed piece
 never has to be taken back: an incomplete UTF-8 sequence or a possible start of a stop string is
 held until it resolves). Measures what the request cost: prefill and decode rates, and from the
-expert cache the unique-key hit rate and the expert bytes expertd read for it."""
+expert cache the unique-key hit rate and the expert bytes expertd read for it.
+
+Log-probabilities, when asked for, are the model's distribution: the log-softmax (float32) of the
+very logits the sampler is handed at that step, before penalties, logit_bias, temperature, top-k and
+top-p (OpenAI's and vLLM's default meaning). Every generated token gets one except a final stop
+token (end of sequence or turn), whose text is not in the answer."""
 
 from __future__ import annotations
 
@@ -28,15 +33,27 @@ class Usage:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     cache: dict[str, float] = field(default_factory=dict)  # the expert cache's counters for this request
+    prefills: int = 1  # choices that each ran the prompt (n > 1: the prompt counts once, its work n times)
+
+    @classmethod
+    def combined(cls, usages: list["Usage"]) -> "Usage":
+        """Several choices of one request: the prompt counted once (as OpenAI counts it), the rest summed."""
+        cache: dict[str, float] = {}
+        for u in usages:
+            for k, v in u.cache.items():
+                cache[k] = cache.get(k, 0) + v
+        return cls(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                   sum(u.prefill_s for u in usages), sum(u.decode_s for u in usages), cache,
+                   sum(u.prefills for u in usages))
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        return self.prompt_tokens * self.prefills / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens after the first (which the prefill produced) over the time they took."""
-        n = self.completion_tokens - 1
+        """Tokens after the first of each choice (which its prefill produced) over the time they took."""
+        n = self.completion_tokens - self.prefills
         return n / self.decode_s if n > 0 and self.decode_s else 0.0
 
     @property
@@ -49,12 +66,23 @@ class Usage:
         return int(self.cache.get("h2d_bytes", 0))
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model and the `top` most likely tokens at that
+    step (most likely first; equal values: the lower id first)."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    text_offset: int  # characters of the choice's text before this token's
+
+
 @dataclass
 class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (a stop token or string), "length", or "cancelled" (nobody is waiting)
     usage: Usage
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
 @dataclass
@@ -64,6 +92,7 @@ class Request:
     sampler: Sampler
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: exactly max_tokens
+    logprobs: int | None = None  # None: none; k >= 0: each token's and the k most likely at each step
 
 
 class Generator:
@@ -81,8 +110,10 @@ class Generator:
                 "Please reduce the prompt or max_tokens.")
 
     def run(self, req: Request, on_text: Callable[[str], None] | None = None,
-            cancelled: Callable[[], bool] = lambda: False) -> Completion:
-        """Generates; `on_text` gets each final piece of text. `cancelled` is polled per token."""
+            cancelled: Callable[[], bool] = lambda: False,
+            on_logprobs: Callable[[TokenLogprob], None] | None = None) -> Completion:
+        """Generates; `on_text` gets each final piece of text, `on_logprobs` each token's entry (when
+        the request asks for logprobs) before the piece holding its text. `cancelled` is polled per token."""
         self.check_fits(len(req.prompt_ids), req.max_tokens)
         cache_counters = self.engine.expert_cache.counters if self.engine.expert_cache else None
         before = cache_counters.snapshot() if cache_counters else None
@@ -93,11 +124,14 @@ class Generator:
         finish = "length"
         start = time.perf_counter()
         ids: list[int] = []
+        logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
+        text_before = 0  # characters decoded before the next token (logprobs' text_offset)
         if cancelled():  # the client left while this request waited its turn
-            return Completion("", ids, "cancelled", usage)
+            return Completion("", ids, "cancelled", usage, logprobs)
         logits = self.engine.forward(req.prompt_ids, kv)[-1]
+        counts = torch.zeros(logits.numel(), dtype=torch.float32) if req.sampler.penalizes else None
         while len(ids) < req.max_tokens and not cancelled():
-            token = req.sampler(logits)
+            token = req.sampler(logits, counts)
             if not ids:
                 _sync(self.engine.device)
                 usage.prefill_s = time.perf_counter() - start
@@ -106,6 +140,14 @@ class Generator:
             if token in stops:
                 finish = "stop"
                 break
+            if counts is not None:
+                counts[token] += 1
+            if logprobs is not None:
+                entry = token_logprob(logits, token, req.logprobs, text_before)
+                logprobs.append(entry)
+                if on_logprobs is not None:
+                    on_logprobs(entry)
+                text_before = len(self.tokenizer.decode(ids).rstrip("\ufffd"))  # a character still incomplete starts later
             if text.add(ids):
                 finish = "stop"
                 break
@@ -115,7 +157,21 @@ class Generator:
         usage.completion_tokens = len(ids)
         if cache_counters:
             usage.cache = cache_counters.since(before)
-        return Completion(text.finish(ids), ids, finish, usage)
+        return Completion(text.finish(ids), ids, finish, usage, logprobs)
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int, text_offset: int) -> TokenLogprob:
+    """`token`'s log-probability under `logits` ([V]) and the `top` most likely tokens: the
+    log-softmax in float32 of exactly these logits."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()
+    best: list[tuple[int, float]] = []
+    if top:
+        # topk's order among equal values is unspecified: take the ties at the edge too, then order them.
+        values, ids = torch.topk(logp, min(logp.numel(), top))
+        at_edge = torch.nonzero(logp == values[-1]).flatten().tolist()
+        pairs = set(zip(ids.tolist(), values.tolist())) | {(i, float(values[-1])) for i in at_edge}
+        best = sorted(pairs, key=lambda p: (-p[1], p[0]))[:top]
+    return TokenLogprob(token, float(logp[token]), tuple(best), text_offset)
 
 
 class _TextStream:
