@@ -3,11 +3,17 @@
 
 One generation runs at a time, on the service's own one-thread executor so the event loop (and
 /health, /metrics) keeps answering; others wait their turn, nothing is dropped. A request whose
-client went away stops at its next token (or never starts); at shutdown every generation stops. Bad requests get OpenAI-style errors (400 invalid_request_error,
+client went away stops at its next token (or never starts); at shutdown every generation stops.
+Bad requests get OpenAI-style errors (400 invalid_request_error,
 404 for an unknown model); a daemon that stays away fails the request with 503 and the server
 keeps serving. Request bodies and prompts are bounded (sized from the context) before anything is
 parsed or tokenized, and templates and tokenizing run off the event loop. Beside the standard `usage`, responses carry llama-server's `timings` (so one
-benchmark client reads both) and an `expertpack` object: unique-key hit rate and SSD bytes read."""
+benchmark client reads both) and an `expertpack` object: unique-key hit rate and SSD bytes read.
+
+The API says no instead of ignoring: `n`, logprobs (the model's distribution, see generation.py),
+the penalties and `logit_bias` are implemented; every other field OpenAI defines is refused with
+400 naming it unless its value asks for nothing (NOT_IMPLEMENTED), and unknown fields are refused
+as OpenAI refuses them. A client that leaves before its answer is logged once, as 499."""
 
 from __future__ import annotations
 
@@ -15,27 +21,31 @@ import asyncio
 import json
 import logging
 import random
+import re
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Literal
+from functools import partial
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
+from tokenizers import decoders
 
 from expertpack.client import ClientError
 from expertpack.client.expertctl import health as daemon_health
 
 from .chat_template import ChatTemplate, ChatTemplateError
 from .daemon_link import CorruptExpert, DaemonLost
-from .generation import Completion, ContextExceeded, Generator, Request as GenRequest
+from .generation import Completion, ContextExceeded, Generator, Request as GenRequest, TokenLogprob, Usage
 from .metrics import ServeCounters, render
-from .sampling import Sampler
+from .sampling import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS_VALUE, MAX_PENALTY, Sampler
+from .tokenizer import GGUFTokenizer
 
 log = logging.getLogger("expert-worker")
 
@@ -109,29 +119,85 @@ class BodyLimit:
         await self.app(scope, bounded, send)
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send fields we ignore (user, metadata, ...)
+MAX_N = 16  # choices per request; they run one after another
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs (its completions allow 5; this worker 20 too)
+MAX_LOGIT_BIAS = 1024  # entries
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch's generator takes
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+# Fields of OpenAI's API that this worker does not implement: refused with 400 naming the field,
+# unless the value asks for nothing (some clients always send it: `"tools": []`, `"echo": false`).
+NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (lambda v: v == [], "tool calling is not implemented"),
+    "tool_choice": (lambda v: v == "none", "tool calling is not implemented"),
+    "functions": (lambda v: v == [], "function calling is not implemented"),
+    "function_call": (lambda v: v == "none", "function calling is not implemented"),
+    "response_format": (lambda v: v == {"type": "text"},
+                        'structured output is not implemented; only {"type": "text"} is accepted'),
+    "best_of": (lambda v: v == 1, "best_of is not implemented (n is: several choices, all returned)"),
+    "suffix": (lambda v: v == "", "suffix (insertion) is not implemented"),
+    "echo": (lambda v: v is False, "echo is not implemented"),
+    "audio": (_never, "audio output is not implemented"),
+    "modalities": (lambda v: v == ["text"], 'only the "text" modality is implemented'),
+    "prediction": (_never, "predicted outputs are not implemented"),
+    "reasoning_effort": (_never, "reasoning effort is not implemented"),
+    "web_search_options": (_never, "web search is not implemented"),
+    "store": (lambda v: v is False, "this worker stores no completions"),
+    "service_tier": (lambda v: v in ("auto", "default"), "service tiers are not implemented"),
+}
+# Fields that only annotate a request and change nothing in its answer: accepted, not used.
+# (parallel_tool_calls means something only with tools, which are refused.)
+ANNOTATIONS = frozenset({"user", "metadata", "parallel_tool_calls"})
+
+
+class _NullIsAbsent(BaseModel):
+    """OpenAI's clients send null for an optional field they do not set: it means the default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_NullIsAbsent):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(_NullIsAbsent):
+    # Fields beyond these are checked one by one (check_fields): refused, or accepted as annotations.
+    model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)  # what torch's generator takes
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]] | None = None
     ignore_eos: bool = False  # llama-server's and vLLM's extension: generate exactly max_tokens
 
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str]
-    echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k: each token's and the k most likely."""
+        return self.logprobs
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_NullIsAbsent):
+    model_config = ConfigDict(extra="allow")  # refused field by field in chat(): the template sees role and content
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -139,7 +205,28 @@ class ChatMessage(BaseModel):
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_fields(body: _Common) -> None:
+    """Every field beyond the implemented ones is refused (400 naming it) unless it asks for nothing
+    or only annotates the request. Unknown fields are refused as OpenAI refuses them."""
+    for name, value in (body.model_extra or {}).items():
+        if name in ANNOTATIONS:
+            continue
+        if name in NOT_IMPLEMENTED:
+            neutral, why = NOT_IMPLEMENTED[name]
+            if not neutral(value):
+                raise ApiError(400, f"{name}: {why} by this worker", param=name, code="unsupported_parameter")
+            continue
+        raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                       code="unknown_parameter")
 
 
 class WorkerService:
@@ -161,12 +248,29 @@ class WorkerService:
             log.warning("%s; /v1/chat/completions will refuse requests", exc)
             self.template = None
 
-    async def generate(self, req: GenRequest, on_text=None, gone: threading.Event | None = None) -> Completion:
-        """Runs on the generation thread when its turn comes; `gone` set: the client left."""
+    async def generate(self, req: GenRequest, n: int = 1, sink: Callable[[int, str, Any], None] | None = None,
+                       gone: threading.Event | None = None) -> list[Completion]:
+        """The request's n choices, one after another on the generation thread when its turn comes
+        (one sampler throughout: choice 0 is what n=1 gives). `sink(choice, kind, value)` gets
+        ("logprob", TokenLogprob), ("text", piece) and ("done", Completion) as they happen. `gone`
+        set: the client left; the choice in flight stops at its next token and no other starts."""
         gone = gone or threading.Event()
         cancelled = lambda: gone.is_set() or self.stopping.is_set()  # noqa: E731
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.generator.run, req, on_text, cancelled)
+
+        def run_choices() -> list[Completion]:
+            done: list[Completion] = []
+            for i in range(n):
+                if done and cancelled():
+                    break
+                on_text = on_logprobs = None
+                if sink is not None:
+                    on_text, on_logprobs = partial(sink, i, "text"), partial(sink, i, "logprob")
+                done.append(self.generator.run(req, on_text, cancelled, on_logprobs))
+                if sink is not None:
+                    sink(i, "done", done[-1])
+            return done
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, run_choices)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.text_executor, fn, *args)
@@ -188,6 +292,7 @@ def create_app(service: WorkerService) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=service.limits.max_body_bytes,
                        on_refused=lambda path: service.counters.count(path, 413))
     tokenizer = service.generator.tokenizer
+    texts = TokenTexts(tokenizer)
     max_chars = service.limits.max_prompt_chars
 
     def check_chars(n_chars: int, param: str) -> None:
@@ -219,16 +324,13 @@ def create_app(service: WorkerService) -> FastAPI:
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request body"))
         return await api_error(request, ApiError(400, message, param=where))
 
-    def check_model(body: _Common) -> None:
+    def check_request(body: CompletionBody | ChatBody) -> None:
         if body.model != service.model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist; this worker serves "
                                 f"`{service.model_name}`", param="model", code="model_not_found")
-        if body.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
-        if body.logprobs:
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        check_fields(body)
 
-    def gen_request(body: _Common, prompt_ids: list[int], max_tokens: int | None) -> GenRequest:
+    def gen_request(body: CompletionBody | ChatBody, prompt_ids: list[int], max_tokens: int | None) -> GenRequest:
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(prompt_ids) >= service.generator.n_ctx:
@@ -246,14 +348,26 @@ def create_app(service: WorkerService) -> FastAPI:
         except ContextExceeded as exc:
             raise ApiError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
         seed = body.seed if body.seed is not None else random.getrandbits(63)  # unseeded: different each time
-        sampler = Sampler(body.temperature, body.top_k, body.top_p, seed)
-        return GenRequest(prompt_ids, max_tokens, sampler, stop, body.ignore_eos)
+        sampler = Sampler(body.temperature, body.top_k, body.top_p, seed, body.presence_penalty,
+                          body.frequency_penalty, logit_bias(body.logit_bias))
+        return GenRequest(prompt_ids, max_tokens, sampler, stop, body.ignore_eos, body.top_logprobs_asked())
+
+    def logit_bias(biases: dict[str, float] | None) -> dict[int, float]:
+        if not biases:
+            return {}
+        if len(biases) > MAX_LOGIT_BIAS:
+            raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(biases)}", param="logit_bias")
+        out = {}
+        for key, bias in biases.items():
+            if not key.isdigit() or not 0 <= int(key) < tokenizer.vocab_size:
+                raise ApiError(400, f"logit_bias: keys are token ids in 0..{tokenizer.vocab_size - 1}, got {key!r}",
+                               param="logit_bias")
+            out[int(key)] = bias
+        return out
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
-        check_model(body)
-        if body.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
+        check_request(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -269,9 +383,14 @@ def create_app(service: WorkerService) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request) -> Response:
-        check_model(body)
+        check_request(body)
         if service.template is None:
             raise ApiError(400, "this model carries no chat template; use /v1/completions")
+        for i, m in enumerate(body.messages):
+            for name in m.model_extra or {}:  # the template is given role and content only
+                raise ApiError(400, f"messages[{i}].{name}: message fields other than role and content are not "
+                                    "implemented by this worker", param=f"messages[{i}].{name}",
+                               code="unsupported_parameter")
         messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
         check_chars(sum(len(m["content"]) for m in messages), "messages")
         template = service.template
@@ -291,24 +410,21 @@ def create_app(service: WorkerService) -> FastAPI:
     async def respond(request: Request, body: _Common, req: GenRequest, kind: str, prefix: str) -> Response:
         rid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
         head = {"id": rid, "created": created, "model": service.model_name}
-        chat_kind = kind == "chat.completion"
+        shape = _Shape(kind == "chat.completion", req.logprobs is not None, texts)
         if not body.stream:
-            completion = await run_turn(request, req)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": completion.text},
-                       "finish_reason": completion.finish_reason, "logprobs": None} if chat_kind else
-                      {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
-                       "logprobs": None})
-            return JSONResponse({**head, "object": kind, "choices": [choice], **_usage_fields(completion)})
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(stream(request, head, kind + (".chunk" if chat_kind else ""), chat_kind, req,
+            completions = await run_turn(request, req, body.n)
+            choices = [shape.choice(i, c) for i, c in enumerate(completions)]
+            return JSONResponse({**head, "object": kind, "choices": choices, **_usage_fields(completions)})
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(stream(request, head, kind + (".chunk" if shape.chat else ""), shape, req, body.n,
                                         include_usage), media_type="text/event-stream")
 
-    async def run_turn(request: Request, req: GenRequest) -> Completion:
+    async def run_turn(request: Request, req: GenRequest, n: int) -> list[Completion]:
         start = time.perf_counter()
         gone = threading.Event()
         watcher = asyncio.ensure_future(watch_disconnect(request, gone))
         try:
-            completion = await service.generate(req, gone=gone)
+            completions = await service.generate(req, n, gone=gone)
         except (DaemonLost, ClientError) as exc:
             raise _storage_error(exc) from None
         except Exception as exc:
@@ -316,38 +432,53 @@ def create_app(service: WorkerService) -> FastAPI:
             raise ApiError(500, f"generation failed: {exc}", kind="server_error") from None
         finally:
             watcher.cancel()
-        account(request.url.path, 200, completion, time.perf_counter() - start)
-        return completion
+        if gone.is_set():  # nobody will read the answer: counted as nginx's 499, said once in the log
+            account(request.url.path, 499, completions, time.perf_counter() - start, req.max_tokens * n,
+                    "the client disconnected before the answer; the generation stopped")
+        else:
+            account(request.url.path, 200, completions, time.perf_counter() - start)
+        return completions
 
     async def watch_disconnect(request: Request, gone: threading.Event) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(0.25)
         gone.set()
 
-    async def stream(request: Request, head: dict, kind: str, chat_kind: bool, req: GenRequest,
+    async def stream(request: Request, head: dict, kind: str, shape: "_Shape", req: GenRequest, n: int,
                      include_usage: bool) -> AsyncIterator[str]:
-        def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
-            if chat_kind:
+        pending: dict[int, list[TokenLogprob]] = {i: [] for i in range(n)}  # entries not yet sent, per choice
+
+        def chunk(i: int, delta: str | None, finish: str | None = None, first: bool = False) -> dict:
+            entries, pending[i] = pending[i], []
+            logprobs = shape.logprobs(entries) if entries else None
+            if shape.chat:
                 d: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
                     {} if delta is None else {"content": delta})
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "delta": d, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-            return _sse({**head, "object": kind, "choices": [choice]})
+                choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+            return {**head, "object": kind, "choices": [choice]}
 
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, str, Any] | None] = asyncio.Queue()
         gone = threading.Event()
         start = time.perf_counter()
-        if chat_kind:
-            yield chunk(None, first=True)
+        if shape.chat:
+            for i in range(n):
+                yield _sse(chunk(i, None, first=True))
         work = asyncio.ensure_future(service.generate(
-            req, lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece), gone))
-        work.add_done_callback(lambda _: pieces.put_nowait(None))
+            req, n, lambda *event: loop.call_soon_threadsafe(events.put_nowait, event), gone))
+        work.add_done_callback(lambda _: events.put_nowait(None))
         try:
-            while (piece := await pieces.get()) is not None:
-                yield chunk(piece)
-            completion = await work
+            while (event := await events.get()) is not None:
+                i, what, value = event
+                if what == "logprob":
+                    pending[i].append(value)
+                elif what == "text":
+                    yield _sse(chunk(i, value))
+                elif what == "done" and i < n - 1:  # the last choice's end goes out with the timings
+                    yield _sse(chunk(i, None, value.finish_reason))
+            completions = await work
         except Exception as exc:
             if isinstance(exc, (DaemonLost, ClientError)):
                 error = _storage_error(exc)
@@ -362,16 +493,18 @@ def create_app(service: WorkerService) -> FastAPI:
             gone.set()  # the client went away, or we are done: the generation stops at its next token
             if not work.done():  # the client left mid-stream: counted (as nginx's 499) once it stopped
                 work.add_done_callback(lambda f: f.cancelled() or f.exception() or account(
-                    request.url.path, 499, f.result(), time.perf_counter() - start))
-        account(request.url.path, 200, completion, time.perf_counter() - start)
-        final = json.loads(chunk(None, completion.finish_reason)[len("data: "):])
-        yield _sse({**final, **{k: v for k, v in _usage_fields(completion).items() if k != "usage"}})
+                    request.url.path, 499, f.result(), time.perf_counter() - start, req.max_tokens * n,
+                    "the client left the stream; the generation stopped"))
+        account(request.url.path, 200, completions, time.perf_counter() - start)
+        final = chunk(len(completions) - 1, None, completions[-1].finish_reason)
+        yield _sse({**final, **{k: v for k, v in _usage_fields(completions).items() if k != "usage"}})
         if include_usage:
-            yield _sse({**head, "object": kind, "choices": [], "usage": _usage_fields(completion)["usage"]})
+            yield _sse({**head, "object": kind, "choices": [], "usage": _usage_fields(completions)["usage"]})
         yield "data: [DONE]\n\n"
 
-    def account(path: str, status: int, completion: Completion, seconds: float) -> None:
-        c, u = service.counters, completion.usage
+    def account(path: str, status: int, completions: list[Completion], seconds: float, asked: int = 0,
+                note: str = "") -> None:
+        c, u = service.counters, Usage.combined([x.usage for x in completions])
         c.count(path, status)
         c.prompt_tokens += u.prompt_tokens
         c.completion_tokens += u.completion_tokens
@@ -380,8 +513,9 @@ def create_app(service: WorkerService) -> FastAPI:
         c.prefill_seconds += u.prefill_s
         c.decode_seconds += u.decode_s
         log.info("%s %d: %d prompt + %d completion tokens, prefill %.1f tok/s, decode %.2f tok/s, hit rate %s, "
-                 "%.1f MB read", path, status, u.prompt_tokens, u.completion_tokens, u.prefill_tokens_per_s,
-                 u.decode_tokens_per_s, "-" if u.hit_rate is None else f"{u.hit_rate:.1%}", u.ssd_bytes / 1e6)
+                 "%.1f MB read%s", path, status, u.prompt_tokens, u.completion_tokens, u.prefill_tokens_per_s,
+                 u.decode_tokens_per_s, "-" if u.hit_rate is None else f"{u.hit_rate:.1%}", u.ssd_bytes / 1e6,
+                 f"; {note} after {u.completion_tokens} of the {asked} tokens asked for" if note else "")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -411,6 +545,83 @@ def create_app(service: WorkerService) -> FastAPI:
     return app
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's vocabulary writes each byte as one printable character (GPT-2's
+    bytes_to_unicode): the printable Latin-1 bytes as themselves, the others from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_decoder()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens
+
+
+class TokenTexts:
+    """What logprobs show of a token: its bytes (UTF-8; a token may hold part of a character) and
+    its text, which OpenAI writes as `bytes:\\xNN...` when the bytes are not whole UTF-8."""
+
+    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+        self.tok = tokenizer.tok
+        self.byte_level = isinstance(self.tok.decoder, decoders.ByteLevel)
+        self.added = set(self.tok.get_added_tokens_decoder())
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes_of(self, token: int) -> bytes:
+        if token not in self._bytes:
+            piece = self.tok.id_to_token(token) or ""
+            if token in self.added:
+                raw = piece.encode()
+            elif self.byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                raw = bytes(_BYTE_OF_CHAR[c] for c in piece)
+            elif match := _BYTE_PIECE.fullmatch(piece):
+                raw = bytes([int(match.group(1), 16)])
+            else:
+                raw = piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary is a space
+            self._bytes[token] = raw
+        return self._bytes[token]
+
+    def text_of(self, token: int) -> str:
+        raw = self.bytes_of(token)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How one endpoint writes a choice and its logprobs: chat's `logprobs.content` entries with
+    bytes and `top_logprobs`, or the completions endpoint's parallel lists."""
+    chat: bool
+    with_logprobs: bool
+    texts: TokenTexts
+
+    def choice(self, i: int, c: Completion) -> dict[str, Any]:
+        logprobs = self.logprobs(c.logprobs or []) if self.with_logprobs else None
+        if self.chat:
+            return {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+                    "logprobs": logprobs}
+        return {"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        t = self.texts
+        if self.chat:
+            def one(token: int, logprob: float) -> dict[str, Any]:
+                return {"token": t.text_of(token), "logprob": logprob, "bytes": list(t.bytes_of(token))}
+            return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(*p) for p in e.top]} for e in entries],
+                    "refusal": None}
+        tops = []
+        for e in entries:
+            top: dict[str, float] = {}
+            for token, logprob in e.top:  # two tokens of one text: the more likely one's
+                top.setdefault(t.text_of(token), logprob)
+            tops.append(top)
+        return {"tokens": [t.text_of(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": tops, "text_offset": [e.text_offset for e in entries]}
+
+
 def _text_of(content: str | list[dict[str, Any]] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -423,8 +634,8 @@ def _text_of(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def _usage_fields(c: Completion) -> dict[str, Any]:
-    u = c.usage
+def _usage_fields(completions: list[Completion]) -> dict[str, Any]:
+    u = Usage.combined([c.usage for c in completions])
     return {
         "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                   "total_tokens": u.prompt_tokens + u.completion_tokens},

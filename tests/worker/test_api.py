@@ -1,0 +1,284 @@
+"""The OpenAI-compatible API says no instead of ignoring: a real expertd and expert-worker, spoken to
+with the official `openai` client and with raw HTTP.
+
+- logprobs (chat: `logprobs`/`top_logprobs`; completions: `logprobs` k) are the log-softmax of the
+  model's logits at each step, bit for bit what an in-process forward gives, streamed or not;
+- `n` choices, `presence_penalty`/`frequency_penalty` (OpenAI's formula, checked against a naive
+  loop) and `logit_bias` change what is generated, never the logprobs (the model's distribution);
+- every field that is not implemented, and every unknown one, is refused with 400 naming it; a value
+  that asks for nothing (`"tools": []`, null) is accepted;
+- a non-streamed client that leaves is logged once as such, and its generation stops.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from expertpack.worker.chat_template import ChatTemplate
+from expertpack.worker.engine import Engine
+from expertpack.worker.tokenizer import load_tokenizer
+
+from ..conftest import start_daemon
+from .test_expert_worker import CHAT, PACK, Worker, start_worker
+
+
+@pytest.fixture(scope="module")
+def worker(fixture_packs, tmp_path_factory: pytest.TempPathFactory):
+    pack = fixture_packs[PACK][1]
+    tmp = tmp_path_factory.mktemp("api")
+    daemon = start_daemon(pack, tmp, "--client-slots", "4")
+    daemon.wait_for("READY=1")
+    w = start_worker(pack, daemon.endpoint, tmp)
+    yield w
+    assert w.stop() == 0, w.log
+    assert "Traceback" not in w.log, w.log
+    assert daemon.stop()[0] == 0
+
+
+@pytest.fixture(scope="module")
+def local(fixture_packs):
+    engine = Engine.load(fixture_packs[PACK][1])
+    return engine, load_tokenizer(engine.files.metadata)
+
+
+def chat_ids(local) -> list[int]:
+    engine, tokenizer = local
+    return tokenizer.encode(ChatTemplate(engine.files.metadata).render(CHAT))
+
+
+def oracle(local, prompt_ids: list[int], n: int, choose=None) -> list[tuple[int, torch.Tensor]]:
+    """(token, log-softmax of the logits it was chosen from) for n steps of one in-process forward;
+    `choose(logits, tokens so far)` picks (default: greedy, the lower id on ties)."""
+    engine, _ = local
+    choose = choose or (lambda logits, _: int(torch.argmax(logits)))
+    kv = engine.new_cache()
+    logits = engine.forward(prompt_ids, kv)[-1]
+    steps: list[tuple[int, torch.Tensor]] = []
+    for _ in range(n):
+        token = choose(logits, [t for t, _ in steps])
+        steps.append((token, torch.log_softmax(logits.to(torch.float32), dim=-1)))
+        logits = engine.forward([token], kv)[-1]
+    return steps
+
+
+def top(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    order = sorted(range(logp.numel()), key=lambda i: (-float(logp[i]), i))[:k]
+    return [(i, float(logp[i])) for i in order]
+
+
+def token_bytes(local, token: int) -> bytes:
+    """The fixture's tokenizer is byte-level BPE: a vocabulary entry spells its bytes one character each."""
+    _, tokenizer = local
+    return bytes(_BYTE_OF_CHAR[c] for c in tokenizer.tok.id_to_token(token))
+
+
+def token_text(local, token: int) -> str:
+    """As OpenAI writes a token that is not whole UTF-8: `bytes:\\xNN...`."""
+    raw = token_bytes(local, token)
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_OF_CHAR = _gpt2_bytes()  # transcribed from GPT-2's encoder.py (bytes_to_unicode)
+
+
+def sse_events(worker: Worker, path: str, body: dict) -> list[dict]:
+    import urllib.request
+
+    req = urllib.request.Request(worker.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: {")]
+
+
+def test_chat_logprobs_are_the_models_log_softmax_streamed_or_not(worker: Worker, local) -> None:
+    n_tokens, k = 12, 3
+    steps = oracle(local, chat_ids(local), n_tokens)
+    got = worker.client().chat.completions.create(model="fixture", messages=CHAT, max_tokens=n_tokens, temperature=0,
+                                                  logprobs=True, top_logprobs=k, extra_body={"ignore_eos": True})
+    entries = got.choices[0].logprobs.content
+    assert len(entries) == n_tokens
+    for (token, logp), entry in zip(steps, entries):
+        assert entry.logprob == float(logp[token])  # exact: the same float32 logits, the same log-softmax
+        assert bytes(entry.bytes) == token_bytes(local, token)
+        assert [(bytes(t.bytes), t.logprob) for t in entry.top_logprobs] == \
+               [(token_bytes(local, i), v) for i, v in top(logp, k)]
+    text = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+    assert text == got.choices[0].message.content
+
+    events = sse_events(worker, "/v1/chat/completions", {
+        "model": "fixture", "messages": CHAT, "max_tokens": n_tokens, "temperature": 0, "logprobs": True,
+        "top_logprobs": k, "ignore_eos": True, "stream": True})
+    streamed = [e for ev in events for c in ev["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert streamed == [e.model_dump() for e in entries]
+    assert "".join(c["delta"].get("content") or "" for ev in events for c in ev["choices"]) == got.choices[0].message.content
+
+
+def test_completions_logprobs_give_the_legacy_lists(worker: Worker, local) -> None:
+    _, tokenizer = local
+    prompt, n_tokens, k = "The quick brown fox", 10, 2
+    steps = oracle(local, tokenizer.encode(prompt), n_tokens)
+    got = worker.client().completions.create(model="fixture", prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                             logprobs=k, extra_body={"ignore_eos": True})
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == [float(logp[t]) for t, logp in steps]
+    assert lp.tokens == [token_text(local, t) for t, _ in steps]
+    for (token, logp), best in zip(steps, lp.top_logprobs):
+        want: dict[str, float] = {}
+        for i, v in top(logp, k):
+            want.setdefault(token_text(local, i), v)
+        assert best == want
+    offsets = lp.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(got.choices[0].text)
+    events = sse_events(worker, "/v1/completions", {"model": "fixture", "prompt": prompt, "max_tokens": n_tokens,
+                                                    "temperature": 0, "logprobs": k, "ignore_eos": True,
+                                                    "stream": True})
+    streamed = [v for ev in events for c in ev["choices"] if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+    assert streamed == lp.token_logprobs
+
+
+def test_n_choices_one_after_another(worker: Worker) -> None:
+    client = worker.client()
+    one = client.completions.create(model="fixture", prompt="Once", max_tokens=8, temperature=1.0, seed=5,
+                                    extra_body={"ignore_eos": True})
+    three = client.completions.create(model="fixture", prompt="Once", max_tokens=8, temperature=1.0, seed=5, n=3,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.choices[0].text == one.choices[0].text  # one sampler throughout: choice 0 is what n=1 gives
+    assert len({c.text for c in three.choices}) > 1, "three sampled choices came out identical"
+    assert three.usage.completion_tokens == 24 and three.usage.prompt_tokens == one.usage.prompt_tokens
+
+    chat = client.chat.completions.create(model="fixture", messages=CHAT, max_tokens=6, temperature=0, n=2)
+    events = sse_events(worker, "/v1/chat/completions", {"model": "fixture", "messages": CHAT, "max_tokens": 6,
+                                                         "temperature": 0, "n": 2, "stream": True})
+    for i in range(2):
+        text = "".join(c["delta"].get("content") or "" for ev in events for c in ev["choices"] if c["index"] == i)
+        assert text == chat.choices[i].message.content == chat.choices[0].message.content
+        assert [c["finish_reason"] for ev in events for c in ev["choices"] if c["index"] == i and c["finish_reason"]] \
+            == [chat.choices[i].finish_reason]
+
+
+def test_penalties_follow_openais_formula_and_logprobs_stay_the_models(worker: Worker, local) -> None:
+    _, tokenizer = local
+    prompt, n_tokens, presence, frequency = "one one one one", 16, 0.5, 1.5
+    ids = tokenizer.encode(prompt)
+
+    def penalized(logits: torch.Tensor, so_far: list[int]) -> int:
+        adjusted = logits.to(torch.float32).clone()
+        for t in set(so_far):
+            adjusted[t] -= so_far.count(t) * frequency + presence
+        return int(torch.argmax(adjusted))
+
+    want = oracle(local, ids, n_tokens, penalized)
+    plain = oracle(local, ids, n_tokens)
+    assert [t for t, _ in want] != [t for t, _ in plain], "the penalties change nothing on this prompt"
+    got = worker.client().completions.create(model="fixture", prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                             presence_penalty=presence, frequency_penalty=frequency, logprobs=0,
+                                             extra_body={"ignore_eos": True})
+    assert got.choices[0].text == tokenizer.decode([t for t, _ in want])
+    assert got.choices[0].logprobs.token_logprobs == [float(logp[t]) for t, logp in want]  # unpenalized
+
+    biased = worker.client().completions.create(model="fixture", prompt=prompt, max_tokens=4, temperature=0,
+                                                logit_bias={"42": 100}, logprobs=0, extra_body={"ignore_eos": True})
+    forced = oracle(local, ids, 4, lambda logits, _: 42)
+    assert biased.choices[0].text == tokenizer.decode([42] * 4)
+    assert biased.choices[0].logprobs.token_logprobs == [float(logp[42]) for _, logp in forced]
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
+    ("/v1/chat/completions", "reasoning_effort", "high"),
+    ("/v1/chat/completions", "store", True),
+    ("/v1/chat/completions", "min_p", 0.1),  # unknown to OpenAI: refused as OpenAI refuses it
+    ("/v1/chat/completions", "top_logprobs", 2),  # without logprobs: true
+    ("/v1/chat/completions", "presence_penalty", 2.5),
+    ("/v1/chat/completions", "n", 0),
+    ("/v1/chat/completions", "stream_options", {"include_usage": True, "include_obfuscation": False}),
+    ("/v1/completions", "best_of", 2),
+    ("/v1/completions", "suffix", "the end"),
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "logprobs", 21),
+    ("/v1/completions", "frequency_penalty", -3),
+    ("/v1/completions", "logit_bias", {"not-a-token": 5}),
+    ("/v1/completions", "logit_bias", {"5": 101}),
+    ("/v1/completions", "seed", 2**64),
+    ("/v1/completions", "messages", CHAT),
+])
+def test_what_is_not_implemented_is_refused_naming_the_field(worker: Worker, path: str, field: str, value) -> None:
+    base = {"model": "fixture", "max_tokens": 2}
+    base.update({"messages": CHAT} if path.endswith("chat/completions") else {"prompt": "hi"})
+    status, body = worker.post(path, json.dumps({**base, field: value}).encode())
+    assert status == 400, body
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"].split(".")[0] == field, body
+    assert field in body["error"]["message"], body
+
+
+def test_values_that_ask_for_nothing_and_annotations_are_accepted(worker: Worker) -> None:
+    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "store": False,
+               "modalities": ["text"], "user": "someone", "metadata": {"k": "v"}, "parallel_tool_calls": True,
+               "temperature": None, "n": None, "stop": None, "seed": None, "logit_bias": {}}
+    status, body = worker.post("/v1/chat/completions", json.dumps(
+        {"model": "fixture", "messages": CHAT, "max_tokens": 2, **neutral}).encode())
+    assert status == 200, body
+    status, body = worker.post("/v1/completions", json.dumps(
+        {"model": "fixture", "prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": "", "echo": False}).encode())
+    assert status == 200, body
+
+
+def test_message_fields_the_template_never_sees_are_refused(worker: Worker) -> None:
+    messages = [CHAT[0], {**CHAT[1], "name": "alice"}]
+    status, body = worker.post("/v1/chat/completions", json.dumps(
+        {"model": "fixture", "messages": messages, "max_tokens": 2}).encode())
+    assert status == 400 and body["error"]["param"] == "messages[1].name", body
+    echoed = [CHAT[0], {**CHAT[1], "tool_calls": None, "refusal": None}]  # a client echoing a message back: nulls
+    status, body = worker.post("/v1/chat/completions", json.dumps(
+        {"model": "fixture", "messages": echoed, "max_tokens": 2}).encode())
+    assert status == 200, body
+
+
+def test_a_non_streamed_client_that_leaves_is_logged_once_and_its_generation_stops(worker: Worker) -> None:
+    body = json.dumps({"model": "fixture", "prompt": "leave me", "max_tokens": 3000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", worker.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(1.5)  # generating
+    deadline = time.monotonic() + 60
+    note = "the client disconnected before the answer"
+    while note not in worker.log and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = [line for line in worker.log.splitlines() if note in line]
+    assert len(lines) == 1, worker.log
+    assert "/v1/completions 499:" in lines[0] and "of the 3000 tokens asked for" in lines[0], lines[0]
+    assert int(lines[0].split(" + ")[1].split()[0]) < 3000, f"the abandoned generation ran on: {lines[0]}"
+    ok = worker.client().completions.create(model="fixture", prompt="next", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+    time.sleep(0.5)
+    assert len([line for line in worker.log.splitlines() if note in line]) == 1
