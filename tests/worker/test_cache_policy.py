@@ -90,3 +90,35 @@ def test_slot_count_refuses_a_cache_below_one_step() -> None:
         slot_count(0, 1000 * MIB, 0, 110_592, needed=4)
     with pytest.raises(CacheTooSmall, match="holds 0 experts"):
         slot_count(100 * MIB, 10 * MIB, 20 * MIB, 3 * MIB, needed=8)  # the reserve exceeds what is free
+
+
+def naive_victims(policy: CachePolicy, n: int, protected: set[ExpertKey]) -> list[int]:
+    """The rule written out: every resident expert sorted by (uses, last use, key)."""
+    empty = [s for s, k in enumerate(policy.holder) if k is None]
+    if len(empty) >= n:
+        return empty[:n]
+    candidates = sorted((k for k in policy.slot_of if k not in protected),
+                        key=lambda k: (policy.uses.get(k, 0), policy.last_use.get(k, 0), k))
+    return empty + [policy.slot_of[k] for k in candidates[:n - len(empty)]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_heap_picks_what_sorting_every_resident_expert_picks(seed: int) -> None:
+    """Driven as the expert cache drives it over a long random run with hot and cold experts (and
+    evicted experts coming back): every victims() answer equals the sorted rule's."""
+    import random
+
+    rng = random.Random(seed)
+    keys = [ExpertKey(l, e) for l in range(4) for e in range(24)]
+    weights = [1 / (i + 1) for i in range(len(keys))]
+    policy = CachePolicy(rng.randint(8, 40))
+    for _ in range(3000):
+        step = list(dict.fromkeys(rng.choices(keys, weights, k=rng.randint(1, 8))))
+        policy.touch(step)
+        misses = [k for k in step if k not in policy.slot_of]
+        if misses:
+            want = naive_victims(policy, len(misses), set(step))
+            assert policy.victims(len(misses), set(step)) == want
+            for slot, key in zip(want, misses):
+                policy.place(slot, key)
+    assert len(policy._heap) <= 2 * len(policy.slot_of) + 64 + 8  # stale entries are swept at each touch
