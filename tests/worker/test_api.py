@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 import socket
 import time
-from pathlib import Path
+import urllib.request
 
-import openai
 import pytest
 import torch
 
@@ -103,8 +102,6 @@ _BYTE_OF_CHAR = _gpt2_bytes()  # transcribed from GPT-2's encoder.py (bytes_to_u
 
 
 def sse_events(worker: Worker, path: str, body: dict) -> list[dict]:
-    import urllib.request
-
     req = urllib.request.Request(worker.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: {")]
