@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from expertpack.client import DaemonUnavailable, ExpertClient
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
 from expertpack.worker.daemon_link import DaemonLink
 from expertpack.worker.engine import Engine
@@ -202,3 +204,30 @@ def test_keys_failed_by_a_daemon_shutting_down_are_fetched_from_its_successor(ti
         for key in keys:
             pack.seek(manifest.block_offset(key))
             assert got[key] == pack.read(manifest.layer(key.layer).payload_bytes), key
+
+
+def test_the_client_notices_a_killed_daemon_at_once_not_after_its_timeout(tiny_pack: Path, tmp_path: Path) -> None:
+    """A fetch waiting on a daemon that is killed raises DaemonUnavailable as the connection closes;
+    timeout_s (30 s here) is for a daemon that keeps its connection and stops answering."""
+    daemon = start_daemon(tiny_pack, tmp_path)
+    daemon.wait_for("READY=1")
+    client = ExpertClient(daemon.endpoint, name="waiting", timeout_s=30)
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        daemon.proc.send_signal(signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
+    try:
+        daemon.proc.send_signal(signal.SIGSTOP)  # the FETCH below waits unanswered
+        threading.Timer(0.5, kill).start()
+        with pytest.raises(DaemonUnavailable, match="closed the connection"):
+            list(client.fetch([(0, 1)]))
+        assert time.monotonic() - killed_at[0] < 2.0
+    finally:
+        client.close()
+        daemon.proc.kill()
+        daemon.proc.wait(timeout=30)
+        daemon.notify.close()
+        for left in Path("/dev/shm").glob(f"expertpack-{daemon.proc.pid}-*"):  # what SIGKILL leaves
+            left.unlink()
