@@ -4,11 +4,12 @@
 One generation runs at a time, on the service's own one-thread executor so the event loop (and
 /health, /metrics) keeps answering; others wait their turn, nothing is dropped. A request whose
 client went away stops at its next token (or never starts); at shutdown every generation stops.
-Bad requests get OpenAI-style errors (400 invalid_request_error,
-404 for an unknown model); a daemon that stays away fails the request with 503 and the server
-keeps serving. Request bodies and prompts are bounded (sized from the context) before anything is
-parsed or tokenized, and templates and tokenizing run off the event loop. Beside the standard `usage`, responses carry llama-server's `timings` (so one
-benchmark client reads both) and an `expertpack` object: unique-key hit rate and SSD bytes read.
+Bad requests get OpenAI-style errors (400 invalid_request_error, 404 for an unknown model); a
+daemon that stays away fails the request with 503 and the server keeps serving. Request bodies and
+prompts are bounded (sized from the context) before anything is parsed or tokenized, and templates
+and tokenizing run off the event loop. Beside the standard `usage`, responses carry llama-server's
+`timings` (so one benchmark client reads both) and an `expertpack` object: unique-key hit rate and
+SSD bytes read.
 
 The API says no instead of ignoring: `n`, logprobs (the model's distribution, see generation.py),
 the penalties and `logit_bias` are implemented; every other field OpenAI defines is refused with
@@ -132,22 +133,25 @@ def _never(value: Any) -> bool:
 # Fields of OpenAI's API that this worker does not implement: refused with 400 naming the field,
 # unless the value asks for nothing (some clients always send it: `"tools": []`, `"echo": false`).
 NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v == [], "tool calling is not implemented"),
-    "tool_choice": (lambda v: v == "none", "tool calling is not implemented"),
-    "functions": (lambda v: v == [], "function calling is not implemented"),
-    "function_call": (lambda v: v == "none", "function calling is not implemented"),
+    "tools": (lambda v: v == [], "tool calling is not implemented by this worker"),
+    "tool_choice": (lambda v: v == "none", 'tool calling is not implemented by this worker; only "none" is accepted'),
+    "functions": (lambda v: v == [], "function calling is not implemented by this worker"),
+    "function_call": (lambda v: v == "none",
+                      'function calling is not implemented by this worker; only "none" is accepted'),
     "response_format": (lambda v: v == {"type": "text"},
-                        'structured output is not implemented; only {"type": "text"} is accepted'),
-    "best_of": (lambda v: v == 1, "best_of is not implemented (n is: several choices, all returned)"),
-    "suffix": (lambda v: v == "", "suffix (insertion) is not implemented"),
-    "echo": (lambda v: v is False, "echo is not implemented"),
-    "audio": (_never, "audio output is not implemented"),
-    "modalities": (lambda v: v == ["text"], 'only the "text" modality is implemented'),
-    "prediction": (_never, "predicted outputs are not implemented"),
-    "reasoning_effort": (_never, "reasoning effort is not implemented"),
-    "web_search_options": (_never, "web search is not implemented"),
-    "store": (lambda v: v is False, "this worker stores no completions"),
-    "service_tier": (lambda v: v in ("auto", "default"), "service tiers are not implemented"),
+                        'structured output (json_object, json_schema) is not implemented by this worker; only '
+                        '{"type": "text"} is accepted'),
+    "best_of": (lambda v: v == 1, "not implemented by this worker (n is: several choices, all returned); only 1"),
+    "suffix": (lambda v: v == "", "insertion is not implemented by this worker"),
+    "echo": (lambda v: v is False, "echoing the prompt is not implemented by this worker"),
+    "audio": (_never, "audio output is not implemented by this worker"),
+    "modalities": (lambda v: v == ["text"], 'only ["text"] is implemented by this worker'),
+    "prediction": (_never, "predicted outputs are not implemented by this worker"),
+    "reasoning_effort": (_never, "not implemented by this worker"),
+    "web_search_options": (_never, "web search is not implemented by this worker"),
+    "store": (lambda v: v is False, "this worker stores no completions; only false is accepted"),
+    "service_tier": (lambda v: v in ("auto", "default"), 'service tiers are not implemented by this worker; only '
+                                                         '"auto" and "default" are accepted'),
 }
 # Fields that only annotate a request and change nothing in its answer: accepted, not used.
 # (parallel_tool_calls means something only with tools, which are refused.)
@@ -223,7 +227,7 @@ def check_fields(body: _Common) -> None:
         if name in NOT_IMPLEMENTED:
             neutral, why = NOT_IMPLEMENTED[name]
             if not neutral(value):
-                raise ApiError(400, f"{name}: {why} by this worker", param=name, code="unsupported_parameter")
+                raise ApiError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
             continue
         raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
                        code="unknown_parameter")

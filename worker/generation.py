@@ -147,7 +147,8 @@ class Generator:
                 logprobs.append(entry)
                 if on_logprobs is not None:
                     on_logprobs(entry)
-                text_before = len(self.tokenizer.decode(ids).rstrip("\ufffd"))  # a character still incomplete starts later
+                # A character still incomplete (its bytes split across tokens) starts after the next token.
+                text_before = len(self.tokenizer.decode(ids).rstrip("\ufffd"))
             if text.add(ids):
                 finish = "stop"
                 break

@@ -89,7 +89,7 @@ def token_text(local, token: int) -> str:
 
 
 def _gpt2_bytes() -> dict[str, int]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -128,7 +128,8 @@ def test_chat_logprobs_are_the_models_log_softmax_streamed_or_not(worker: Worker
         "top_logprobs": k, "ignore_eos": True, "stream": True})
     streamed = [e for ev in events for c in ev["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
     assert streamed == [e.model_dump() for e in entries]
-    assert "".join(c["delta"].get("content") or "" for ev in events for c in ev["choices"]) == got.choices[0].message.content
+    streamed_text = "".join(c["delta"].get("content") or "" for ev in events for c in ev["choices"])
+    assert streamed_text == got.choices[0].message.content
 
 
 def test_completions_logprobs_give_the_legacy_lists(worker: Worker, local) -> None:
