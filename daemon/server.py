@@ -5,10 +5,10 @@ get one of the client's leased slots each; reads land in the slot; once every pi
 block's crc32 is checked on a reader thread (packs of format 1.1) and only then does READY name the
 slot: a block that fails the check is FAILed CORRUPT, counted and logged by (layer, expert), and
 the daemon serves every other key on.
-A client that disconnects or stops answering ZMTP heartbeats loses its leases: the socket monitor
-reports the connection's fd, and every message's source fd (ZMQ_SRCFD) says whose it was; the
-monitor is drained before each message is handled, so an fd reused by a new connection is never
-mistaken for the old one. A message that fails validation gets ERROR and changes nothing.
+A client that disconnects or stops answering ZMTP heartbeats loses its leases: a session keeps the
+fd (ZMQ_SRCFD) of the connection that said HELLO, the socket monitor reports a closed connection's
+fd, and that ends the sessions on it. The monitor is drained before each message is handled, so a
+disconnect that came first is seen first. A message that fails validation gets ERROR and changes nothing.
 A session belongs to the connection that said HELLO. A peer that connects with a routing id
 already in use takes it over (ROUTER_HANDOVER: libzmq otherwise keeps every such ignored
 connection's pipes, ~20 kB each, for the life of the socket); the session of the connection it
@@ -108,7 +108,6 @@ class ExpertDaemon:
         self.read_latency = Histogram()
         self.fetch_latency = Histogram()
         self.sessions: dict[bytes, Session] = {}
-        self._fd_peer: dict[int, bytes] = {}  # connection fd -> routing id of the peer on it
         # Clients whose connection closed: a RELEASE or CANCEL they sent just before closing is read
         # after the disconnect and is the tail of a clean close, not a protocol error. Bounded.
         self._gone: OrderedDict[bytes, None] = OrderedDict()
@@ -225,7 +224,6 @@ class ExpertDaemon:
             self._drain_monitor()  # disconnects that happened before this message come first
             identity = frames[0].bytes
             fd = frames[-1].get(zmq.SRCFD)
-            self._fd_peer[fd] = identity
             session = self.sessions.get(identity)
             if session is not None and session.fd != fd:
                 self._drop(identity, "lost its routing id to another connection")
@@ -475,12 +473,13 @@ class ExpertDaemon:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             fd = int(event["value"])
-            identity = self._fd_peer.pop(fd, None)
-            session = self.sessions.get(identity) if identity is not None else None
             # Only the connection that said HELLO ends its session (a connection that lost the
-            # routing id to another one closes after that one has taken it).
-            if event["event"] == zmq.EVENT_DISCONNECTED and session is not None and session.fd == fd:
-                self._drop(identity, "disconnected")
+            # routing id to another one closes after that one has taken it). Found by the session's
+            # own fd, not by who sent last on that fd: a closed connection's messages still queued
+            # carry its fd, which a new connection may have by the time they are read.
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                for identity in [i for i, s in self.sessions.items() if s.fd == fd]:
+                    self._drop(identity, "disconnected")
 
     def _drop(self, identity: bytes, why: str) -> None:
         """Ends a session: queued keys vanish, leased slots return (a slot being read returns when
