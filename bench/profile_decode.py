@@ -29,6 +29,8 @@ CLASSES = [  # (class, substrings of kernel names), first match wins
     ("fused expert down", ("_down_kernel",)),
     ("fused matvec (trunk)", ("_matvec_kernel",)),
     ("dequantize (prefill, rows)", ("_dequant_kernel",)),
+    ("fused attention", ("_partial_kernel", "_merge_kernel")),
+    ("fused norms / rope", ("_rms_norm_kernel", "_add_rms_norm_kernel", "_rope_kernel")),
     ("cuBLAS / matmul", ("gemm", "gemv", "sgemm", "cublas", "cutlass", "xmma")),
     ("softmax / topk / sort", ("softmax", "topk", "sort", "radix", "bitonic")),
     ("reductions", ("reduce",)),

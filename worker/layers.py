@@ -10,7 +10,7 @@ from enum import Enum
 
 import torch
 
-from .weights import linear, use_kernels
+from .weights import QTensor, linear, stacked_rows, use_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -20,6 +20,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         return fused_rms_norm(x, weight, eps)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after a block, x + delta, and the next block's input, its RMSNorm:
+    one launch on the fast path. delta [T, D], or [T, n, D] (the per-slot outputs of the experts,
+    added over n first)."""
+    if (use_kernels(x.device) and x.dim() == 2 and x.dtype == delta.dtype == torch.float32
+            and (weight is None or weight.dtype == torch.float32)):
+        from .kernels.pointwise_tl import add_rms_norm as fused_add_rms_norm
+
+        return fused_add_rms_norm(x, delta, weight, eps)
+    x = x + (delta.sum(dim=1) if delta.dim() == 3 else delta)
+    return x, rms_norm(x, weight, eps)
 
 
 class RopeStyle(Enum):
@@ -138,21 +152,29 @@ class KVCache:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k/v [T, Hkv, d] at this pass's positions; returns the keys and values to attend."""
+        keys, values, seen = self.buffers(layer, k.shape[0], k.shape[1:], v.shape[1:], k)
         if self.step_positions is not None:
-            keys, values = self.keys[layer], self.values[layer]
             keys.index_copy_(0, self.step_positions, k)
             values.index_copy_(0, self.step_positions, v)
-            return keys, values
-        end = self.length + k.shape[0]
+        else:
+            keys[self.length:seen] = k
+            values[self.length:seen] = v
+        return keys[:seen], values[:seen]
+
+    def buffers(self, layer: int, t: int, k_shape: torch.Size, v_shape: torch.Size, like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Layer's key and value buffers [capacity, ...], made or grown to hold this pass's T tokens,
+        and how many leading rows its queries attend (all of them in a captured step)."""
+        if self.step_positions is not None:
+            return self.keys[layer], self.values[layer], self.keys[layer].shape[0]
+        end = self.length + t
         if layer not in self.keys:
-            self.keys[layer] = k.new_zeros((max(end, INITIAL_CAPACITY), *k.shape[1:]))
-            self.values[layer] = v.new_zeros((max(end, INITIAL_CAPACITY), *v.shape[1:]))
+            self.keys[layer] = like.new_zeros((max(end, INITIAL_CAPACITY), *k_shape))
+            self.values[layer] = like.new_zeros((max(end, INITIAL_CAPACITY), *v_shape))
         elif self.keys[layer].shape[0] < end:
             size = max(end, 2 * self.keys[layer].shape[0])
             self.keys[layer], self.values[layer] = _grown(self.keys[layer], size), _grown(self.values[layer], size)
-        self.keys[layer][self.length:end] = k
-        self.values[layer][self.length:end] = v
-        return self.keys[layer][:end], self.values[layer][:end]
+        return self.keys[layer], self.values[layer], end
 
 
     def trade_buffers(self, other: "KVCache") -> None:
@@ -180,6 +202,9 @@ def _grown(buffer: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
+DECODE_MAX_QUERIES = 8  # up to this many queries, attention runs as the fused decode kernel
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor, scale: float,
               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries at positions start.. (or at the positions [T] given on the
@@ -188,6 +213,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | to
     `window` positions only (itself included). `sinks` [H]: a learned logit per head that joins
     the softmax and takes probability mass without contributing a value."""
     t, h = q.shape[0], q.shape[1]
+    if use_kernels(q.device) and t <= DECODE_MAX_QUERIES and q.dtype == k.dtype == v.dtype == torch.float32:
+        from .kernels.attention_tl import decode_attention
+
+        positions = start if isinstance(start, torch.Tensor) else torch.arange(start, start + t, device=q.device)
+        return decode_attention(q, k, v, positions, scale, window, sinks)
     s, hkv = k.shape[0], k.shape[1]
     if hkv != h:
         k = k.repeat_interleave(h // hkv, dim=1)
@@ -214,6 +244,10 @@ def gqa_attention(w: dict, p: str, h: torch.Tensor, layer: int, cache: KVCache, 
     GGUF has them), per-head attn_q_norm/attn_k_norm where present (Qwen3), RoPE, the KV cache,
     attn_sinks where present (gpt-oss), attn_output (+ bias). h [T, D] -> [T, D]."""
     t = h.shape[0]
+    if use_kernels(h.device) and h.dtype == torch.float32:
+        fused = _stacked_qkv(w, p)
+        if fused is not None:
+            return _fused_gqa(w, p, h, fused, layer, cache, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window)
 
     def project(name: str, heads: int) -> torch.Tensor:
         return linear(h, w[f"{p}{name}.weight"], w.get(f"{p}{name}.bias")).reshape(t, heads, head_dim)
@@ -227,3 +261,50 @@ def gqa_attention(w: dict, p: str, h: torch.Tensor, layer: int, cache: KVCache, 
     sinks = w[f"{p}attn_sinks.weight"].dequant() if f"{p}attn_sinks.weight" in w else None
     o = attention(q, k, v, cache.positions(t, q.device), head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
     return linear(o, w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))
+
+
+def _stacked_qkv(w: dict, p: str) -> tuple[QTensor, QTensor | None] | None:
+    """attn_q/k/v stacked into one matrix (and their biases into one vector), made at the first use
+    and kept in `w`; the three then view its bytes, so nothing is held twice. None where they
+    cannot stack (types or row lengths differ)."""
+    key = f"{p}attn_qkv.weight"
+    if key not in w:
+        names = [f"{p}attn_{x}" for x in "qkv"]
+        weight = stacked_rows(key, [w[n + ".weight"] for n in names])
+        has_bias = [n + ".bias" in w for n in names]
+        bias = stacked_rows(f"{p}attn_qkv.bias", [w[n + ".bias"] for n in names]) if all(has_bias) else None
+        if weight is None or (any(has_bias) and bias is None):
+            w[key] = None
+        else:
+            w[key] = (weight, bias)
+            for stacked in (weight, bias):
+                if stacked is None:
+                    continue
+                start = 0
+                for n in names:
+                    part = w[n + stacked.name[len(f"{p}attn_qkv"):]]
+                    size = part.raw.numel()
+                    w[part.name] = QTensor(part.name, part.ggml_type, part.shape, stacked.raw[start:start + size])
+                    start += size
+    return w[key]
+
+
+def _fused_gqa(w: dict, p: str, h: torch.Tensor, fused: tuple[QTensor, QTensor | None], layer: int,
+               cache: KVCache, n_head: int, n_head_kv: int, head_dim: int, rope: Rope, cos: torch.Tensor,
+               sin: torch.Tensor, eps: float, window: int | None) -> torch.Tensor:
+    """gqa_attention on the fast path: one launch for q/k/v, one for their norms, RoPE and the
+    cache write, two for attention."""
+    from .kernels.pointwise_tl import qkv_rope_store
+
+    t = h.shape[0]
+    qkv = linear(h, *fused)
+    shape = torch.Size((n_head_kv, head_dim))
+    keys, values, seen = cache.buffers(layer, t, shape, shape, qkv)
+    positions = cache.positions(t, h.device)
+    q_norm = w[f"{p}attn_q_norm.weight"].dequant() if f"{p}attn_q_norm.weight" in w else None
+    k_norm = w[f"{p}attn_k_norm.weight"].dequant() if q_norm is not None else None
+    q = qkv_rope_store(qkv, n_head, n_head_kv, q_norm, k_norm, eps, cos, sin, rope.dim,
+                       rope.style is RopeStyle.NEOX, keys, values, positions)
+    sinks = w[f"{p}attn_sinks.weight"].dequant() if f"{p}attn_sinks.weight" in w else None
+    o = attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window, sinks=sinks)
+    return linear(o.reshape(t, -1), w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))

@@ -51,12 +51,15 @@ class ExpertFFN:
     def act(self, layer: int) -> Activation:
         return self.activation if isinstance(self.activation, Activation) else self.activation[layer]
 
-    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """h [T, D], ids/weights [T, k] -> [T, D]."""
+    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 summed: bool = True) -> torch.Tensor:
+        """h [T, D], ids/weights [T, k] -> [T, D]; with summed=False the fused path leaves the k
+        weighted outputs [T, k, D] for layers.add_rms_norm to add (in slot order, as the sum here)."""
         if self.routing_log is not None:
             self.routing_log.setdefault(layer, []).append(ids.cpu())
         if use_kernels(h.device):
-            return self._fused(layer, h, ids, weights)
+            y = self._fused(layer, h, ids, weights)
+            return y.sum(dim=1).to(h.dtype) if summed else y
         return self._per_expert(layer, h, ids, weights)
 
     def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -72,7 +75,7 @@ class ExpertFFN:
         y = None
         for rows in self.source.expert_rows(layer, ids):
             y = experts_per_pair(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)
-        return y.view(t, k, -1).sum(dim=1).to(h.dtype)  # over k in slot order: the same sum in every mode
+        return y.view(t, k, -1)  # summed over k in slot order by the caller: the same sum in every mode
 
     def _per_expert(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         experts = sorted(set(ids.flatten().tolist()))

@@ -6,9 +6,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .weights import use_kernels
+
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2/3-MoE, Mixtral, OLMoE: softmax over all experts, keep the top k (renormalized or not)."""
+    if use_kernels(logits.device):
+        from .kernels.routing_tl import softmax_topk as fused
+
+        return fused(logits, k, normalize)
     probs = torch.softmax(logits.to(torch.float32), dim=-1)
     weights, ids = torch.topk(probs, k, dim=-1)
     if normalize:
@@ -18,6 +24,10 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss: the top k logits, then a softmax over those k."""
+    if use_kernels(logits.device):
+        from .kernels.routing_tl import softmax_topk as fused
+
+        return fused(logits, k, normalize=False, softmax_first=False)
     top, ids = torch.topk(logits.to(torch.float32), k, dim=-1)
     return ids, torch.softmax(top, dim=-1)
 

@@ -95,6 +95,20 @@ class QTensor:
         return QTensor(self.name, self.ggml_type, self.shape, self.raw.to(device))
 
 
+def stacked_rows(name: str, parts: list[QTensor]) -> QTensor | None:
+    """Matrices of one type and row length stacked into one (their output rows concatenated, bytes
+    for bytes), so that one launch multiplies them all; None where they cannot be (types or row
+    lengths differ). Vectors (biases) stack likewise."""
+    first = parts[0]
+    if any(p.ggml_type is not first.ggml_type or len(p.shape) != len(first.shape) or
+           (len(p.shape) == 2 and p.shape[0] != first.shape[0]) for p in parts):
+        return None
+    raw = torch.cat([p.raw.reshape(-1) for p in parts])
+    if len(first.shape) == 1:
+        return QTensor(name, first.ggml_type, (sum(p.shape[0] for p in parts),), raw)
+    return QTensor(name, first.ggml_type, (first.shape[0], sum(p.shape[1] for p in parts)), raw)
+
+
 def linear(x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
     """x [..., in] @ w^T -> [..., out], with float32 accumulation."""
     if use_kernels(x.device):

@@ -133,35 +133,41 @@ def _q6_k(bp, j, m):  # ql[128], qh[64], scales[16] (int8), d
 
 @triton.jit
 def _q8_0_rows(rowp, c, m, BN: tl.constexpr):
-    """Q8_0, eight blocks at once as [BN, 8, 32]: one scale load per block, the 32 quants of a
-    block contiguous (the per-value form loads the scale 32 times)."""
+    """Q8_0, eight blocks at once as [BN, 8, 32]: one scale load per block; the 32 quants of a
+    block (2-byte aligned in its 34) read as 16 int16 words, each split into its two signed bytes."""
     b = tl.arange(0, 8)[None, :, None]
-    jj = tl.arange(0, 32)[None, None, :]
+    ww = tl.arange(0, 16)[None, None, :]
     bp = rowp[:, :, None] + (c * 8 + b) * 34  # [BN, 8, 1]
     m3 = tl.reshape(m, (BN, 8, 32))
     mb = tl.reshape(tl.max(m3.to(tl.int32), axis=2), (BN, 8, 1)) > 0
     d = _f16(bp, mb)
-    q = _i8(bp + 2 + jj, m3).to(tl.float32)
+    word = tl.load((bp + 2 + ww * 2).to(tl.pointer_type(tl.int16)), mask=mb, other=0).to(tl.int32)  # [BN, 8, 16]
+    low = (word << 24) >> 24  # byte 2i, sign-extended
+    high = word >> 8  # byte 2i + 1 (the int16's sign is its sign)
+    q = tl.reshape(tl.join(low, high), (BN, 8, 32)).to(tl.float32)
     return tl.reshape(q * d, (BN, 256))
 
 
 @triton.jit
 def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
-    """Q4_K as [BN, 4, 2, 32] (32-byte group, low/high nibble, byte): each quant byte loaded once
-    for its two values, scales once per sub-block, d and dmin once per row."""
+    """Q4_K as [BN, 4, 2, 32] (32-byte group, low/high nibble, byte): the quants read as int32 words
+    (a block's 144 bytes keep them 4-byte aligned), each giving eight values; scales once per
+    sub-block, d and dmin once per row."""
     bp = rowp + c * 144  # [BN, 1]
     mr = tl.reshape(tl.max(m.to(tl.int32), axis=1), (BN, 1)) > 0  # the row's mask (a K-quant row ends at a chunk)
     s8 = tl.arange(0, 8)[None, :]
     sc, mn = _k_scale_min(bp + 4, s8, mr)  # [BN, 8], sub-block s = 2 * group + nibble
     d = _f16(bp, mr)
     dmin = _f16(bp + 2, mr)
-    scale = tl.reshape(d * sc.to(tl.float32), (BN, 4, 2, 1))
-    offset = tl.reshape(dmin * mn.to(tl.float32), (BN, 4, 2, 1))
-    g = tl.arange(0, 4)[None, :, None, None]
-    h = tl.arange(0, 2)[None, None, :, None]
-    l = tl.arange(0, 32)[None, None, None, :]
-    byte = _u8(bp[:, :, None, None] + 16 + g * 32 + l, mr[:, :, None, None])  # [BN, 4, 1, 32]
-    q = (byte >> (h * 4)) & 0xF  # [BN, 4, 2, 32]
+    scale = tl.reshape(d * sc.to(tl.float32), (BN, 4, 2, 1, 1))
+    offset = tl.reshape(dmin * mn.to(tl.float32), (BN, 4, 2, 1, 1))
+    g = tl.arange(0, 4)[None, :, None, None, None]
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    w4 = tl.arange(0, 8)[None, None, None, :, None]
+    b = tl.arange(0, 4)[None, None, None, None, :]
+    wp = (bp[:, :, None, None, None] + 16 + g * 32 + w4 * 4).to(tl.pointer_type(tl.int32))
+    word = tl.load(wp, mask=mr[:, :, None, None, None], other=0)  # [BN, 4, 1, 8, 1]: byte l = 4 * w4 + b
+    q = (word >> (b * 8 + h * 4)) & 0xF  # [BN, 4, 2, 8, 4]
     return tl.reshape(scale * q.to(tl.float32) - offset, (BN, 256))
 
 

@@ -16,6 +16,7 @@ from ..quant import nbytes_of
 from .dequant_tl import CHUNK, chunk
 
 BN_MATVEC = 16  # rows of W per program
+MATVEC_WARPS = 4
 BN_DEQUANT = 16
 MATVEC_MAX_ROWS = 8  # up to this many rows of x, decode in registers; more, dequantize and multiply
 DEQUANT_PIECE_VALUES = 1 << 24  # a prefill dequantizes a big matrix in pieces of 64 MiB of float32
@@ -82,7 +83,7 @@ def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -
     y = torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, BN_MATVEC), t, splits)
     _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split,
-                         QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=4)
+                         QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=MATVEC_WARPS)
     return y[0] if splits == 1 else y.sum(0)
 
 

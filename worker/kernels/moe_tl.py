@@ -17,7 +17,8 @@ from ..activation import Activation
 from ..expert_roles import ExpertRoles
 from .dequant_tl import CHUNK, chunk
 
-BN = 16
+BN = 16  # rows of an expert's matrix per program
+WARPS = 4
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, act_ptr,
     else:
         p = i.to(tl.int64)
     t = p // k_top
-    base = pool_ptr + tl.load(off_ptr + p)
+    base = pool_ptr + tl.multiple_of(tl.load(off_ptr + p), 16)  # blocks start 4096-aligned
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
     rows = n.to(tl.int64)[:, None]
@@ -92,7 +93,7 @@ def _down_kernel(act_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, down_off, d
         p = tl.load(pair_ptr + i).to(tl.int64)
     else:
         p = i.to(tl.int64)
-    base = pool_ptr + tl.load(off_ptr + p)
+    base = pool_ptr + tl.multiple_of(tl.load(off_ptr + p), 16)  # blocks start 4096-aligned
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
     drow = base + down_off + n.to(tl.int64)[:, None] * down_rb
@@ -111,7 +112,7 @@ def _down_kernel(act_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, down_off, d
 def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                      roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] float32, offsets [T*k] int64 (bytes into pool), weights [T*k] float32 ->
+    """x [T, K] float32, offsets [T*k] int64 (bytes into pool, multiples of 16), weights [T*k] float32 ->
     out [T*k, D]: each pair's expert output times its routing weight (rows of pairs outside
     `pairs`, when given, are left as they were)."""
     k_top = offsets.shape[0] // x.shape[0]
@@ -128,10 +129,10 @@ def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
         roles.gate_bias or 0, roles.up_bias or 0, f, roles.gate.k, k_top,
         act.limit, act.alpha, act.beta, act.linear_beta,
         QG=roles.gate.ggml_type, QU=roles.up.ggml_type, ACT=int(act.kind), HAS_BIAS=has_bias,
-        HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK, num_warps=4)
+        HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK, num_warps=WARPS)
     _down_kernel[(n_pairs, triton.cdiv(d, BN))](
         act_buf, pool, offsets, pair_arg, weights, out, roles.down.offset, roles.down.row_bytes,
         roles.down_bias or 0, d, f,
         QD=roles.down.ggml_type, HAS_BIAS=roles.down_bias is not None, HAS_PAIRS=pairs is not None,
-        BN=BN, CH=CHUNK, num_warps=4)
+        BN=BN, CH=CHUNK, num_warps=WARPS)
     return out

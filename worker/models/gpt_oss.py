@@ -12,7 +12,7 @@ import torch
 
 from ..activation import Activation, ActKind
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, gqa_attention, rms_norm
+from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, rms_norm
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import topk_softmax
@@ -71,14 +71,15 @@ class Model:
         a, w, hd, t = self.args, self.w, self.args.head_dim, len(tokens)
         x = w["token_embd.weight"].rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
+        h = rms_norm(x, w["blk.0.attn_norm.weight"].dequant(), a.eps)
         for i in range(a.n_layer):
             p = f"blk.{i}."
-            h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
             window = a.sliding_window if i % 2 == 0 else None  # sliding on even layers, full on odd
-            x = x + gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps, window)
-            h = rms_norm(x, w[p + "post_attention_norm.weight"].dequant(), a.eps)
+            attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps, window)
+            x, h = add_rms_norm(x, attn, w[p + "post_attention_norm.weight"].dequant(), a.eps)
             logits = linear(h, w[p + "ffn_gate_inp.weight"], w[p + "ffn_gate_inp.bias"])
             ids, weights = topk_softmax(logits, a.n_expert_used)
-            x = x + self.moe(i, h, ids, weights)
+            after = f"blk.{i + 1}.attn_norm.weight" if i + 1 < a.n_layer else "output_norm.weight"
+            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), w[after].dequant(), a.eps)
         cache.length += t
-        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])
+        return linear(h, w["output.weight"])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, gqa_attention, rms_norm
+from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, rms_norm
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import softmax_topk
@@ -55,12 +55,13 @@ class Model:
         a, w, hd, t = self.args, self.w, self.head_dim, len(tokens)
         x = w["token_embd.weight"].rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
+        h = rms_norm(x, w["blk.0.attn_norm.weight"].dequant(), a.eps)
         for i in range(a.n_layer):
             p = f"blk.{i}."
-            h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
-            x = x + gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
-            h = rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps)
+            attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
+            x, h = add_rms_norm(x, attn, w[p + "ffn_norm.weight"].dequant(), a.eps)
             ids, weights = softmax_topk(linear(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=True)
-            x = x + self.moe(i, h, ids, weights)
+            after = f"blk.{i + 1}.attn_norm.weight" if i + 1 < a.n_layer else "output_norm.weight"
+            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), w[after].dequant(), a.eps)
         cache.length += t
-        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])
+        return linear(h, w["output.weight"])

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""How close the decode step's weight-reading kernels come to the GPU's memory bandwidth, per shape
+of one model: every distinct trunk matrix a one-token step multiplies (matvec) and one layer's
+selected experts (gate+up and down over k pairs), each timed alone with triton.testing.do_bench
+(L2 flushed between runs), reported as bytes of weights read per second. With --sweep the kernels'
+tile rows and warps are varied, to choose them from measurements.
+  python3 bench/kernel_bandwidth.py MODEL.gguf [--sweep]
+Prints a table, then one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from expertpack.worker.engine import Engine
+from expertpack.worker.kernels import linear_tl, moe_tl
+from expertpack.worker.weights import QTensor
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path, help="a GGUF (or pack directory)")
+    p.add_argument("--sweep", action="store_true", help="also try other tile rows and warps")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    engine = Engine.load(args.model, device="cuda", resident_experts=True)
+    model = engine.model
+    rows = []
+    shapes: dict[tuple, tuple[str, object]] = {}
+    for name, t in model.w.items():
+        if name.startswith("blk.0.") or not name.startswith("blk."):
+            if isinstance(t, QTensor) and len(t.shape) == 2 and not name.startswith("token_embd"):
+                shapes.setdefault((int(t.ggml_type), t.shape[0], t.shape[1]), (name, t))
+    configs = [(linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS)]
+    if args.sweep:
+        configs += [(bn, w) for bn in (8, 16, 32, 64) for w in (2, 4, 8) if (bn, w) != configs[0]]
+    for (qt, k, n), (name, t) in sorted(shapes.items(), key=lambda kv: kv[1][0]):
+        x = torch.randn(1, k, device=dev)
+        for bn, warps in configs:
+            linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS = bn, warps
+            ms = bench_ms(lambda: linear_tl.matvec(x, t.raw, qt, k, n))
+            rows.append({"kernel": "matvec", "tensor": name, "type": t.ggml_type.name, "shape": [n, k], "bn": bn,
+                         "warps": warps, "us": ms * 1e3, "gbps": t.raw.numel() / ms / 1e6})
+    linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS = configs[0]
+    moe = model.moe
+    layer = min(moe._roles) if moe._roles else None
+    if layer is not None:
+        roles, act = moe._roles[layer], moe.act(layer)
+        layout = moe.source.layout(layer)
+        table = moe.source.tables[layer]
+        n_expert = table.numel() // layout.stride
+        k_top = getattr(model.args, "n_expert_used")
+        ids = torch.randperm(n_expert, device=dev)[:k_top]
+        offsets = ids * layout.stride
+        x = torch.randn(1, roles.gate.k, device=dev)
+        w = torch.rand(k_top, device=dev)
+        econfigs = [(moe_tl.BN, moe_tl.WARPS)]
+        if args.sweep:
+            econfigs += [(bn, wp) for bn in (4, 8, 16, 32) for wp in (1, 2, 4, 8) if (bn, wp) != econfigs[0]]
+        for bn, warps in econfigs:
+            moe_tl.BN, moe_tl.WARPS = bn, warps
+            ms = bench_ms(lambda: moe_tl.experts_per_pair(x, table, offsets, w, roles, act))
+            rows.append({"kernel": "experts", "tensor": f"blk.{layer} x{k_top}", "type": roles.gate.ggml_type,
+                         "shape": [roles.gate.n, roles.gate.k], "bn": bn, "warps": warps, "us": ms * 1e3,
+                         "gbps": k_top * layout.stride / ms / 1e6})
+    print(f"{'kernel':<8} {'tensor':<28} {'type':<6} {'shape':>14} {'bn':>3} {'warps':>5} {'us':>8} {'GB/s':>7}")
+    for r in rows:
+        print(f"{r['kernel']:<8} {r['tensor']:<28} {str(r['type']):<6} {'x'.join(map(str, r['shape'])):>14} "
+              f"{r['bn']:>3} {r['warps']:>5} {r['us']:>8.1f} {r['gbps']:>7.0f}")
+    print(json.dumps({"bench": "kernel_bandwidth", "date": date.today().isoformat(), "model": args.model.name,
+                      "gpu": torch.cuda.get_device_name(), "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""The decode step's small fused kernels against the torch formulas they replace: attention over a
+KV buffer reserved ahead (GQA, a sliding window, sinks, keys past the query's position never
+read), the softmax routers (top-k with k not a power of two) and the residual add before RMSNorm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertpack.worker import layers, routing
+from expertpack.worker.kernels.attention_tl import decode_attention
+from expertpack.worker.kernels.pointwise_tl import add_rms_norm
+from expertpack.worker.kernels.routing_tl import softmax_topk
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,dv", [(8, 2, 64, 64), (4, 4, 48, 32)])
+@pytest.mark.parametrize("window,sinks", [(None, False), (5, True), (None, True)])
+def test_decode_attention(heads: int, kv_heads: int, d: int, dv: int, window: int | None, sinks: bool,
+                          device: torch.device) -> None:
+    g = torch.Generator().manual_seed(heads * d + (window or 0))
+    capacity = 600  # several splits; most keys lie past the queries' positions
+    positions = torch.tensor([0, 7, 300])
+    q = torch.randn(3, heads, d, generator=g)
+    k = torch.randn(capacity, kv_heads, d, generator=g)
+    v = torch.randn(capacity, kv_heads, dv, generator=g)
+    s = torch.randn(heads, generator=g) if sinks else None
+    want = layers.attention(q, k, v, positions, d ** -0.5, window=window, sinks=s)  # the torch path
+    k_dev = k.clone()
+    k_dev[301:] = float("nan")  # never read: beyond every query's position
+    got = decode_attention(q.to(device), k_dev.to(device), v.to(device), positions.to(device), d ** -0.5,
+                           window, None if s is None else s.to(device)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("experts,k", [(64, 8), (60, 6), (32, 4)])
+@pytest.mark.parametrize("softmax_first,normalize", [(True, True), (True, False), (False, False)])
+def test_softmax_routers(experts: int, k: int, softmax_first: bool, normalize: bool, device: torch.device) -> None:
+    g = torch.Generator().manual_seed(experts + k)
+    logits = torch.randn(5, experts, generator=g) * 2
+    if softmax_first:
+        want_ids, want_w = routing.softmax_topk(logits, k, normalize)
+    else:
+        want_ids, want_w = routing.topk_softmax(logits, k)
+    ids, w = softmax_topk(logits.to(device), k, normalize, softmax_first)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("parts", [0, 1, 8])
+def test_add_rms_norm(parts: int, device: torch.device) -> None:
+    g = torch.Generator().manual_seed(parts)
+    x = torch.randn(3, 2880, generator=g)
+    delta = torch.randn(3, parts, 2880, generator=g) if parts else torch.randn(3, 2880, generator=g)
+    w = torch.randn(2880, generator=g)
+    total = x + (delta.sum(dim=1) if parts else delta)
+    got_total, got = add_rms_norm(x.to(device), delta.to(device), w.to(device), 1e-6)
+    torch.testing.assert_close(got_total.cpu(), total, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.cpu(), layers.rms_norm(total, w, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("style,rot,norms", [(layers.RopeStyle.NEOX, 64, True), (layers.RopeStyle.NORM, 32, False)])
+def test_qkv_rope_store(style: layers.RopeStyle, rot: int, norms: bool, device: torch.device) -> None:
+    from expertpack.worker.kernels.pointwise_tl import qkv_rope_store
+
+    heads, kv_heads, d, t = 4, 2, 64, 3
+    g = torch.Generator().manual_seed(rot)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    q_norm, k_norm = (torch.randn(d, generator=g), torch.randn(d, generator=g)) if norms else (None, None)
+    r = layers.Rope(rot, 10000.0, style)
+    positions = torch.tensor([5, 9, 2])
+    cos, sin = r.cos_sin(positions, torch.device("cpu"))
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    q, k, v = q.reshape(t, heads, d), k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
+    if norms:
+        q, k = layers.rms_norm(q, q_norm, 1e-6), layers.rms_norm(k, k_norm, 1e-6)
+    want_q, want_k = r.apply(q, cos, sin), r.apply(k, cos, sin)
+    keys = torch.zeros(16, kv_heads, d, device=device)
+    values = torch.zeros(16, kv_heads, d, device=device)
+    got_q = qkv_rope_store(qkv.to(device), heads, kv_heads, None if q_norm is None else q_norm.to(device),
+                           None if k_norm is None else k_norm.to(device), 1e-6, cos.to(device), sin.to(device), rot,
+                           style is layers.RopeStyle.NEOX, keys, values, positions.to(device))
+    torch.testing.assert_close(got_q.cpu(), want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys.cpu()[positions], want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(values.cpu()[positions], v)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[positions] = False
+    assert not keys.cpu()[untouched].any() and not values.cpu()[untouched].any()
