@@ -5,8 +5,10 @@
   LFU      evict the expert selected least often while resident (its count starts over when it
            comes back), the least recent among equals
   in use   the worker's own CachePolicy (worker/cache_policy.py), driven as the expert cache drives it
+  LFU*     LFU told each expert's count over the whole trace up front (offline): keeps the most
+           popular; where tokens route independently no online policy does better on average
   Belady   the offline optimum: evict the resident expert whose next use lies furthest ahead
-           (exact: next-use positions precomputed, a max-heap; no online policy can beat it)
+           (exact: next-use positions precomputed, a max-heap; no policy can beat it)
 
 Every policy sees what the worker's expert cache sees: each MoE layer call asks at once for the
 unique experts its tokens selected (in waves of at most the cache's size, as the cache splits
@@ -100,13 +102,38 @@ class LFU:
             del self.count[k], self.last[k]
             need -= 1
         for k in keys:
-            self.count[k] = self.count.get(k, 0) + 1
+            self.count[k] = self._count(k)
             self.last[k] = self.clock
             heapq.heappush(self.heap, (self.count[k], self.clock, k))
         if len(self.heap) > 4 * len(self.count) + 64:  # drop stale entries now and then
             self.heap = [(self.count[k], self.last[k], k) for k in self.count]
             heapq.heapify(self.heap)
         return hits
+
+    def _count(self, k: ExpertKey) -> int:
+        return self.count.get(k, 0) + 1
+
+
+class KnownCounts(LFU):
+    """LFU told every expert's count over the whole trace up front (so not an online policy): it
+    keeps the most popular experts. Where selections are independent draws from fixed popularities
+    (as in a synthetic model, whose tokens are independent), keeping the most popular is the best
+    any online policy can do, so this column bounds what a better online policy could gain."""
+
+    def __init__(self, n_slots: int, totals: dict[ExpertKey, int]) -> None:
+        super().__init__(n_slots)
+        self.totals = totals
+
+    def _count(self, k: ExpertKey) -> int:
+        return self.totals[k]
+
+
+def known_counts_hits(requests: Requests, n_slots: int) -> int:
+    totals: dict[ExpertKey, int] = {}
+    for keys in requests:
+        for k in keys:
+            totals[k] = totals.get(k, 0) + 1
+    return online_hits(lambda n: KnownCounts(n, totals), requests, n_slots)
 
 
 class InUse:
@@ -169,9 +196,10 @@ POLICIES: dict[str, Callable[[Requests, int], int]] = {
     "lru": lambda r, n: online_hits(LRU, r, n),
     "lfu": lambda r, n: online_hits(LFU, r, n),
     "in_use": lambda r, n: online_hits(InUse, r, n),
+    "known_counts": known_counts_hits,
     "belady": belady_hits,
 }
-COLUMNS = {"lru": "LRU", "lfu": "LFU", "in_use": "in use", "belady": "Belady"}
+COLUMNS = {"lru": "LRU", "lfu": "LFU", "in_use": "in use", "known_counts": "LFU*", "belady": "Belady"}
 
 
 @dataclass
