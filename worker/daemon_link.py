@@ -191,8 +191,9 @@ class DaemonLink:
             self._disconnect()
             if now - down_since >= self.down_timeout_s:
                 raise DaemonLost(
-                    f"expertd at {self.endpoint} went away and none came back within {self.down_timeout_s:g} s "
-                    f"(--daemon-down-timeout-s); {len(remaining)} experts could not be fetched; last: {lost}. "
+                    f"expertd at {self.endpoint} has not answered for {self.down_timeout_s:g} s "
+                    f"(--daemon-down-timeout-s): it went away and none came back; {len(remaining)} experts could "
+                    f"not be fetched; last: {lost}. "
                     "Start expertd (systemctl start expertd); the worker keeps serving and reconnects at the "
                     "next request") from lost
             log.warning("expertd unavailable (%s); reconnecting for %d experts, for at most %.1f s more", lost,
