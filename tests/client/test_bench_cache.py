@@ -155,3 +155,11 @@ def test_the_policy_in_use_replays_the_expert_caches_own_counts(qwen_pack: Path,
     assert any(line.split()[:1] == ["8"] for line in lines)
     bad = run_cli("bench", "cache", trace_path, "--slots", "1")
     assert bad.returncode == 2 and "top-k" in bad.stderr
+
+
+def test_the_bench_does_not_import_torch() -> None:
+    """It replays the worker's policy and reads its trace format, both plain Python: it starts at once."""
+    import sys
+
+    code = "import sys, expertpack.client.bench_cache; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
