@@ -98,3 +98,23 @@ def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused:
                             out=torch.full_like(full, math.nan))
     assert torch.equal(part[pairs.long()], full[pairs.long()])
     assert part[1::2].isnan().all()
+
+
+def test_gate_up_split_over_k_equals_the_reference(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    """A decode step splits gate/up's K across programs; the down launch sums the splits (and adds
+    the biases) before the activation."""
+    from expertpack.worker.kernels import moe_tl
+
+    monkeypatch.setattr(__import__(__name__, fromlist=["D"]), "D", 512)  # two chunks of K
+    monkeypatch.setattr(moe_tl, "gate_up_splits", lambda *shape: 2)
+    act = ACTS[2]
+    lay = layout(T.Q4_K, T.Q8_0, False, True)
+    pool = pool_of(lay, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 512, generator=g)
+    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(2)])
+    w = torch.rand(2, K_TOP, generator=g)
+    want = reference(lay, pool, x, ids, w, act)
+    got = experts_per_pair(x.to(device), pool.to(device), (ids.flatten() * lay.stride).to(device),
+                           w.flatten().to(device), expert_roles(lay), act).cpu().double()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5

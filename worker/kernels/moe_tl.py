@@ -1,13 +1,16 @@
 """Every expert a layer selected, in two launches, read through a byte-offset map: `offsets[p]` is
 where the block of pair p's expert starts in `pool` (the resident table or the cache's slots), p
 indexing the [T, k] routing flattened. The first launch computes gate and up (or a fused gate_up)
-from the GGUF bytes and applies the activation in its epilogue; the second the down projection,
+from the GGUF bytes, K split across programs where a decode step has few pairs; the second sums
+the splits, adds the biases, applies the activation as it reads them, then the down projection,
 its bias and the routing weight, into one row per pair, which the caller sums over k in a fixed
 order. A pair's result depends on its expert's bytes and its token only, never on where the block
 sits or which other pairs run: a cache of any size gives the very bits of the resident table.
 `pairs` restricts a launch to some pairs (a cache that loads a step's experts in waves)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -48,14 +51,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, act_ptr,
-                    gate_off, up_off, gate_rb, up_rb, gate_b, up_b, F, K, k_top,
-                    limit, alpha, beta, linear_beta,
-                    QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    HAS_PAIRS: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
-    """act[p, n] = act(gate[n] . x[t], up[n] . x[t]); grid (pairs, F/BN): pairs on the axis that
-    takes more than 65535 (a long prefill)."""
-    i, pid_n = tl.program_id(0), tl.program_id(1)
+def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, gate_off, up_off, gate_rb, up_rb, F, K, k_top,
+                    P, chunks_per_split, QG: tl.constexpr, QU: tl.constexpr, HAS_PAIRS: tl.constexpr,
+                    BN: tl.constexpr, CH: tl.constexpr):
+    """gu[s, p, 0, n] = gate[n] . x[t] and gu[s, p, 1, n] = up[n] . x[t] over the chunks of K that
+    split s owns; grid (pairs, F/BN, splits): pairs on the axis that takes more than 65535 (a long
+    prefill)."""
+    i, pid_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_PAIRS:
         p = tl.load(pair_ptr + i).to(tl.int64)
     else:
@@ -69,70 +71,92 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, act_ptr,
     urow = base + up_off + rows * up_rb
     acc_g = tl.zeros([BN, CH], tl.float32)
     acc_u = tl.zeros([BN, CH], tl.float32)
-    for c in range(0, tl.cdiv(K, CH)):
+    for step in range(0, chunks_per_split):  # the last split's spare chunks are masked (k >= K)
+        c = s * chunks_per_split + step
         k = c * CH + j
         m = (n < F)[:, None] & (k < K)[None, :]
         xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)[None, :]
         acc_g += chunk(QG, grow, c, j[None, :], m) * xv
         acc_u += chunk(QU, urow, c, j[None, :], m) * xv
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    if HAS_BIAS:
-        g += tl.load((base + gate_b).to(tl.pointer_type(tl.float32)) + n, mask=n < F, other=0.0)
-        u += tl.load((base + up_b).to(tl.pointer_type(tl.float32)) + n, mask=n < F, other=0.0)
-    tl.store(act_ptr + p * F + n, _act(g, u, limit, alpha, beta, linear_beta, ACT), mask=n < F)
+    out = gu_ptr + ((s * P + p) * 2) * F + n
+    tl.store(out, tl.sum(acc_g, axis=1), mask=n < F)
+    tl.store(out + F, tl.sum(acc_u, axis=1), mask=n < F)
 
 
 @triton.jit
-def _down_kernel(act_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, down_off, down_rb, down_b, D, F,
-                 QD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAIRS: tl.constexpr, BN: tl.constexpr,
+def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, gate_b, up_b, down_off, down_rb, down_b,
+                 D, F, P, limit, alpha, beta, linear_beta, QD: tl.constexpr, ACT: tl.constexpr,
+                 SPLITS: tl.constexpr, GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, HAS_PAIRS: tl.constexpr, BN: tl.constexpr,
                  CH: tl.constexpr):
-    """y[p, n] = weight[p] * (down[n] . act[p] + bias[n]); grid (pairs, D/BN)."""
+    """y[p, n] = weight[p] * (down[n] . act(gate, up) + bias[n]), gate and up summed over their
+    splits (in split order) with their biases, and the activation, as each chunk of F is read;
+    grid (pairs, D/BN)."""
     i, pid_n = tl.program_id(0), tl.program_id(1)
     if HAS_PAIRS:
         p = tl.load(pair_ptr + i).to(tl.int64)
     else:
         p = i.to(tl.int64)
-    base = pool_ptr + tl.multiple_of(tl.load(off_ptr + p), 16)  # blocks start 4096-aligned
+    base = pool_ptr + tl.multiple_of(tl.load(off_ptr + p), 16)
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
     drow = base + down_off + n.to(tl.int64)[:, None] * down_rb
     acc = tl.zeros([BN, CH], tl.float32)
     for c in range(0, tl.cdiv(F, CH)):
         k = c * CH + j
+        g = tl.load(gu_ptr + p * 2 * F + k, mask=k < F, other=0.0)
+        u = tl.load(gu_ptr + (p * 2 + 1) * F + k, mask=k < F, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            g += tl.load(gu_ptr + ((s * P + p) * 2) * F + k, mask=k < F, other=0.0)
+            u += tl.load(gu_ptr + ((s * P + p) * 2 + 1) * F + k, mask=k < F, other=0.0)
+        if GU_BIAS:
+            g += tl.load((base + gate_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
+            u += tl.load((base + up_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
+        av = tl.where(k < F, _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
         m = (n < D)[:, None] & (k < F)[None, :]
-        av = tl.load(act_ptr + p * F + k, mask=k < F, other=0.0)[None, :]
-        acc += chunk(QD, drow, c, j[None, :], m) * av
+        acc += chunk(QD, drow, c, j[None, :], m) * av[None, :]
     y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
+    if DOWN_BIAS:
         y += tl.load((base + down_b).to(tl.pointer_type(tl.float32)) + n, mask=n < D, other=0.0)
     tl.store(y_ptr + p * D + n, y * tl.load(w_ptr + p), mask=n < D)
+
+
+def gate_up_splits(n_pairs: int, f: int, k: int, device: torch.device) -> int:
+    """Split K so that a decode step's few pairs still give every multiprocessor several programs;
+    a function of the shapes (all T*k pairs, not the ones a wave runs) and the GPU alone, so a
+    cache of any size gives the bits of the resident table."""
+    from .linear_tl import _sm_count
+
+    programs = n_pairs * triton.cdiv(f, BN)
+    chunks = triton.cdiv(k, CHUNK)
+    splits = max(1, min(chunks, math.ceil(8 * _sm_count(device) / programs)))
+    return triton.cdiv(chunks, triton.cdiv(chunks, splits))  # no split left without chunks
 
 
 def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                      roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] float32, offsets [T*k] int64 (bytes into pool, multiples of 16), weights [T*k] float32 ->
-    out [T*k, D]: each pair's expert output times its routing weight (rows of pairs outside
-    `pairs`, when given, are left as they were)."""
-    k_top = offsets.shape[0] // x.shape[0]
-    n_pairs = offsets.shape[0] if pairs is None else pairs.shape[0]
-    f, d = roles.gate.n, roles.down.n
-    act_buf = torch.empty((offsets.shape[0], f), dtype=torch.float32, device=x.device)
+    """x [T, K] float32, offsets [T*k] int64 (bytes into pool, multiples of 16), weights [T*k]
+    float32 -> out [T*k, D]: each pair's expert output times its routing weight (rows of pairs
+    outside `pairs`, when given, are left as they were)."""
+    total = offsets.shape[0]
+    k_top = total // x.shape[0]
+    n_pairs = total if pairs is None else pairs.shape[0]
+    f, d, k = roles.gate.n, roles.down.n, roles.gate.k
+    splits = gate_up_splits(total, f, k, x.device)
+    per_split = triton.cdiv(triton.cdiv(k, CHUNK), splits)
+    gu = torch.empty((splits, total, 2, f), dtype=torch.float32, device=x.device)
     if out is None:
-        out = torch.empty((offsets.shape[0], d), dtype=torch.float32, device=x.device)
-    has_bias = roles.gate_bias is not None
+        out = torch.empty((total, d), dtype=torch.float32, device=x.device)
     pair_arg = pairs if pairs is not None else offsets  # unused when HAS_PAIRS is false
-    _gate_up_kernel[(n_pairs, triton.cdiv(f, BN))](
-        x, pool, offsets, pair_arg, act_buf,
-        roles.gate.offset, roles.up.offset, roles.gate.row_bytes, roles.up.row_bytes,
-        roles.gate_bias or 0, roles.up_bias or 0, f, roles.gate.k, k_top,
-        act.limit, act.alpha, act.beta, act.linear_beta,
-        QG=roles.gate.ggml_type, QU=roles.up.ggml_type, ACT=int(act.kind), HAS_BIAS=has_bias,
-        HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK, num_warps=WARPS)
+    _gate_up_kernel[(n_pairs, triton.cdiv(f, BN), splits)](
+        x, pool, offsets, pair_arg, gu, roles.gate.offset, roles.up.offset, roles.gate.row_bytes,
+        roles.up.row_bytes, f, k, k_top, total, per_split,
+        QG=roles.gate.ggml_type, QU=roles.up.ggml_type, HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK,
+        num_warps=WARPS)
     _down_kernel[(n_pairs, triton.cdiv(d, BN))](
-        act_buf, pool, offsets, pair_arg, weights, out, roles.down.offset, roles.down.row_bytes,
-        roles.down_bias or 0, d, f,
-        QD=roles.down.ggml_type, HAS_BIAS=roles.down_bias is not None, HAS_PAIRS=pairs is not None,
-        BN=BN, CH=CHUNK, num_warps=WARPS)
+        gu, pool, offsets, pair_arg, weights, out, roles.gate_bias or 0, roles.up_bias or 0, roles.down.offset,
+        roles.down.row_bytes, roles.down_bias or 0, d, f, total, act.limit, act.alpha, act.beta, act.linear_beta,
+        QD=roles.down.ggml_type, ACT=int(act.kind), SPLITS=splits, GU_BIAS=roles.gate_bias is not None,
+        DOWN_BIAS=roles.down_bias is not None,
+        HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK, num_warps=WARPS)
     return out
