@@ -14,6 +14,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--text", help="prompt text, tokenized with the model's tokenizer")
     p.add_argument("--greedy", type=int, default=0, metavar="N", help="generate N tokens after the prompt")
     p.add_argument("--save-logits", type=Path, metavar="F.npy", help="float32 [n_prompt, n_vocab] prompt logits")
+    p.add_argument("--stepwise", action="store_true",
+                   help="run the prompt one token per forward pass, as decoding runs, instead of in one pass "
+                        "(a routing trace of a given text as decode sees it; logits agree within rounding)")
     p.add_argument("--trace", type=Path, metavar="FILE",
                    help="record the experts every token (prompt and continuation) selects in every MoE layer: a "
                         "routing trace for `expertpack bench cache` (JSON lines; worker/routing_trace.py)")

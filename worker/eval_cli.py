@@ -12,6 +12,7 @@ import time
 from typing import NoReturn
 
 import numpy as np
+import torch
 
 from expertpack.client import ClientError
 
@@ -65,8 +66,11 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
         _fail(f"prompt must be non-empty token ids in 0..{vocab - 1}; bad: {bad[:5]}")
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     start = time.perf_counter()
-    tokens, logits = engine.generate(prompt, args.greedy, sampler) if args.greedy else \
-        ([], engine.forward(prompt, engine.new_cache()))
+    if args.stepwise:
+        tokens, logits = _stepwise(engine, prompt, args.greedy, sampler)
+    else:
+        tokens, logits = engine.generate(prompt, args.greedy, sampler) if args.greedy else \
+            ([], engine.forward(prompt, engine.new_cache()))
     seconds = time.perf_counter() - start
     if args.save_logits is not None:
         np.save(args.save_logits, logits.cpu().numpy().astype(np.float32))
@@ -92,6 +96,19 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
                   f"evictions, {c['h2d_bytes'] / 1e6:.1f} MB copied in, {c['stall_s']:.2f} s waiting for expertd")
         print(f"{engine.files.arch} on {args.device}, {seconds:.2f} s", file=sys.stderr)
     return 0
+
+
+def _stepwise(engine: Engine, prompt: list[int], n: int, sampler: Sampler) -> tuple[list[int], torch.Tensor]:
+    """Engine.generate with the prompt fed one token per forward pass."""
+    cache = engine.new_cache()
+    logits = torch.cat([engine.forward([t], cache) for t in prompt])
+    step, tokens = logits, []
+    for _ in range(n):
+        tokens.append(sampler(step[-1]))
+        if len(tokens) == n:
+            break
+        step = engine.forward([tokens[-1]], cache)
+    return tokens, logits
 
 
 def _fail(message: str) -> NoReturn:

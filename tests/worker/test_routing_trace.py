@@ -133,3 +133,22 @@ def test_a_trace_file_in_a_missing_directory_is_refused_up_front(tmp_path: Path)
     proc = subprocess.run([str(BIN / "expert-worker"), "--pack", str(tmp_path), "--trace",
                            str(tmp_path / "nowhere" / "t.jsonl")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "trace" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_eval_stepwise_traces_the_prompt_one_token_per_pass(tiny_gguf: Path, tmp_path: Path) -> None:
+    """`expertpack eval --stepwise --trace`: the prompt fed as decoding feeds it, one token per
+    pass, gives the same continuation and prompt logits within rounding as one pass."""
+    from ..conftest import run_cli
+
+    ids = ",".join(map(str, PROMPT))
+    whole = run_cli("eval", tiny_gguf, "--tokens", ids, "--greedy", "4", "--json", "--save-logits",
+                    tmp_path / "whole.npy", check=True)
+    steps = run_cli("eval", tiny_gguf, "--tokens", ids, "--greedy", "4", "--json", "--save-logits",
+                    tmp_path / "steps.npy", "--stepwise", "--trace", tmp_path / "t.jsonl", check=True)
+    assert json.loads(steps.stdout)["continuation"] == json.loads(whole.stdout)["continuation"]
+    a, b = np.load(tmp_path / "whole.npy"), np.load(tmp_path / "steps.npy")
+    assert a.shape == b.shape == (len(PROMPT), 2048)
+    assert np.abs(a - b).max() < 1e-3 * np.abs(a).max(), np.abs(a - b).max()
+    trace = read_trace(tmp_path / "t.jsonl")
+    assert trace.n_steps == len(PROMPT) + 3 == trace.n_tokens
+    assert all(len(c.ids) == 1 for c in trace.calls)
