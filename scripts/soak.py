@@ -394,7 +394,7 @@ def start_own_daemon(pack: Path, workdir: Path, stage_slots: int) -> tuple[subpr
 def synth_pack(workdir: Path) -> Path:
     gguf, pack = workdir / "tiny.gguf", workdir / "tiny.pack"
     for argv in (["synth", "--preset", "tiny", "-o", gguf, "-q"], ["build", gguf, "-o", pack, "-q"]):
-        subprocess.run([str(BIN / "expertpack"), *map(str, argv)], check=True)
+        subprocess.run([str(BIN / "expertpack"), *map(str, argv)], check=True, stdout=sys.stderr)  # stdout: JSON only
     return pack
 
 
