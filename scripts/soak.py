@@ -453,14 +453,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     next_progress = start + args.progress_s
     rss_max = rss_start
-    crashes = 0
+    crashes, crash_at_s = 0, None
     while True:
         time.sleep(0.2)
         elapsed = time.monotonic() - start
         hostile = sum(c.value for role, c in counters if role != "checker")
         alive = psutil.pid_exists(pid) and (own is None or own.poll() is None)
         if not alive:
-            crashes = 1
+            crashes, crash_at_s = 1, round(elapsed, 1)
             break
         rss_max = max(rss_max, rss_of(pid))
         if time.monotonic() >= next_progress:
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         "sessions": sum(w["sessions"] for w in workers),
         "keys_checked": sum(w["keys"] for w in workers) + served,
         "bytes_checked": sum(w["checked_bytes"] for w in workers),
-        "crashes": crashes, "leaked_slots": leaked_slots, "reading_slots": reading,
+        "crashes": crashes, "crash_at_s": crash_at_s, "leaked_slots": leaked_slots, "reading_slots": reading,
         "rss_before_bytes": rss_start, "rss_max_bytes": rss_max, "rss_after_bytes": rss_after,
         "mismatches": sum(w["mismatches"] for w in workers) + mismatches_before + mismatches_after,
         "violations": len(violations), "first_violations": violations[:5],
