@@ -1,6 +1,10 @@
-"""Which expert occupies which cache slot, and which one leaves when room is needed: LFU over the
-whole run (how often each expert was selected), LRU among equals, never an expert of the current
-step. Pure bookkeeping: no tensors, no devices, no daemon."""
+"""Which expert occupies which cache slot, and which one leaves when room is needed: the expert
+selected least often lately (a use counts 2**(-age / half-life): frequency that fades, LRFU),
+the least recently selected among equals, never an expert of the current step. The half-life is
+HALF_LIFE_FILLS times the selections that would fill the cache once: long enough to keep the
+popular experts through a burst of rare ones, short enough to follow a new request's experts
+(plain LFU over a whole run never lets go of an old request's favourites). Measured with
+`expertpack bench cache` (BENCHMARKS.md). Pure bookkeeping: no tensors, no devices, no daemon."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 from expertpack.packtools.layout import ExpertKey
+
+HALF_LIFE_FILLS = 8  # half-life of a use, in selections, over the cache's slot count
 
 
 class CacheTooSmall(ValueError):
@@ -29,30 +35,40 @@ def slot_count(cache_bytes: int, free_bytes: int, reserve_bytes: int, payload_by
 
 @dataclass
 class CachePolicy:
-    """LFU over the run, LRU among equals, this step's experts protected. Victims come from a heap of
-    (uses, last use, key) entries of resident experts, renewed as they are touched (stale ones are
-    skipped when met): O(log n) per eviction, where sorting every resident expert at each miss cost
-    O(n log n) per layer call (milliseconds per token with tens of thousands of slots)."""
+    """Fading frequency, LRU among equals, this step's experts protected. An expert's score is
+    log2 of the sum over its selections of 2**(t / half_life), t counting selections (every key of
+    every step): comparing scores compares the faded counts without ever rescaling them. Victims
+    come from a heap of (score, last use, key) entries of resident experts, renewed as they are
+    touched (stale ones are skipped when met): O(log n) per eviction, where sorting every resident
+    expert at each miss cost O(n log n) per layer call (milliseconds per token with tens of
+    thousands of slots)."""
 
     n_slots: int
+    half_life: float = 0.0  # in selections; 0: HALF_LIFE_FILLS x n_slots
     holder: list[ExpertKey | None] = field(init=False)  # slot -> the expert in it
     slot_of: dict[ExpertKey, int] = field(default_factory=dict)
-    uses: dict[ExpertKey, int] = field(default_factory=dict)  # selections since start, resident or not
+    score: dict[ExpertKey, float] = field(default_factory=dict)  # every expert selected, resident or not
     last_use: dict[ExpertKey, int] = field(default_factory=dict)
-    clock: int = 0
+    clock: int = 0  # steps
+    selections: int = 0
     _empty: list[int] = field(init=False, repr=False)  # empty slots, ascending
-    _heap: list[tuple[int, int, ExpertKey]] = field(init=False, repr=False)
+    _heap: list[tuple[float, int, ExpertKey]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.holder = [None] * self.n_slots
+        self.half_life = self.half_life or HALF_LIFE_FILLS * self.n_slots
         self._empty = list(range(self.n_slots))
         self._heap = []
 
     def touch(self, keys: list[ExpertKey]) -> None:
         """A step selected these experts (hits and misses alike)."""
         self.clock += 1
+        self.selections += len(keys)
+        now = self.selections / self.half_life
         for k in keys:
-            self.uses[k] = self.uses.get(k, 0) + 1
+            old = self.score.get(k)
+            # log2(2**old + 2**now), the larger term factored out so that nothing overflows
+            self.score[k] = now if old is None else max(old, now) + math.log2(1 + 2 ** -abs(old - now))
             self.last_use[k] = self.clock
             if k in self.slot_of:
                 heapq.heappush(self._heap, self._entry(k))
@@ -61,13 +77,13 @@ class CachePolicy:
             heapq.heapify(self._heap)
 
     def victims(self, n: int, protected: set[ExpertKey]) -> list[int]:
-        """n slots to fill: empty ones first, then the least used resident experts, the least
-        recently used first among equals; never one in `protected` (this step's)."""
+        """n slots to fill: empty ones first, then the resident experts of the lowest score, the
+        least recently used first among equals; never one in `protected` (this step's)."""
         if len(self._empty) >= n:
             return self._empty[:n]
         needed = n - len(self._empty)
-        chosen: list[tuple[int, int, ExpertKey]] = []
-        kept: list[tuple[int, int, ExpertKey]] = []
+        chosen: list[tuple[float, int, ExpertKey]] = []
+        kept: list[tuple[float, int, ExpertKey]] = []
         seen: set[ExpertKey] = set()
         while len(chosen) < needed and self._heap:
             entry = heapq.heappop(self._heap)
@@ -94,5 +110,5 @@ class CachePolicy:
         heapq.heappush(self._heap, self._entry(key))
         return old
 
-    def _entry(self, k: ExpertKey) -> tuple[int, int, ExpertKey]:
-        return self.uses.get(k, 0), self.last_use.get(k, 0), k
+    def _entry(self, k: ExpertKey) -> tuple[float, int, ExpertKey]:
+        return self.score.get(k, -math.inf), self.last_use.get(k, 0), k

@@ -1,8 +1,11 @@
 """The expert cache's policy on its own: which slot a miss fills (empty ones first, then the least
-frequently selected expert, the least recently selected among equals, never one of the current
-step) and how many slots a byte budget buys, refusing a cache that cannot hold one step."""
+frequently selected expert, uses fading with a half-life, the least recently selected among
+equals, never one of the current step) and how many slots a byte budget buys, refusing a cache
+that cannot hold one step."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -47,7 +50,7 @@ def test_equal_use_counts_evict_the_least_recently_used() -> None:
 
 
 def test_frequency_counts_survive_eviction() -> None:
-    """LFU over the run: an expert evicted and brought back keeps its history."""
+    """An expert evicted and brought back keeps its history."""
     policy = filled(A, B)
     for _ in range(3):
         policy.touch([A])
@@ -56,6 +59,26 @@ def test_frequency_counts_survive_eviction() -> None:
     assert policy.place(policy.victims(1, protected={C})[0], C) == B  # B (1 use) leaves, not A (3)
     policy.touch([B])  # B again: 2 uses now, more than C's 1
     assert policy.place(policy.victims(1, protected={B})[0], B) == C
+
+
+def test_old_favourites_fade() -> None:
+    """A used 40 times long ago loses to B used twice lately: each use counts half as much per
+    half-life (8 cache fills of selections) of age. Within a half-life frequency still wins."""
+    policy = filled(A, B)
+    assert policy.half_life == 16
+    for _ in range(40):
+        policy.touch([A])
+    for _ in range(100):  # 100 selections of others: A's 40 uses are worth 40 / 2**(100/16) < 1
+        policy.touch([C])
+    policy.touch([B])
+    policy.touch([B])
+    assert policy.victims(1, protected=set()) == [policy.slot_of[A]]
+    fresh = filled(A, B)
+    for _ in range(5):
+        fresh.touch([A])
+    fresh.touch([B])
+    fresh.touch([B])  # two recent uses against five slightly older ones
+    assert fresh.victims(1, protected=set()) == [fresh.slot_of[B]]
 
 
 def test_the_current_step_is_never_evicted() -> None:
@@ -93,12 +116,12 @@ def test_slot_count_refuses_a_cache_below_one_step() -> None:
 
 
 def naive_victims(policy: CachePolicy, n: int, protected: set[ExpertKey]) -> list[int]:
-    """The rule written out: every resident expert sorted by (uses, last use, key)."""
+    """The rule written out: every resident expert sorted by (score, last use, key)."""
     empty = [s for s, k in enumerate(policy.holder) if k is None]
     if len(empty) >= n:
         return empty[:n]
     candidates = sorted((k for k in policy.slot_of if k not in protected),
-                        key=lambda k: (policy.uses.get(k, 0), policy.last_use.get(k, 0), k))
+                        key=lambda k: (policy.score.get(k, -math.inf), policy.last_use.get(k, 0), k))
     return empty + [policy.slot_of[k] for k in candidates[:n - len(empty)]]
 
 
