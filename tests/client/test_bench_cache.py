@@ -38,7 +38,7 @@ def hits(requests, n_slots: int) -> dict[str, int]:
 
 
 def test_a_loop_one_larger_than_the_cache() -> None:
-    """A B C D three times, 3 slots: LRU (and the LFU-with-LRU-ties in use) always evicts the key
+    """A B C D three times, 3 slots: LRU (and the LFUs, ties going to LRU) always evict the key
     needed next: 0 hits. Belady hits A B (2nd round), D A (3rd after evicting B), C D: 6 of 12."""
     trace = singles(A, B, C, D) * 3
     assert hits(trace, 3) == {"lru": 0, "lfu": 0, "in_use": 0, "known_counts": 0, "belady": 6}
