@@ -13,7 +13,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -23,6 +22,7 @@ from expertpack.client import ExpertClient
 from expertpack.packtools.layout import Manifest
 
 from ..conftest import REPO, Daemon
+from ..daemon.test_faults import wait_stats
 
 SOAK = REPO / "scripts" / "soak.py"
 
@@ -38,7 +38,8 @@ def test_soak_help_says_what_it_does() -> None:
 def test_100k_hostile_messages_with_churn_leave_nothing_behind(daemon: Daemon, tiny_pack: Path) -> None:
     rss_start = psutil.Process(daemon.proc.pid).memory_info().rss
     proc = subprocess.run([sys.executable, str(SOAK), "--endpoint", daemon.endpoint, "--pid", str(daemon.proc.pid),
-                           "--pack", str(tiny_pack), "--messages", "100000", "--churners", "2", "--progress-s", "5", "--seed", "7"],
+                           "--pack", str(tiny_pack), "--messages", "100000", "--churners", "2", "--progress-s", "5",
+                           "--seed", "7"],
                           capture_output=True, text=True, timeout=400)
     assert proc.stdout.strip(), proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -62,13 +63,8 @@ def test_100k_hostile_messages_with_churn_leave_nothing_behind(daemon: Daemon, t
         for expert in client.fetch([(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]):
             assert hashlib.sha256(expert.data).hexdigest() == m.layer(expert.key.layer).sha256[expert.key.expert]
             expert.release()
-        deadline = time.monotonic() + 10
-        while True:
-            stats = client.stats()
-            if [c["name"] for c in stats["clients"]] == ["after"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    assert [c["name"] for c in stats["clients"]] == ["after"], stats["clients"]
+    stats = wait_stats(daemon.endpoint, lambda s: [c["name"] for c in s["clients"]] == ["observer"])
+    assert [c["name"] for c in stats["clients"]] == ["observer"], stats["clients"]
     assert stats["slots"]["unleased"] == stats["slots"]["total"] - 8 and stats["slots"]["leased"] == 0
     assert stats["slots"]["reading"] == 0 and stats["queue_depth"]["keys"] == 0
     assert "Traceback" not in daemon.log
