@@ -10,7 +10,7 @@ from enum import Enum
 
 import torch
 
-from .weights import QTensor, linear, stacked_rows, use_kernels
+from .weights import QTensor, linear, linear_parts, stacked_rows, use_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -239,15 +239,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | to
 
 def gqa_attention(w: dict, p: str, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
                   head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                  window: int | None = None) -> torch.Tensor:
+                  window: int | None = None, parts: bool = False) -> torch.Tensor:
     """The grouped-query attention block llama.cpp's GGUFs share: attn_q/k/v (with .bias where the
     GGUF has them), per-head attn_q_norm/attn_k_norm where present (Qwen3), RoPE, the KV cache,
-    attn_sinks where present (gpt-oss), attn_output (+ bias). h [T, D] -> [T, D]."""
+    attn_sinks where present (gpt-oss), attn_output (+ bias). h [T, D] -> [T, D]; with `parts`, a
+    decode step on the fast path may answer [T, S, D], partial sums for add_rms_norm."""
     t = h.shape[0]
     if use_kernels(h.device) and h.dtype == torch.float32:
         fused = _stacked_qkv(w, p)
         if fused is not None:
-            return _fused_gqa(w, p, h, fused, layer, cache, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window)
+            return _fused_gqa(w, p, h, fused, layer, cache, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window,
+                              parts)
 
     def project(name: str, heads: int) -> torch.Tensor:
         return linear(h, w[f"{p}{name}.weight"], w.get(f"{p}{name}.bias")).reshape(t, heads, head_dim)
@@ -291,13 +293,15 @@ def _stacked_qkv(w: dict, p: str) -> tuple[QTensor, QTensor | None] | None:
 
 def _fused_gqa(w: dict, p: str, h: torch.Tensor, fused: tuple[QTensor, QTensor | None], layer: int,
                cache: KVCache, n_head: int, n_head_kv: int, head_dim: int, rope: Rope, cos: torch.Tensor,
-               sin: torch.Tensor, eps: float, window: int | None) -> torch.Tensor:
+               sin: torch.Tensor, eps: float, window: int | None, parts: bool) -> torch.Tensor:
     """gqa_attention on the fast path: one launch for q/k/v, one for their norms, RoPE and the
-    cache write, two for attention."""
+    cache write, two for attention, one for the output projection (whose split-K partial sums,
+    with `parts`, are left for add_rms_norm to add)."""
     from .kernels.pointwise_tl import qkv_rope_store
 
     t = h.shape[0]
-    qkv = linear(h, *fused)
+    weight, bias = fused
+    qkv = linear(h, weight, bias) if bias is not None else linear_parts(h, weight)
     shape = torch.Size((n_head_kv, head_dim))
     keys, values, seen = cache.buffers(layer, t, shape, shape, qkv)
     positions = cache.positions(t, h.device)
@@ -306,5 +310,7 @@ def _fused_gqa(w: dict, p: str, h: torch.Tensor, fused: tuple[QTensor, QTensor |
     q = qkv_rope_store(qkv, n_head, n_head_kv, q_norm, k_norm, eps, cos, sin, rope.dim,
                        rope.style is RopeStyle.NEOX, keys, values, positions)
     sinks = w[f"{p}attn_sinks.weight"].dequant() if f"{p}attn_sinks.weight" in w else None
-    o = attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window, sinks=sinks)
-    return linear(o.reshape(t, -1), w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))
+    o = attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
+    if parts and f"{p}attn_output.bias" not in w:
+        return linear_parts(o, w[f"{p}attn_output.weight"])
+    return linear(o, w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))

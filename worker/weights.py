@@ -109,6 +109,19 @@ def stacked_rows(name: str, parts: list[QTensor]) -> QTensor | None:
     return QTensor(name, first.ggml_type, (first.shape[0], sum(p.shape[1] for p in parts)), raw)
 
 
+def linear_parts(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x [T, in] @ w^T for a consumer that adds partial sums itself (layers.add_rms_norm, the
+    q/k/v RoPE kernel, the routers): [T, S, out], S split-K parts on the fast path of a decode step,
+    else [T, out], the sum."""
+    if use_kernels(x.device) and x.dim() == 2:
+        from .kernels.linear_tl import MATVEC_MAX_ROWS, matvec_parts
+
+        if x.shape[0] <= MATVEC_MAX_ROWS:
+            k, n = w.shape[0], math.prod(w.shape[1:])
+            return matvec_parts(x.to(torch.float32).contiguous(), w.raw, int(w.ggml_type), k, n)
+    return linear(x, w)
+
+
 def linear(x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
     """x [..., in] @ w^T -> [..., out], with float32 accumulation."""
     if use_kernels(x.device):

@@ -44,6 +44,11 @@ def test_softmax_routers(experts: int, k: int, softmax_first: bool, normalize: b
     ids, w = softmax_topk(logits.to(device), k, normalize, softmax_first)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
+    # split-K partial sums of the router, added by the kernel in order
+    parts = torch.stack([logits * 0.25, logits * 0.5, logits * 0.25], dim=1)
+    ids, w = softmax_topk(parts.to(device), k, normalize, softmax_first)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("parts", [0, 1, 8])
@@ -58,8 +63,8 @@ def test_add_rms_norm(parts: int, device: torch.device) -> None:
     torch.testing.assert_close(got.cpu(), layers.rms_norm(total, w, 1e-6), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("style,rot,norms", [(layers.RopeStyle.NEOX, 64, True), (layers.RopeStyle.NORM, 32, False)])
-def test_qkv_rope_store(style: layers.RopeStyle, rot: int, norms: bool, device: torch.device) -> None:
+@pytest.mark.parametrize("style,rot,norms,parts", [(layers.RopeStyle.NEOX, 64, True, 1), (layers.RopeStyle.NORM, 32, False, 3)])
+def test_qkv_rope_store(style: layers.RopeStyle, rot: int, norms: bool, parts: int, device: torch.device) -> None:
     from expertpack.worker.kernels.pointwise_tl import qkv_rope_store
 
     heads, kv_heads, d, t = 4, 2, 64, 3
@@ -76,12 +81,30 @@ def test_qkv_rope_store(style: layers.RopeStyle, rot: int, norms: bool, device: 
     want_q, want_k = r.apply(q, cos, sin), r.apply(k, cos, sin)
     keys = torch.zeros(16, kv_heads, d, device=device)
     values = torch.zeros(16, kv_heads, d, device=device)
-    got_q = qkv_rope_store(qkv.to(device), heads, kv_heads, None if q_norm is None else q_norm.to(device),
+    split = torch.stack([qkv / parts] * parts, dim=1) if parts > 1 else qkv  # [T, S, C]: partial sums
+    got_q = qkv_rope_store(split.to(device), heads, kv_heads, None if q_norm is None else q_norm.to(device),
                            None if k_norm is None else k_norm.to(device), 1e-6, cos.to(device), sin.to(device), rot,
                            style is layers.RopeStyle.NEOX, keys, values, positions.to(device))
     torch.testing.assert_close(got_q.cpu(), want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(keys.cpu()[positions], want_k, rtol=1e-5, atol=1e-5)
-    assert torch.equal(values.cpu()[positions], v)
+    torch.testing.assert_close(values.cpu()[positions], v, rtol=1e-6, atol=1e-6)
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[positions] = False
     assert not keys.cpu()[untouched].any() and not values.cpu()[untouched].any()
+
+
+def test_matvec_parts_add_up_to_the_product(device: torch.device) -> None:
+    from gguf import GGMLQuantizationType as T
+
+    from expertpack.worker.kernels.linear_tl import matvec, matvec_parts
+    from expertpack.worker.quant import dequantize
+
+    from ..worker.test_quant import random_bytes
+
+    raw = torch.from_numpy(random_bytes(T.Q8_0, (2048, 64), seed=4, valid=True))
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(4))
+    parts = matvec_parts(x.to(device), raw.to(device), int(T.Q8_0), 2048, 64).cpu()
+    assert parts.shape[:2] == (2, parts.shape[1]) and parts.shape[1] > 1  # a short wide matrix is split
+    want = x.double() @ dequantize(raw, T.Q8_0, (2048, 64)).double().T
+    torch.testing.assert_close(parts.sum(1).double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(matvec(x.to(device), raw.to(device), int(T.Q8_0), 2048, 64).cpu(), parts.sum(1))

@@ -29,9 +29,9 @@ def row_bytes(ggml_type: int, k: int) -> int:
 @triton.jit
 def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split,
                    QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
-    """y[s, t, n] = sum over the chunks of split s of x[t, k] * W[n, k]; grid (N/BN, T, splits)."""
+    """y[t, s, n] = sum over the chunks of split s of x[t, k] * W[n, k]; grid (N/BN, T, splits)."""
     pid_n, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    T = tl.num_programs(1)
+    S = tl.num_programs(2)
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
     rowp = w_ptr + n.to(tl.int64)[:, None] * row_bytes
@@ -43,7 +43,7 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split,
         w = chunk(QT, rowp, c, j[None, :], m)
         xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)
         acc += w * xv[None, :]
-    tl.store(y_ptr + (s * T + t) * N + n, tl.sum(acc, axis=1), mask=n < N)
+    tl.store(y_ptr + (t * S + s) * N + n, tl.sum(acc, axis=1), mask=n < N)
 
 
 @triton.jit
@@ -66,25 +66,33 @@ def _sm_count(device: torch.device) -> int:
 
 
 def splits_for(n_rows: int, k: int, device: torch.device) -> int:
-    """Split K so that a short wide matrix (a router, a down projection) still gives every
-    multiprocessor two programs; a function of the shape and the GPU alone, so the same step gives
+    """Split K so that a short wide matrix (a router, an attention projection) still gives every
+    multiprocessor four programs; a function of the shape and the GPU alone, so the same step gives
     the same bits whatever feeds it (the resident table or the cache)."""
     blocks = math.ceil(n_rows / BN_MATVEC)
     chunks = math.ceil(k / CHUNK)
-    return max(1, min(chunks, math.ceil(2 * _sm_count(device) / blocks)))
+    return max(1, min(chunks, math.ceil(4 * _sm_count(device) / blocks)))
 
 
-def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
-    """x [T, K] float32 (contiguous) @ W^T -> [T, N] float32, W the quantized [N, K] at raw."""
+def matvec_parts(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
+    """x [T, K] float32 (contiguous) @ W^T, W the quantized [N, K] at raw, as [T, S, N] float32: the
+    S split-K partial sums, for a fused consumer (a norm, RoPE, a router) to add in split order
+    instead of a launch of their own."""
     t = x.shape[0]
     splits = splits_for(n, k, x.device)
     per_split = math.ceil(math.ceil(k / CHUNK) / splits)
     splits = math.ceil(math.ceil(k / CHUNK) / per_split)
-    y = torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
+    y = torch.empty((t, splits, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, BN_MATVEC), t, splits)
     _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split,
                          QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=MATVEC_WARPS)
-    return y[0] if splits == 1 else y.sum(0)
+    return y
+
+
+def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
+    """x [T, K] float32 (contiguous) @ W^T -> [T, N] float32, W the quantized [N, K] at raw."""
+    y = matvec_parts(x, raw, ggml_type, k, n)
+    return y[:, 0] if y.shape[1] == 1 else y.sum(1)
 
 
 def dequantize(raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:

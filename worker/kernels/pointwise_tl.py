@@ -98,14 +98,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, neox: 
 
 @triton.jit
 def _qkv_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, keys_ptr, values_ptr,
-                           H, HKV, D, eps, HAS_NORM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
-                           BD: tl.constexpr):
+                           H, HKV, D, eps, PARTS: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr,
+                           NEOX: tl.constexpr, BD: tl.constexpr):
     """grid (T * (H + HKV),): a query head (normed, rotated, into q) or a kv head (its key normed,
-    rotated and its value, written into the cache buffers at the token's position)."""
+    rotated and its value, written into the cache buffers at the token's position). The
+    projection is the sum of PARTS rows (split-K partial sums, added in order)."""
     r = tl.program_id(0)
     t = r // (H + HKV)
     i = r % (H + HKV)
-    row_ptr = qkv_ptr + t.to(tl.int64) * (H + 2 * HKV) * D + i * D
+    width = (H + 2 * HKV) * D
+    row_ptr = qkv_ptr + t.to(tl.int64) * PARTS * width + i * D
     d = tl.arange(0, BD)
     half = ROT // 2
     if NEOX:
@@ -119,6 +121,9 @@ def _qkv_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q
     rot = d < ROT
     x = tl.load(row_ptr + d, mask=d < D, other=0.0)
     other = tl.load(row_ptr + partner, mask=rot, other=0.0)
+    for p in tl.static_range(1, PARTS):
+        x += tl.load(row_ptr + p * width + d, mask=d < D, other=0.0)
+        other += tl.load(row_ptr + p * width + partner, mask=rot, other=0.0)
     if HAS_NORM:  # the head's own norm weight: q's for a query head, k's for a key (one load is masked off)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         is_q = i < H
@@ -137,13 +142,16 @@ def _qkv_rope_store_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q
         slot = (tl.load(pos_ptr + t) * HKV + (i - H)) * D
         tl.store(keys_ptr + slot + d, y, mask=d < D)
         v = tl.load(row_ptr + HKV * D + d, mask=d < D, other=0.0)
+        for p in tl.static_range(1, PARTS):
+            v += tl.load(row_ptr + p * width + HKV * D + d, mask=d < D, other=0.0)
         tl.store(values_ptr + slot + d, v, mask=d < D)
 
 
 def qkv_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None,
                    k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, rot: int, neox: bool,
                    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """qkv [T, (H + 2 Hkv) * d] float32 (a stacked q/k/v projection) -> q [T, H, d] normed (per head,
+    """qkv [T, (H + 2 Hkv) * d] float32 (a stacked q/k/v projection; or [T, S, ...], S partial sums
+    added in order) -> q [T, H, d] normed (per head,
     where q_norm/k_norm are given) and rotated; the keys, likewise, and the values go into
     keys/values [S, Hkv, d] at `positions` [T]. One launch for what layers.gqa_attention does in six."""
     t = qkv.shape[0]
@@ -153,6 +161,7 @@ def qkv_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.T
     has_norm = q_norm is not None
     _qkv_rope_store_kernel[(t * (heads + kv_heads),)](
         qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos.contiguous(), sin.contiguous(),
-        positions, q, keys, values, heads, kv_heads, d, eps, HAS_NORM=has_norm, ROT=rot, NEOX=neox,
+        positions, q, keys, values, heads, kv_heads, d, eps, PARTS=qkv.shape[1] if qkv.dim() == 3 else 1,
+        HAS_NORM=has_norm, ROT=rot, NEOX=neox,
         BD=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
     return q

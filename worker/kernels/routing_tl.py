@@ -12,12 +12,16 @@ import triton.language as tl
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                         SOFTMAX_FIRST: tl.constexpr, NORMALIZE: tl.constexpr):
+                         PARTS: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, NORMALIZE: tl.constexpr):
     """SOFTMAX_FIRST: softmax over all E, keep the top k (renormalized where NORMALIZE); else the
-    top k logits, then a softmax over those k."""
+    top k logits, then a softmax over those k. The logits are the sum of PARTS rows (a router's
+    split-K partial sums, added in order)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
-    x = tl.load(logits_ptr + t * E + e, mask=e < E, other=-float("inf"))
+    x = tl.load(logits_ptr + t * PARTS * E + e, mask=e < E, other=0.0)
+    for i in tl.static_range(1, PARTS):
+        x += tl.load(logits_ptr + (t * PARTS + i) * E + e, mask=e < E, other=0.0)
+    x = tl.where(e < E, x, -float("inf"))
     if SOFTMAX_FIRST:
         p = tl.exp(x - tl.max(x, axis=0))
         x = p / tl.sum(p, axis=0)
@@ -44,11 +48,12 @@ def _softmax_topk_kernel(logits_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, KP: tl.
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool, softmax_first: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> ids [T, k] int64, weights [T, k] float32."""
-    t, e = logits.shape
+    """logits [T, E] (or [T, S, E], S partial sums) -> ids [T, k] int64, weights [T, k] float32."""
+    t, e = logits.shape[0], logits.shape[-1]
+    parts = logits.shape[1] if logits.dim() == 3 else 1
     x = logits.to(torch.float32).contiguous()
     ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
     weights = torch.empty((t, k), dtype=torch.float32, device=x.device)
-    _softmax_topk_kernel[(t,)](x, ids, weights, e, K=k, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e),
+    _softmax_topk_kernel[(t,)](x, ids, weights, e, K=k, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e), PARTS=parts,
                                SOFTMAX_FIRST=softmax_first, NORMALIZE=normalize, num_warps=4)
     return ids, weights

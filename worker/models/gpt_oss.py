@@ -75,7 +75,8 @@ class Model:
         for i in range(a.n_layer):
             p = f"blk.{i}."
             window = a.sliding_window if i % 2 == 0 else None  # sliding on even layers, full on odd
-            attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps, window)
+            attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps, window,
+                                 parts=True)
             x, h = add_rms_norm(x, attn, w[p + "post_attention_norm.weight"].dequant(), a.eps)
             logits = linear(h, w[p + "ffn_gate_inp.weight"], w[p + "ffn_gate_inp.bias"])
             ids, weights = topk_softmax(logits, a.n_expert_used)

@@ -13,7 +13,7 @@ from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, rms_
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import softmax_topk
-from ..weights import linear
+from ..weights import linear, linear_parts
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,10 @@ class Model:
         h = rms_norm(x, w["blk.0.attn_norm.weight"].dequant(), a.eps)
         for i in range(a.n_layer):
             p = f"blk.{i}."
-            attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, a.head_dim, self.rope, cos, sin, a.eps)
+            attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, a.head_dim, self.rope, cos, sin, a.eps,
+                                 parts=True)
             x, h = add_rms_norm(x, attn, w[p + "ffn_norm.weight"].dequant(), a.eps)
-            ids, weights = softmax_topk(linear(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=True)
+            ids, weights = softmax_topk(linear_parts(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=True)
             after = f"blk.{i + 1}.attn_norm.weight" if i + 1 < a.n_layer else "output_norm.weight"
             x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), w[after].dequant(), a.eps)
         cache.length += len(tokens)
