@@ -100,7 +100,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     t, h, d = q.shape
     s, hkv, dv = v.shape
     nsplit = splits_for(s)
-    q = q.contiguous()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # views (MLA's expanded keys) are copied
     acc = torch.empty((t * h, nsplit, dv), dtype=torch.float32, device=q.device)
     ml = torch.empty((t * h, nsplit, 2), dtype=torch.float32, device=q.device)
     _partial_kernel[(t * h, nsplit)](q, k, v, positions, acc, ml, h, h // hkv, s, d, dv, scale, window or 0,
