@@ -37,16 +37,16 @@ def test_clients_that_flood_and_vanish_do_not_abort_expertd(tiny_pack: Path, tmp
         for _ in range(8):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.LINGER, 0)
             s.connect(d.endpoint)
             socks.append(s)
         ping = p.encode(p.Ping())
         for s in socks:
             for _ in range(20_000):  # twice the daemon's RCVHWM, never reading a PONG
                 s.send(ping)
-        time.sleep(0.5)
         for s in socks:
-            s.close(0)
+            # Closed once its last PING is written to the kernel (which waits on the daemon's full
+            # pipe), bounded so that a daemon gone cannot hang the context's termination.
+            s.close(linger=5000)
         time.sleep(3)  # heartbeats (1 s) come due while the daemon drains the pipes
         if d.proc.poll() is not None and "Assertion failed: !_io_error (src/stream_engine_base.cpp" in d.log:
             raise LibzmqAbort(d.log[-300:])
