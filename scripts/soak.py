@@ -35,6 +35,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -531,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     ok = not crashes and leaked_slots == 0 and reading == 0 and not summary["mismatches"] and not violations \
         and clean_exit is not False
+    if ok and (own is None or own.poll() is not None):
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"soak: kept {workdir} (the daemon's log, the pack)", file=sys.stderr)
     return 0 if ok else 1
 
 
