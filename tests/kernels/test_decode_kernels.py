@@ -15,10 +15,10 @@ from expertpack.worker.kernels.routing_tl import softmax_topk
 
 @pytest.mark.parametrize("heads,kv_heads,d,dv", [(8, 2, 64, 64), (4, 4, 48, 32)])
 @pytest.mark.parametrize("window,sinks", [(None, False), (5, True), (None, True)])
-def test_decode_attention(heads: int, kv_heads: int, d: int, dv: int, window: int | None, sinks: bool,
+@pytest.mark.parametrize("capacity", [400, 1100])  # one launch; several splits and a merge
+def test_decode_attention(heads: int, kv_heads: int, d: int, dv: int, window: int | None, sinks: bool, capacity: int,
                           device: torch.device) -> None:
-    g = torch.Generator().manual_seed(heads * d + (window or 0))
-    capacity = 600  # several splits; most keys lie past the queries' positions
+    g = torch.Generator().manual_seed(heads * d + (window or 0))  # most keys lie past the queries' positions
     positions = torch.tensor([0, 7, 300])
     q = torch.randn(3, heads, d, generator=g)
     k = torch.randn(capacity, kv_heads, d, generator=g)

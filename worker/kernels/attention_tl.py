@@ -3,7 +3,7 @@ fifteen-odd torch ops of layers.attention (repeat_interleave copies, two einsums
 aranges, masked_fill, softmax). Flash-decoding: the keys a query may see are cut into blocks, the
 blocks dealt round-robin to NSPLIT programs per (token, head), each keeping an online softmax
 (running max, sum, weighted values); a second launch merges the splits, with the attention sink
-where the model has one. Only the keys a query may see are read (up to its position, within its
+where the model has one (a buffer of up to KEYS_PER_SPLIT keys needs no merge: one launch). Only the keys a query may see are read (up to its position, within its
 window), so a step over a buffer reserved far ahead costs what its context costs. float32 all
 through; the split count is a function of the buffer's length alone, so a step gives the same bits
 whatever its position."""
@@ -17,16 +17,17 @@ import triton
 import triton.language as tl
 
 BLOCK_KEYS = 32  # keys per block of the online softmax
-KEYS_PER_SPLIT = 256  # a buffer of S keys gets about S / this programs per (token, head), at most MAX_SPLITS
+KEYS_PER_SPLIT = 512  # a buffer of S keys gets about S / this programs per (token, head), at most MAX_SPLITS
 MAX_SPLITS = 16
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, H, G, S, D, DV, scale, window,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, sink_ptr, o_ptr, H, G, S, D, DV, scale, window,
                     NSPLIT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                    WINDOW: tl.constexpr):
+                    WINDOW: tl.constexpr, HAS_SINK: tl.constexpr):
     """grid (T * H, NSPLIT): query head h of token t against the keys of kv head h // G that split
-    s owns; writes its weighted values [DV] and its (max, sum) to the split buffers."""
+    s owns; writes its weighted values [DV] and its (max, sum) to the split buffers, or, when one
+    split owns every key, the output itself (the merge's formula with one split)."""
     row, split = tl.program_id(0), tl.program_id(1)
     t = row // H
     h = row % H
@@ -59,10 +60,21 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, H, G, S, D, D
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l = l * alpha + tl.sum(p, axis=0)
         m = m_new
-    out = row.to(tl.int64) * NSPLIT + split
-    tl.store(acc_ptr + out * DV + dv, acc, mask=dv < DV)
-    tl.store(ml_ptr + out * 2, m)
-    tl.store(ml_ptr + out * 2 + 1, l)
+    if NSPLIT == 1:
+        top = m
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h)
+            top = tl.maximum(m, sink)
+        scale_m = tl.exp(m - top)
+        total = l * scale_m
+        if HAS_SINK:
+            total += tl.exp(sink - top)
+        tl.store(o_ptr + row.to(tl.int64) * DV + dv, acc * scale_m / total, mask=dv < DV)
+    else:
+        out = row.to(tl.int64) * NSPLIT + split
+        tl.store(acc_ptr + out * DV + dv, acc, mask=dv < DV)
+        tl.store(ml_ptr + out * 2, m)
+        tl.store(ml_ptr + out * 2 + 1, l)
 
 
 @triton.jit
@@ -101,13 +113,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     s, hkv, dv = v.shape
     nsplit = splits_for(s)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # views (MLA's expanded keys) are copied
-    acc = torch.empty((t * h, nsplit, dv), dtype=torch.float32, device=q.device)
-    ml = torch.empty((t * h, nsplit, 2), dtype=torch.float32, device=q.device)
-    _partial_kernel[(t * h, nsplit)](q, k, v, positions, acc, ml, h, h // hkv, s, d, dv, scale, window or 0,
-                                     NSPLIT=nsplit, BS=BLOCK_KEYS, BD=triton.next_power_of_2(d),
-                                     BDV=triton.next_power_of_2(dv), WINDOW=window is not None, num_warps=4)
     out = torch.empty((t, h, dv), dtype=torch.float32, device=q.device)
-    sink = sinks.to(torch.float32).contiguous() if sinks is not None else acc
-    _merge_kernel[(t * h,)](acc, ml, sink, out, h, dv, NSPLIT=nsplit, BDV=triton.next_power_of_2(dv),
-                            HAS_SINK=sinks is not None, num_warps=4)
+    sink = sinks.to(torch.float32).contiguous() if sinks is not None else out
+    acc = torch.empty((t * h, nsplit, dv) if nsplit > 1 else (1,), dtype=torch.float32, device=q.device)
+    ml = torch.empty((t * h, nsplit, 2) if nsplit > 1 else (1,), dtype=torch.float32, device=q.device)
+    _partial_kernel[(t * h, nsplit)](q, k, v, positions, acc, ml, sink, out, h, h // hkv, s, d, dv, scale, window or 0,
+                                     NSPLIT=nsplit, BS=BLOCK_KEYS, BD=triton.next_power_of_2(d),
+                                     BDV=triton.next_power_of_2(dv), WINDOW=window is not None,
+                                     HAS_SINK=sinks is not None, num_warps=4)
+    if nsplit > 1:
+        _merge_kernel[(t * h,)](acc, ml, sink, out, h, dv, NSPLIT=nsplit, BDV=triton.next_power_of_2(dv),
+                                HAS_SINK=sinks is not None, num_warps=4)
     return out
