@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from expertpack.packtools.layout import ExpertKey
 
-HALF_LIFE_FILLS = 8  # half-life of a use, in selections, over the cache's slot count
+HALF_LIFE_FILLS = 32  # half-life of a use, in selections, over the cache's slot count
 
 
 class CacheTooSmall(ValueError):

@@ -63,12 +63,12 @@ def test_frequency_counts_survive_eviction() -> None:
 
 def test_old_favourites_fade() -> None:
     """A used 40 times long ago loses to B used twice lately: each use counts half as much per
-    half-life (8 cache fills of selections) of age. Within a half-life frequency still wins."""
+    half-life (32 cache fills of selections) of age. Within a half-life frequency still wins."""
     policy = filled(A, B)
-    assert policy.half_life == 16
+    assert policy.half_life == 64
     for _ in range(40):
         policy.touch([A])
-    for _ in range(100):  # 100 selections of others: A's 40 uses are worth 40 / 2**(100/16) < 1
+    for _ in range(400):  # 400 selections of others: A's 40 uses are worth 40 / 2**(400/64) < 1
         policy.touch([C])
     policy.touch([B])
     policy.touch([B])
