@@ -108,3 +108,20 @@ def test_matvec_parts_add_up_to_the_product(device: torch.device) -> None:
     want = x.double() @ dequantize(raw, T.Q8_0, (2048, 64)).double().T
     torch.testing.assert_close(parts.sum(1).double().cpu(), want, rtol=1e-5, atol=1e-4)
     assert torch.equal(matvec(x.to(device), raw.to(device), int(T.Q8_0), 2048, 64), parts.sum(1))  # same device, same sum
+
+
+def test_a_matrix_per_head_in_one_launch(device: torch.device) -> None:
+    """MLA's absorbed projections: x [T, H, K] against H matrices [R, K] stored head-major."""
+    from gguf import GGMLQuantizationType as T
+
+    from expertpack.worker.kernels.linear_tl import matvec_heads
+    from expertpack.worker.quant import dequantize
+
+    from ..worker.test_quant import random_bytes
+
+    heads, rows, k = 3, 40, 256
+    raw = torch.from_numpy(random_bytes(T.Q4_K, (k, rows, heads), seed=9, valid=True))
+    x = torch.randn(2, heads, k, generator=torch.Generator().manual_seed(9))
+    want = torch.einsum("thk,hrk->thr", x.double(), dequantize(raw, T.Q4_K, (k, rows, heads)).double())
+    got = matvec_heads(x.to(device), raw.to(device), int(T.Q4_K), k, rows).cpu()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)

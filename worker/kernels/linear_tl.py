@@ -27,14 +27,15 @@ def row_bytes(ggml_type: int, k: int) -> int:
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split,
+def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split, H,
                    QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
-    """y[t, s, n] = sum over the chunks of split s of x[t, k] * W[n, k]; grid (N/BN, T, splits)."""
+    """y[t, s, n] = sum over the chunks of split s of x[t, k] * W[h, n, k], h = t % H (a matrix per
+    head for H > 1: x's rows are (token, head) pairs); grid (N/BN, T*H, splits)."""
     pid_n, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     S = tl.num_programs(2)
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
-    rowp = w_ptr + n.to(tl.int64)[:, None] * row_bytes
+    rowp = w_ptr + ((t % H) * N + n).to(tl.int64)[:, None] * row_bytes
     acc = tl.zeros([BN, CH], tl.float32)
     for i in range(0, chunks_per_split):  # the last split's spare chunks are masked (k >= K)
         c = s * chunks_per_split + i
@@ -84,9 +85,20 @@ def matvec_parts(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: 
     splits = math.ceil(math.ceil(k / CHUNK) / per_split)
     y = torch.empty((t, splits, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, BN_MATVEC), t, splits)
-    _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split,
+    _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, 1,
                          QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=MATVEC_WARPS)
     return y
+
+
+def matvec_heads(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
+    """x [T, H, K] float32 against a matrix per head (raw holds H matrices [N, K], head-major) ->
+    [T, H, N] float32: MLA's absorbed projections, every head in one launch."""
+    t, h, _ = x.shape
+    y = torch.empty((t * h, 1, n), dtype=torch.float32, device=x.device)
+    _matvec_kernel[(triton.cdiv(n, BN_MATVEC), t * h, 1)](
+        x.contiguous(), raw, y, n, k, row_bytes(ggml_type, k), math.ceil(k / CHUNK), h,
+        QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=MATVEC_WARPS)
+    return y.view(t, h, n)
 
 
 def matvec(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from ..config import Key, read_args
 from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
-from ..mla import mla_keys_values, mla_query
+from ..mla import absorbed_attention, mla_keys_values, mla_query
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import sigmoid_group_topk, softmax_topk
-from ..weights import QTensor, linear
+from ..weights import QTensor, linear, use_kernels
 
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # {arch}.expert_gating_func; absent means softmax (DeepSeek-V2)
 
@@ -96,6 +96,10 @@ class Model:
     def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, p, t = self.args, self.w, f"blk.{i}.", len(h)
         q = mla_query(w, p, h, a.n_head, a.key_mla, a.eps)
+        if use_kernels(h.device):
+            o = absorbed_attention(w, p, h, q, i, cache, a.kv_lora, self.nope, a.eps, self.scale,
+                                   lambda x: self.rope.apply(x, cos, sin))
+            return linear(o.reshape(t, -1), w[p + "attn_output.weight"])
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
         k_nope, k_pe, value = mla_keys_values(w, p, h, a.kv_lora, a.eps)  # k_pe: one rotary key for every head
         q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)

@@ -18,11 +18,11 @@ from ..activation import Activation, ActKind
 from ..config import Key, read_args
 from ..kda import kda
 from ..layers import KVCache, attention, rms_norm
-from ..mla import mla_keys_values, mla_query
+from ..mla import absorbed_attention, mla_keys_values, mla_query
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
 from ..routing import sigmoid_group_topk
-from ..weights import linear
+from ..weights import linear, use_kernels
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,14 @@ class Model:
     def _mla(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, p, t = self.args, self.w, f"blk.{i}.", len(h)
         q = mla_query(w, p, h, a.n_head, a.key_mla, a.eps)
-        k_nope, k_pe, value = mla_keys_values(w, p, h, a.kv_lora, a.eps)
-        k_pe = k_pe.expand(t, a.n_head, a.rope_dim)  # shared by the heads, never rotated
-        key, value = cache.append(i, torch.cat([k_nope, k_pe], dim=-1), value)
-        o = attention(q, key, value, cache.positions(t, q.device), a.key_mla ** -0.5).reshape(t, -1)
+        if use_kernels(h.device):
+            o = absorbed_attention(w, p, h, q, i, cache, a.kv_lora, a.key_mla - a.rope_dim, a.eps,
+                                   a.key_mla ** -0.5).reshape(t, -1)
+        else:
+            k_nope, k_pe, value = mla_keys_values(w, p, h, a.kv_lora, a.eps)
+            k_pe = k_pe.expand(t, a.n_head, a.rope_dim)  # shared by the heads, never rotated
+            key, value = cache.append(i, torch.cat([k_nope, k_pe], dim=-1), value)
+            o = attention(q, key, value, cache.positions(t, q.device), a.key_mla ** -0.5).reshape(t, -1)
         o = o * torch.sigmoid(linear(h, w[p + "attn_gate.weight"]))  # the output gate reads the normed input
         return linear(o, w[p + "attn_output.weight"])
 
