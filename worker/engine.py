@@ -154,6 +154,7 @@ class DecodeGraph:
         self.token = torch.zeros(1, dtype=torch.int64, device=device)
         self.position = torch.full((1,), cache.length, dtype=torch.int64, device=device)
         length = cache.length
+        states = [t.clone() for t in cache.state_tensors()]  # the warm-up steps advance them: put back after
         cache.step_positions = self.position
         try:
             side = torch.cuda.Stream(device)
@@ -169,6 +170,8 @@ class DecodeGraph:
         finally:
             cache.step_positions = None
             cache.length = length
+            for live, saved in zip(cache.state_tensors(), states):
+                live.copy_(saved)
 
     def step(self, token: int) -> torch.Tensor:
         self.token.fill_(token)

@@ -20,6 +20,15 @@ class KdaState:
     conv: dict[str, torch.Tensor]  # "q"/"k"/"v" -> the last kernel-1 projected inputs [kernel-1, d_inner]
     s: torch.Tensor  # [n_head, head_dim (key), head_dim (value)]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.conv.values(), self.s]
+
+    def assign(self, new: "KdaState") -> None:
+        """Takes `new`'s values into this state's own tensors: a captured decode step reads and
+        writes fixed buffers."""
+        for mine, theirs in zip(self.tensors(), new.tensors()):
+            mine.copy_(theirs)
+
 
 def _conv(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise convolution of x [T, C] continuing `past` [K-1, C]; weight [C, K], the

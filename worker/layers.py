@@ -188,6 +188,10 @@ class KVCache:
                 b.copy_(rows)
                 mine[layer], theirs[layer] = b, a
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the architectures' own states (KDA's), which a step updates in place."""
+        return [t for layer in sorted(self.state) for t in self.state[layer].tensors()]
+
     def same_shapes(self, other: "KVCache") -> bool:
         return (self.keys.keys() == other.keys.keys() and not self.state and not other.state
                 and all(self.keys[l].shape == other.keys[l].shape and self.values[l].shape == other.values[l].shape

@@ -17,7 +17,7 @@ from ..conftest import FIXTURES
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MODELS = ["gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
-          "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf"]
+          "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf", "flagship/kimi-k3/k3-tiny.Q2_K.gguf"]  # kimi: KDA states
 
 
 def decode(engine: Engine, prompt: list[int], feed: list[int]) -> torch.Tensor:

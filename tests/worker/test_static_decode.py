@@ -18,6 +18,7 @@ MODELS = {  # one GGUF per architecture that declares static_decode
     "llama": "gguf/mixtral-a/mixtral-a.Q4_K_M.gguf",
     "gpt-oss": "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
     "deepseek2": "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf",
+    "kimi-k3": "flagship/kimi-k3/k3-tiny.Q2_K.gguf",  # KDA states updated in place
 }
 PROMPT, FEED = [1, 5, 9, 200], [33, 7, 1000]
 
@@ -48,6 +49,8 @@ def test_static_steps_equal_eager_decode(arch: str) -> None:
     for layer in eager.keys:  # the same keys in the same rows (the summation order over keys differs)
         torch.testing.assert_close(static.keys[layer][:eager.length], eager.keys[layer][:eager.length],
                                    rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(static.state_tensors(), eager.state_tensors(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_trading_buffers_keeps_each_caches_rows() -> None:

@@ -68,7 +68,7 @@ KEYS = {
 
 
 class Model:
-    static_decode = False  # not yet: the KDA states are new tensors each step, not updated in place
+    static_decode = True  # a one-token step has static shapes; the KDA states are updated in place
 
     def __init__(self, files: ModelFiles, device: torch.device) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
@@ -135,8 +135,11 @@ class Model:
             if banked:
                 bank.append(x)  # the raw layer input
             if int(a.kv_heads[i]) == 0:
-                out, cache.state[i] = kda(w, p, h, cache.state.get(i), a.n_head, a.kda_head_dim, a.kda_lower_bound,
-                                          a.eps)
+                out, state = kda(w, p, h, cache.state.get(i), a.n_head, a.kda_head_dim, a.kda_lower_bound, a.eps)
+                if i in cache.state:
+                    cache.state[i].assign(state)  # in place: a captured step keeps its buffers
+                else:
+                    cache.state[i] = state
             else:
                 out = self._mla(i, h, cache)
             x = out if banked else x + out
