@@ -219,8 +219,26 @@ def _typed(spec: TensorSpec, expert_type: T, trunk_type: T) -> SynthTensor:
     return SynthTensor(spec, t, n // block_values * block_bytes)
 
 
+# Per-layer arrays that say which kind of layer each is (DeepSeek-V4's attention: 0 sliding window,
+# 4 CSA, 128 HCA). A cut keeps one layer of every kind where it has room: llama.cpp's graph for a
+# DeepSeek-V4 without any compressed layer dies with SIGFPE (a 2-layer cut of [0, 0, 4, 128, ...]).
+LAYER_KINDS = ("attention.compress_ratios",)
+
+
+def _every_kind(kinds: list[Any], n_layer: int) -> list[Any]:
+    """The first n_layer entries, with the kinds the cut would lose (in the order they first
+    appear) put in place of repeated ones, last first, while the cut has room for them."""
+    cut = list(kinds[:n_layer])
+    missing = [k for k in dict.fromkeys(kinds) if k not in cut]
+    for pos in reversed(range(n_layer)):
+        if missing and cut.count(cut[pos]) > 1:
+            cut[pos] = missing.pop(0)
+    return cut
+
+
 def _truncated(meta: dict[str, Any], n_layer: int | None) -> dict[str, Any]:
-    """The preset's metadata for its first n_layer layers; per-layer arrays are cut to match."""
+    """The preset's metadata for its first n_layer layers; per-layer arrays are cut to match
+    (layer kinds keep one of each, see LAYER_KINDS)."""
     full = meta["block_count"]
     if n_layer is None or n_layer == full:
         return dict(meta)
@@ -228,6 +246,9 @@ def _truncated(meta: dict[str, Any], n_layer: int | None) -> dict[str, Any]:
         raise ExpertpackError(f"--layers must be between 1 and {full}")
     out = {k: (v[:n_layer] if isinstance(v, list) and len(v) == full else v) for k, v in meta.items()}
     out["block_count"] = n_layer
+    for key in LAYER_KINDS:
+        if key in out:
+            out[key] = _every_kind(meta[key], n_layer)
     for key in ("leading_dense_block_count", "hash_layer_count"):  # counts of leading layers
         if key in out:
             out[key] = min(out[key], n_layer)

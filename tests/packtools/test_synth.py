@@ -157,10 +157,20 @@ def test_deepseek_v4_flash_has_the_real_expert_block() -> None:
     assert sum(t.nbytes for t in experts) // 256 == 13_369_344
     assert {t.ggml_type.name for t in experts} == {"MXFP4"}
     ratios = next(f for f in plan.metadata if f.key == "deepseek4.attention.compress_ratios").value
-    assert len(ratios) == 2
+    assert list(ratios) == [0, 4]  # a sliding-window layer and a compressed one (llama.cpp needs one)
     # three hash-routed layers in the real model; a 2-layer cut cannot have more than 2
     assert next(f for f in plan.metadata if f.key == "deepseek4.hash_layer_count").value == 2
     assert not any(t.spec.name.startswith("blk.2.") for t in plan.tensors)
+
+
+@pytest.mark.parametrize("layers,ratios", [(1, [0]), (2, [0, 4]), (3, [0, 128, 4]), (4, [0, 0, 4, 128]),
+                                           (6, [0, 0, 4, 128, 4, 128])])
+def test_deepseek_v4_cuts_keep_every_attention_kind_they_have_room_for(layers: int, ratios: list[int]) -> None:
+    plan = plan_synth(SynthOptions(preset="deepseek-v4-flash", n_layer=layers))
+    got = next(f for f in plan.metadata if f.key == "deepseek4.attention.compress_ratios").value
+    assert list(got) == ratios
+    compressed = {int(t.spec.name.split(".")[1]) for t in plan.tensors if "attn_compressor_kv" in t.spec.name}
+    assert compressed == {i for i, r in enumerate(ratios) if r}  # the tensors follow the kinds
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
