@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (see ../.library/device) that checks and measures the GPU path:
+# starts the llama.cpp build in the background (bench/peer_on_device.sh), meanwhile runs the kernel
+# and GPU tests on a fixture subset and profiles a decode step, then runs the peer comparison once
+# the build is done. About 7 minutes. Prepare here, then carry .whl, .peer and .gpufix:
+#   bash ../shared/device/wheels.sh jinja2 markupsafe      # .whl (the machine reaches no registry)
+#   .venv/bin/python bench/peer_llamacpp.py fetch --dest .peer/llama.cpp
+#   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 26 MiB) or b (41 MiB)
+# and on the device: COMMIT=<hash> bash bench/device_check.sh run
+# Set a holds what tests/kernels and most of tests/gpu read; set b the architectures the rest read
+# (mixtral-a, deepseek3-a at BF16, DeepSeek-V4 and Kimi-K3): `tests` with it, carried without .peer.
+# Outputs (profiles, llama-bench JSON, chart) go to $OUT.
+set -uo pipefail
+fixtures=${EXPERTPACK_SHARED:-../shared}/fixtures
+case "${1:-}" in
+fixtures)
+    set -e
+    rm -rf .gpufix && mkdir -p .gpufix
+    copy() { mkdir -p ".gpufix/$(dirname "$1")" && cp -r "$fixtures/$1" ".gpufix/$1"; }
+    if [ "${2:-a}" = a ]; then
+        for f in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf gguf/qwen3moe-a/qwen3moe-a.BF16.gguf \
+                 gguf/gptoss-a/gptoss-a.MXFP4.gguf gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf \
+                 gguf/deepseek3-a/deepseek3-a.Q2_K.gguf flagship/kimi-k3/k3-tiny.Q2_K.gguf; do copy "$f"; done
+        for m in qwen3moe-a gptoss-a; do
+            for f in hf_logits_f32.npy hf_ref.json prompt_ids.npy; do copy "ref/$m/$f"; done
+        done
+    else
+        for f in gguf/mixtral-a/mixtral-a.F16.gguf gguf/deepseek3-a/deepseek3-a.BF16.gguf \
+                 flagship/deepseek4/dsv4-tiny.BF16.gguf flagship/deepseek4/logits flagship/deepseek4/reference.json \
+                 flagship/kimi-k3/k3-tiny.Q2_K.gguf flagship/kimi-k3/logits flagship/kimi-k3/reference.json; do
+            copy "$f"
+        done
+        for m in mixtral-a deepseek3-a; do
+            for f in hf_logits_f32.npy hf_ref.json prompt_ids.npy; do copy "ref/$m/$f"; done
+        done
+    fi
+    du -sh .gpufix
+    ;;
+run | tests)
+    [ "$1" = run ] && bash bench/peer_on_device.sh start-build
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 EXPERTPACK_FIXTURES=$PWD/.gpufix
+    echo "== tests (those whose fixtures are in .gpufix)"
+    have() { [ -e ".gpufix/$1" ]; }
+    skip=()
+    for t in "qwen3moe-a:gguf/qwen3moe-a/qwen3moe-a.BF16.gguf" "gptoss-a:gguf/gptoss-a/gptoss-a.MXFP4.gguf" \
+             "mixtral-a:gguf/mixtral-a/mixtral-a.F16.gguf" "deepseek3-a:gguf/deepseek3-a/deepseek3-a.BF16.gguf"; do
+        have "${t#*:}" || skip+=(--deselect "tests/gpu/test_cuda_worker.py::test_architectures_on_cuda_match_transformers[${t%%:*}]")
+    done
+    have flagship/deepseek4/reference.json || skip+=(--deselect tests/gpu/test_cuda_worker.py::test_deepseek4_on_cuda_matches_transformers)
+    have flagship/kimi-k3/reference.json || skip+=(--deselect tests/gpu/test_cuda_worker.py::test_kimi_k3_on_cuda_matches_its_float64_reference)
+    for m in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M gguf/gptoss-a/gptoss-a.MXFP4_MOE gguf/deepseek3-a/deepseek3-a.Q2_K \
+             flagship/kimi-k3/k3-tiny.Q2_K; do
+        have "$m.gguf" || skip+=(--deselect "tests/gpu/test_decode_graph.py::test_graph_replays_equal_the_eager_static_steps[$m.gguf]")
+    done
+    have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py)
+    if [ "$1" = tests ]; then timeout 500 python3 -m pytest -q tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
+    timeout 170 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
+    out=${OUT:-/tmp}
+    m=bench-out/qwen3-30b-a3b-12L.gguf
+    mkdir -p bench-out && { [ -f $m ] || expertpack synth --preset qwen3-30b-a3b --layers 12 -o $m -q; }
+    echo "== profile (CUDA graph)"; python3 bench/profile_decode.py $m 2>&1 | grep -v Warn | tee "$out/profile.txt" | head -16
+    echo "== peer"; bash bench/peer_on_device.sh run qwen3-30b-a3b 12 64 2 2>&1 | tail -12
+    ;;
+*)
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac
