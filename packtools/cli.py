@@ -41,6 +41,9 @@ RANGES: dict[str, tuple[float, float]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # its own parser, --help included (argparse's REMAINDER will not take a first option)
+        return _plan(argparse.Namespace(rest=argv[1:]))
     args = _parser().parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
                         format="expertpack: %(message)s")
@@ -148,6 +151,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("kind", choices=tuple(BENCHES))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(run=_bench)
+    plan = sub.add_parser("plan", help="size the expert cache for a machine and predict decode tok/s and its bound",
+                          description="`expertpack plan --help` for its own arguments.", add_help=False)
+    plan.add_argument("rest", nargs=argparse.REMAINDER, help="plan's own arguments")
+    plan.set_defaults(run=_plan)
     return p
 
 
@@ -228,6 +235,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 # bench KIND -> the module (under expertpack.client) that runs it with the remaining arguments.
 BENCHES = {"io": "bench_io", "serve": "bench_serve", "cache": "bench_cache"}
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from expertpack.client import plan
+
+    return plan.main(args.rest)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,270 @@
+"""`expertpack plan PACK`: how a pack would run on a machine, before running it. It sizes the worker's
+VRAM expert cache from the GPU memory left after the trunk and a reserve, predicts the cache's hit
+rate (from a routing trace replayed through the worker's own cache policy, or uniform routing's
+share of the experts the cache holds), and from the bytes a token then reads predicts decode tok/s
+and which bound holds: the disk (expert blocks read whole with O_DIRECT), PCIe (their payloads
+copied to the GPU) or compute (the resident decode step, when given). Two figures: today's worker
+fetches a layer's misses after its router ran and waits for them (compute + the slower of disk and
+PCIe); with prefetch overlapping them (the streaming issue's goal), the slowest of the three. It can
+write the `worker.toml` and `expertd.toml` for that split. Every input is printed with where it came
+from, so the arithmetic can be checked by hand.
+
+  expertpack plan PACK [--vram-gib G] [--disk-gbps B] [--pcie-gbps P] [--compute-tok-s C]
+                       [--trace FILE] [--write DIR] [--json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from expertpack.packtools.errors import ExpertpackError
+from expertpack.packtools.layout import ALIGNMENT, PACK_FILE, Manifest
+from expertpack.packtools.units import GIB, human_bytes
+
+DEFAULT_RESERVE_GIB = 1.5  # VRAM kept for the KV cache, activations and CUDA's own (the worker's cache_reserve)
+DEFAULT_PCIE_GBPS = 25.0  # a PCIe 4.0 x16 link's practical pinned copy rate; PCIe 5.0 about twice
+DISK_PROBE_S = 2.0
+MIB = 1 << 20
+
+
+class PlanError(ExpertpackError):
+    """An input the plan cannot use; the message says which flag gives it."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    pack: str
+    n_moe_layers: int
+    n_expert: int
+    n_expert_used: int
+    block_bytes_per_token: int  # at 0% hit: top-k blocks (strides) of every MoE layer
+    payload_bytes_per_token: int
+    slot_bytes: int  # one cache slot, as the worker's ExpertCache sizes them
+    trunk_bytes: int
+    vram_bytes: int
+    reserve_bytes: int
+    disk_gbps: float
+    pcie_gbps: float
+    compute_tok_s: float | None
+    sources: dict[str, str]  # input -> where it came from (flag, measured, ...)
+
+
+@dataclass(frozen=True)
+class Plan:
+    cache_bytes: int
+    slots: int
+    share_of_experts: float
+    hit_rate: float
+    hit_rate_from: str
+    disk_bytes_per_token: float
+    pcie_bytes_per_token: float
+    disk_s: float
+    pcie_s: float
+    compute_s: float | None
+    tok_s_today: float | None  # None: nothing bounds it (every expert cached and no compute given)
+    tok_s_overlapped: float | None
+    bound: str
+
+
+def slot_bytes_of(manifest: Manifest) -> int:
+    """The largest payload rounded up to the alignment (worker/expert_cache.slot_bytes)."""
+    return -(-max(l.payload_bytes for l in manifest.layers) // ALIGNMENT) * ALIGNMENT
+
+
+def measure_disk_gbps(pack: Path, seconds: float = DISK_PROBE_S, threads: int = 8) -> float:
+    """Random whole expert blocks read with O_DIRECT by `threads` readers for `seconds` (the page
+    cache bypassed, as expertd reads): bytes per second / 1e9."""
+    m = Manifest.load(pack)
+    blocks = [(l.offset + e * l.stride, l.stride) for l in m.layers for e in range(m.model.n_expert)]
+    path = pack / PACK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        raise PlanError(f"{path}: O_DIRECT open failed ({exc.strerror}); give the disk's speed with --disk-gbps")
+    deadline = time.monotonic() + seconds
+
+    def reader(seed: int) -> int:
+        rng = random.Random(seed)
+        buf = mmap.mmap(-1, max(size for _, size in blocks))  # page-aligned, as O_DIRECT wants
+        done = 0
+        try:
+            while time.monotonic() < deadline:
+                offset, size = rng.choice(blocks)
+                done += os.preadv(fd, [memoryview(buf)[:size]], offset)
+        finally:
+            buf.close()
+        return done
+
+    start = time.monotonic()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(reader, range(threads)))
+    except OSError as exc:
+        raise PlanError(f"{path}: O_DIRECT read failed ({exc.strerror}); give the disk's speed with --disk-gbps")
+    finally:
+        os.close(fd)
+    return total / (time.monotonic() - start) / 1e9
+
+
+def inputs_of(args: argparse.Namespace) -> Inputs:
+    m = Manifest.load(args.pack)
+    sources = {}
+    if args.vram_gib is not None:
+        vram, sources["vram"] = int(args.vram_gib * GIB), "--vram-gib"
+    else:
+        vram, sources["vram"] = _gpu_memory(), "the GPU (torch.cuda)"
+    if args.disk_gbps is not None:
+        disk, sources["disk"] = args.disk_gbps, "--disk-gbps"
+    else:
+        print(f"measuring the disk: O_DIRECT reads of whole expert blocks for {DISK_PROBE_S:.0f} s ...", file=sys.stderr)
+        disk, sources["disk"] = measure_disk_gbps(args.pack), f"measured ({DISK_PROBE_S:.0f} s of O_DIRECT block reads)"
+    sources["pcie"] = "--pcie-gbps" if args.pcie_gbps is not None else f"default (PCIe 4.0 x16, {DEFAULT_PCIE_GBPS} GB/s)"
+    sources["compute"] = "--compute-tok-s" if args.compute_tok_s else "not given"
+    k = m.model.n_expert_used
+    return Inputs(str(args.pack), len(m.layers), m.model.n_expert, k, sum(k * l.stride for l in m.layers),
+                  sum(k * l.payload_bytes for l in m.layers), slot_bytes_of(m), m.trunk.size_bytes, vram,
+                  int(args.reserve_gib * GIB), disk, args.pcie_gbps or DEFAULT_PCIE_GBPS, args.compute_tok_s, sources)
+
+
+def _gpu_memory() -> int:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        raise PlanError("no CUDA GPU here to read its memory from; give it with --vram-gib")
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
+    cache = inputs.vram_bytes - inputs.trunk_bytes - inputs.reserve_bytes
+    n_total = inputs.n_moe_layers * inputs.n_expert
+    slots = min(n_total, max(0, cache) // inputs.slot_bytes)
+    if slots < inputs.n_expert_used:
+        raise PlanError(f"{human_bytes(inputs.vram_bytes)} of VRAM leaves {human_bytes(max(cache, 0))} for the expert "
+                        f"cache after the trunk ({human_bytes(inputs.trunk_bytes)}) and the reserve "
+                        f"({human_bytes(inputs.reserve_bytes)}): it must hold one layer's top-{inputs.n_expert_used} "
+                        f"({human_bytes(inputs.n_expert_used * inputs.slot_bytes)})")
+    if trace is not None:
+        hit, source = _trace_hit_rate(trace, inputs, slots), f"{trace} replayed through the worker's cache policy"
+    else:
+        hit, source = slots / n_total, "uniform routing: the share of the experts the cache holds"
+    miss = 1.0 - hit
+    disk_bytes, pcie_bytes = miss * inputs.block_bytes_per_token, miss * inputs.payload_bytes_per_token
+    disk_s, pcie_s = disk_bytes / (inputs.disk_gbps * 1e9), pcie_bytes / (inputs.pcie_gbps * 1e9)
+    compute_s = 1.0 / inputs.compute_tok_s if inputs.compute_tok_s else None
+    terms = {"disk": disk_s, "pcie": pcie_s, **({"compute": compute_s} if compute_s is not None else {})}
+    today = (compute_s or 0.0) + max(disk_s, pcie_s)
+    overlapped = max(terms.values())
+    bound = max(terms, key=terms.get) if overlapped else "none: every expert is cached; give --compute-tok-s"
+    return Plan(slots * inputs.slot_bytes, slots, slots / n_total, hit, source, disk_bytes, pcie_bytes, disk_s,
+                pcie_s, compute_s, 1.0 / today if today else None, 1.0 / overlapped if overlapped else None, bound)
+
+
+def _trace_hit_rate(path: Path, inputs: Inputs, slots: int) -> float:
+    from expertpack.client.bench_cache import replay
+    from expertpack.worker.routing_trace import TraceError, read_trace
+
+    try:
+        trace = read_trace(path)
+    except (OSError, TraceError) as exc:
+        raise PlanError(f"{path}: {exc}")
+    if trace.header.n_expert != inputs.n_expert:
+        raise PlanError(f"{path}: a trace of a model with {trace.header.n_expert} experts per layer, this pack has "
+                        f"{inputs.n_expert}")
+    return replay(trace, [slots], policies=("in_use",))[0].hit_rate["in_use"]
+
+
+def write_configs(directory: Path, inputs: Inputs, p: Plan) -> list[Path]:
+    """worker.toml (the cache size planned, its reserve) and expertd.toml (the pack; staging for two
+    layers' top-k, at least 64 slots) beside each other."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pack = Path(inputs.pack).resolve()
+    worker = directory / "worker.toml"
+    worker.write_text(f'# written by `expertpack plan`: {p.slots} cache slots, predicted hit rate {p.hit_rate:.1%}\n'
+                      f'pack = "{pack}"\ncache_vram_mib = {-(-p.cache_bytes // MIB)}\n'
+                      f'cache_reserve_mib = {inputs.reserve_bytes // MIB}\n')
+    daemon = directory / "expertd.toml"
+    daemon.write_text(f'# written by `expertpack plan`\npack = "{pack}"\n'
+                      f'stage_slots = {max(64, 2 * inputs.n_expert_used)}\n')
+    return [worker, daemon]
+
+
+def render(inputs: Inputs, p: Plan) -> str:
+    s = inputs.sources
+    rows = [
+        ("pack", inputs.pack, ""),
+        ("MoE layers x experts, top-k", f"{inputs.n_moe_layers} x {inputs.n_expert}, top-{inputs.n_expert_used}", ""),
+        ("GPU memory", human_bytes(inputs.vram_bytes), s["vram"]),
+        ("- trunk, - reserve", f"{human_bytes(inputs.trunk_bytes)}, {human_bytes(inputs.reserve_bytes)}", "--reserve-gib"),
+        ("expert cache", f"{human_bytes(p.cache_bytes)}: {p.slots} slots of {human_bytes(inputs.slot_bytes)}, "
+                         f"{p.share_of_experts:.1%} of the experts", ""),
+        ("hit rate", f"{p.hit_rate:.1%}", p.hit_rate_from),
+        ("disk", f"{inputs.disk_gbps:.2f} GB/s", s["disk"]),
+        ("PCIe", f"{inputs.pcie_gbps:.1f} GB/s", s["pcie"]),
+        ("compute (resident decode)", f"{inputs.compute_tok_s} tok/s" if inputs.compute_tok_s else "-", s["compute"]),
+        ("read per token", f"{human_bytes(p.disk_bytes_per_token)} of blocks ({p.disk_s * 1e3:.1f} ms), "
+                           f"{human_bytes(p.pcie_bytes_per_token)} copied ({p.pcie_s * 1e3:.1f} ms)", ""),
+        ("decode today", _rate(p.tok_s_today), "compute + max(disk, PCIe): misses wait"),
+        ("decode, I/O overlapped", _rate(p.tok_s_overlapped), f"bound: {p.bound}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:<{width}}  {value}" + (f"  ({src})" if src else "") for name, value, src in rows)
+
+
+def _rate(tok_s: float | None) -> str:
+    return f"{tok_s:.2f} tok/s" if tok_s is not None else "-"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="expertpack plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pack", type=Path, help="a built pack directory")
+    p.add_argument("--vram-gib", type=float, help="GPU memory (default: the first CUDA GPU's)")
+    p.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
+                   help=f"VRAM kept out of the expert cache (default {DEFAULT_RESERVE_GIB})")
+    p.add_argument("--disk-gbps", type=float, help="the disk's read speed (default: measured on the pack, O_DIRECT)")
+    p.add_argument("--pcie-gbps", type=float, help=f"host-to-GPU copy speed (default {DEFAULT_PCIE_GBPS})")
+    p.add_argument("--compute-tok-s", type=float,
+                   help="resident decode speed on this GPU (bench/peer_llamacpp.py or decode_streaming.py)")
+    p.add_argument("--trace", type=Path, help="a routing trace (expert-worker --trace) for the hit rate")
+    p.add_argument("--write", type=Path, metavar="DIR", help="write worker.toml and expertd.toml there")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args = p.parse_args(argv)
+    for name in ("vram_gib", "disk_gbps", "pcie_gbps", "compute_tok_s"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < 1e6:
+            p.error(f"--{name.replace('_', '-')} must be a positive number, not {value}")
+    if not 0 <= args.reserve_gib < 1e6:
+        p.error(f"--reserve-gib must be 0 or more, not {args.reserve_gib}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        inputs = inputs_of(args)
+        result = plan(inputs, args.trace)
+    except (ExpertpackError, OSError) as exc:
+        print(f"expertpack plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"inputs": asdict(inputs), "plan": asdict(result)}))
+    else:
+        print(render(inputs, result))
+    if args.write:
+        for path in write_configs(args.write, inputs, result):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
