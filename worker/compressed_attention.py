@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layers import Rope, rms_norm
-from .weights import linear
+from .weights import head_linear, linear
 
 
 @dataclass
@@ -129,9 +129,7 @@ def attention(w: dict, p: str, x: torch.Tensor, tokens_start: int, state: LayerS
     out = torch.einsum("hts,sd->thd", probs, keys)
     out = rope_tail(out, rope, cos, -sin)  # V carried the rotation: undo it at the query's position
 
-    g = shape.o_groups
-    wa = w[p + "attn_output_a.weight"].dequant()  # [g * o_lora, h * d / g]
-    grouped = torch.einsum("tgi,goi->tgo", out.reshape(t, g, -1), wa.view(g, -1, wa.shape[-1]))
+    grouped = head_linear(out.reshape(t, shape.o_groups, -1), w[p + "attn_output_a.weight"])  # [T, g, o_lora]
     return linear(grouped.reshape(t, -1), w[p + "attn_output_b.weight"])
 
 

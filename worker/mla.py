@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .layers import KVCache, attention, rms_norm
-from .weights import QTensor, linear, use_kernels
+from .weights import head_linear, linear
 
 
 def mla_query(w: dict, p: str, h: torch.Tensor, n_head: int, key_mla: int, eps: float) -> torch.Tensor:
@@ -37,16 +37,6 @@ def mla_keys_values(w: dict, p: str, h: torch.Tensor, kv_lora: int,
     k_nope = torch.einsum("tc,hcn->thn", c, w[p + "attn_k_b.weight"].dequant())
     value = torch.einsum("tc,hvc->thv", c, w[p + "attn_v_b.weight"].dequant())
     return k_nope, kv[:, None, kv_lora:], value
-
-
-def head_linear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """x [T, H, K] times a matrix per head: w's ggml shape (K, R, H), torch order [H, R, K] ->
-    [T, H, R]. One launch on the fast path for a decode step; else the dequantized product."""
-    if use_kernels(x.device) and x.shape[0] <= 8:
-        from .kernels.linear_tl import matvec_heads
-
-        return matvec_heads(x.to(torch.float32), w.raw, int(w.ggml_type), w.shape[0], w.shape[1])
-    return torch.einsum("thk,hrk->thr", x, w.dequant(x.dtype))
 
 
 def absorbed_attention(w: dict, p: str, h: torch.Tensor, q: torch.Tensor, layer: int, cache: KVCache,

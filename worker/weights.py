@@ -122,6 +122,20 @@ def linear_parts(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return linear(x, w)
 
 
+def head_linear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x [T, H, K] times a matrix per head, w holding H matrices [R, K] one after another (ggml
+    shape (K, R, H), or (K, H * R)) -> [T, H, R]: MLA's absorbed projections, DeepSeek-V4's grouped
+    output. One launch on the fast path for a decode step; else the dequantized product."""
+    t, h, k = x.shape
+    r = math.prod(w.shape[1:]) // h
+    if use_kernels(x.device):
+        from .kernels.linear_tl import MATVEC_MAX_ROWS, matvec_heads
+
+        if t <= MATVEC_MAX_ROWS:
+            return matvec_heads(x.to(torch.float32), w.raw, int(w.ggml_type), k, r).to(x.dtype)
+    return torch.einsum("thk,hrk->thr", x, w.dequant(x.dtype).view(h, r, k))
+
+
 def linear(x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
     """x [..., in] @ w^T -> [..., out], with float32 accumulation."""
     if use_kernels(x.device):
