@@ -13,7 +13,9 @@ A daemon that goes away is noticed at once, not after `timeout_s`: a BYE (it is 
 the connection closing under the session (it exited, was killed or restarted: a ZeroMQ socket
 monitor reports the disconnect) raise DaemonUnavailable from the call waiting on it. The session
 is then dead (the daemon dropped its leases with the connection); a new ExpertClient starts
-another. `timeout_s` bounds only a daemon that keeps its connection but stops answering."""
+another. `timeout_s` bounds only a daemon that keeps its connection but stops answering.
+Its ZeroMQ I/O thread sends ZMTP PINGs with a TTL (HEARTBEAT_TTL_MS): a client frozen (SIGSTOP,
+a hung host) loses its leases that long after its last PING; expertd sends no heartbeats itself."""
 
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ from . import protocol as p
 
 DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
 SHM_DIR = Path("/dev/shm")
+# ZMTP heartbeats this client sends (protocol v1's liveness rule, README "Liveness"): a PING every
+# second whose TTL tells expertd to drop the connection, and with it the leases, after 10 s of
+# silence; the same 10 s without a PONG tells the client that the daemon is frozen.
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TTL_MS = 10_000
 
 
 class ClientError(Exception):
@@ -115,8 +122,12 @@ class ExpertClient:
         # (an exception, a forgotten `with`) cannot hang the interpreter in Context.term().
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        # expertd sends no ZMTP heartbeats (libzmq issue 4841): liveness is the client's to show. A
+        # PING every second carries a TTL, after which expertd's libzmq closes a connection that has
+        # sent nothing since (a frozen client); it closes and the client loses its leases.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TTL_MS)
         if endpoint.startswith("tcp://"):
             if curve_server_key is None:
                 raise ClientError(f"{endpoint}: expertd refuses plain TCP; pass curve_server_key (its public key)")

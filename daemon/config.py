@@ -18,8 +18,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 # The range of every numeric key. Staging is further capped at start by the host's memory (what the
-# pack's block size makes of stage_slots is only known then); heartbeats are bounded by ZeroMQ's
-# HEARTBEAT_TTL (a 16-bit count of deciseconds).
+# pack's block size makes of stage_slots is only known then). The heartbeat keys keep the ranges
+# they had (ZeroMQ's HEARTBEAT_TTL, a 16-bit count of deciseconds) so that existing files still load.
 RANGES: dict[str, tuple[float, float]] = {
     "stage_slots": (1, 1 << 20),
     "client_slots": (1, 1 << 20),
@@ -47,8 +47,12 @@ class DaemonConfig:
     read_threads: int = 8
     read_splits: int = 4  # aligned pieces each block is read in, in parallel
     direct_io: bool = True  # False: buffered reads, counted in fallback_count
-    heartbeat_interval_s: float = 1.0  # ZMTP heartbeats; a silent client loses its leases after
-    heartbeat_timeout_s: float = 10.0  # this long (a closed socket loses them at once)
+    # No effect since expertd stopped sending ZMTP heartbeats (libzmq issue 4841): a client's own
+    # PINGs carry the TTL after which a silent client loses its leases (10 s with ExpertClient; a
+    # closed socket loses them at once). Accepted so that existing files load; a value other than
+    # the default is warned about at start.
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
     curve_secret_key_file: Path | None = None  # required for tcp:// endpoints (zmq_curve keypair file)
     log_level: str = "info"
 
@@ -103,8 +107,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "read_threads": "reader threads issuing preadv (default 8)",
         "read_splits": "aligned pieces each expert block is read in (default 4)",
         "direct_io": "O_DIRECT reads (default on); --no-direct-io reads through the page cache",
-        "heartbeat_interval_s": "ZMTP heartbeat interval in seconds (default 1)",
-        "heartbeat_timeout_s": "seconds of silence after which a client loses its leases (default 10)",
+        "heartbeat_interval_s": "no effect (kept for old config files): expertd sends no ZMTP heartbeats",
+        "heartbeat_timeout_s": "no effect (kept for old config files): a client's own ZMTP PINGs carry the TTL "
+                               "after which it loses its leases (10 s with ExpertClient)",
         "curve_secret_key_file": "CurveZMQ secret key file; required for tcp:// endpoints",
         "log_level": f"one of {', '.join(LOG_LEVELS)} (default info)",
     }

@@ -5,14 +5,22 @@ get one of the client's leased slots each; reads land in the slot; once every pi
 block's crc32 is checked on a reader thread (packs of format 1.1) and only then does READY name the
 slot: a block that fails the check is FAILed CORRUPT, counted and logged by (layer, expert), and
 the daemon serves every other key on.
-A client that disconnects or stops answering ZMTP heartbeats loses its leases: a session keeps the
-fd (ZMQ_SRCFD) of the connection that said HELLO, the socket monitor reports a closed connection's
-fd, and that ends the sessions on it. The monitor is drained before each message is handled, so a
+A client that disconnects loses its leases: a session keeps the fd (ZMQ_SRCFD) of the connection
+that said HELLO, the socket monitor reports a closed connection's fd, and that ends the sessions on
+it. A frozen client's connection is closed by libzmq once the TTL of the client's own ZMTP PINGs
+passes without traffic (ExpertClient: 10 s). The daemon sends no ZMTP heartbeats and never stops
+reading a connection (RCVHWM 0): libzmq 4.3.5 aborts (issue 4841, `!_io_error` in
+stream_engine_base.cpp) when it writes, on a heartbeat timer or answering a peer's PING, to a
+connection whose peer closed while its receive pipe was stopped. The cost: messages a peer sends
+faster than the main loop reads them queue without a bound (about 55 MB per million small ones). The monitor is drained before each message is handled, so a
 disconnect that came first is seen first. A message that fails validation gets ERROR and changes nothing.
 A session belongs to the connection that said HELLO. A peer that connects with a routing id
 already in use takes it over (ROUTER_HANDOVER: libzmq otherwise keeps every such ignored
 connection's pipes, ~20 kB each, for the life of the socket); the session of the connection it
-took over ends then, so it never inherits that session's slots, and must say HELLO itself.
+took over ends then, so it never inherits that session's slots, and must say HELLO itself. (The
+connection taken over has no pipe left: if it sends more and then closes, libzmq keeps it, an fd
+and some kB, until the daemon exits. Only peers that choose their routing id do this; ExpertClient
+does not.)
 A client is leased the slots its HELLO asks for (client_slots when it asks for none), never more
 than the per-client cap (max_client_slots), so that one client cannot take the staging from the
 others."""
@@ -36,6 +44,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from expertpack.client import protocol as p
+from expertpack.client.client import HEARTBEAT_TTL_MS
 from expertpack.packtools.layout import ExpertKey
 
 from .config import DaemonConfig
@@ -48,6 +57,7 @@ log = logging.getLogger("expertd")
 
 MAX_QUEUED_KEYS = 4 * p.MAX_KEYS  # per client: pending + in flight
 SEND_HWM = MAX_QUEUED_KEYS + 1024  # every queued key may end in one message
+RECV_HWM = 0  # unlimited: see _bind and the module docstring
 DRAIN_TIMEOUT_S = 10.0  # at shutdown, how long in-flight reads may take to finish
 MAX_GONE = 4096  # routing ids of clients whose connection closed, remembered for their late messages
 
@@ -135,12 +145,13 @@ class ExpertDaemon:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # see the module docstring
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.RCVHWM, 10000)
+            # libzmq 4.3.5 aborts (issue 4841) when it writes to a connection whose peer closed while
+            # its receive pipe was stopped. An unlimited receive pipe never stops a live connection,
+            # and with no ZMTP heartbeats of its own the daemon never writes to one on a timer.
+            sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
             # Up to 4x the protocol's limit arrives and gets ERROR TOO_LARGE; beyond, zmq drops the peer.
             sock.setsockopt(zmq.MAXMSGSIZE, 4 * p.MAX_MESSAGE_BYTES)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_interval_s * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.heartbeat_timeout_s * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TTL, int(cfg.heartbeat_timeout_s * 1000))
             if cfg.endpoint.startswith("tcp://"):
                 assert cfg.curve_secret_key_file is not None
                 public, secret = zmq.auth.load_certificate(str(cfg.curve_secret_key_file))
@@ -182,6 +193,12 @@ class ExpertDaemon:
                  "%d reader threads, %s reads", self.config.pack, self.config.endpoint, self.manifest.model.arch,
                  len(self.layers), self.manifest.model.n_expert, self.config.stage_slots, self.staging.slot_bytes,
                  self.staging.path, self.config.read_threads, "O_DIRECT" if self.pack.direct else "buffered")
+        defaults = DaemonConfig()
+        if (self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s) != (
+                defaults.heartbeat_interval_s, defaults.heartbeat_timeout_s):
+            log.warning("heartbeat_interval_s and heartbeat_timeout_s have no effect: expertd sends no ZMTP "
+                        "heartbeats (libzmq issue 4841); a client's own PINGs carry the TTL after which a frozen "
+                        "client loses its leases (%g s with ExpertClient)", HEARTBEAT_TTL_MS / 1000)
         notify("READY=1", f"STATUS=serving {self.config.pack} on {self.config.endpoint}")
         try:
             while not caught:
