@@ -21,6 +21,16 @@ class Preset:
     expert_type: str
     trunk_type: str
     meta: dict[str, Any] = field(default_factory=dict)
+    # Per-tensor types where a llama.cpp quant mix departs from expert_type/trunk_type, keyed by the
+    # tensor name without `blk.N.` (`ffn_down_exps.weight`: a per-role expert type). --type and
+    # --trunk-type replace these for their kind of tensor.
+    types: dict[str, str] = field(default_factory=dict)
+    fallback_type: str = "F16"  # for matrices whose rows do not fill whole blocks of their type
+
+    def expert_types(self) -> str:
+        """`Q2_K` or, with per-role types, `Q2_K/Q3_K` (distinct types of the expert tensors)."""
+        roles = [t for name, t in self.types.items() if name.endswith("_exps.weight")]
+        return "/".join(dict.fromkeys([self.expert_type, *roles]))
 
 
 _QWEN3_30B = {
@@ -76,6 +86,35 @@ _DEEPSEEK_V4_FLASH = {
     "embedding_length_out": 4 * 4096,
 }
 
+# Kimi-K3 (2.8T-A50B) per shared/fixtures/flagship/kimi-k3/real-shapes.json (the real config.json's
+# text_config), written as llama.cpp's kimi-k3 converter writes it (keys of the fixture k3-tiny GGUFs).
+# Not published, chosen here; none changes an expert block, and only the first the trunk's layout:
+# - which layers are MLA: the family's KDA:MLA 3:1, MLA at every 4th layer (1-based full_attn_layers
+#   4, 8, ..., 92), so 70 KDA and 23 MLA layers; a --layers cut keeps one of each (LAYER_KINDS).
+# - attn_res.block_size 8 (any value gives the same sizes), expert_weights_scale 2.5 and rms eps 1e-5
+#   (the fixture's values), context_length 262144; rope.freq_base is unused (MLA without rope).
+_K3_LAYERS = 93
+_KIMI_K3 = {
+    "block_count": _K3_LAYERS, "context_length": 262144, "embedding_length": 7168, "feed_forward_length": 33792,
+    "attention.head_count": 96, "attention.head_count_kv": [1 if (i + 1) % 4 == 0 else 0 for i in range(_K3_LAYERS)],
+    "rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "expert_count": 896,
+    "expert_used_count": 16, "expert_gating_func": 2, "vocab_size": 163840, "ssm.conv_kernel": 4,
+    "kda.head_dim": 128, "kda.gate_lower_bound": -5.0, "attention.q_lora_rank": 1536,
+    "attention.kv_lora_rank": 512, "rope.dimension_count": 64, "attention.key_length": 512 + 64,
+    "attention.value_length": 512, "attention.key_length_mla": 128 + 64, "attention.value_length_mla": 128,
+    "expert_feed_forward_length": 3072, "expert_shared_count": 2, "leading_dense_block_count": 1,
+    "expert_weights_scale": 2.5, "expert_weights_norm": True, "expert_latent_length": 3584,
+    "activation.situ_beta": 4.0, "activation.situ_linear_beta": 25.0, "attn_res.block_size": 8,
+}
+
+# What `llama-quantize ... Q2_K` writes for Kimi-K3 (llama.cpp's llama_tensor_get_type, as the fixture
+# k3-tiny.Q2_K.gguf shows it): Q2_K by default and for gate/up experts; every ffn_down (experts, shared,
+# dense) Q3_K; attn_output Q5_K (MoE with 8+ experts); attn_v Q3_K; output Q6_K; F32 routers and norms;
+# a matrix whose rows do not fill 256-value blocks (attn_k_b's 128, ssm_f_b's 128) Q4_0. The fixture's
+# Q8_0 attn_k/attn_v come from llama.cpp's rule for exactly 8 experts, which the real 896 do not meet.
+_Q2_K_MIX = {"ffn_down_exps.weight": "Q3_K", "ffn_down.weight": "Q3_K", "ffn_down_shexp.weight": "Q3_K",
+             "attn_output.weight": "Q5_K", "attn_v.weight": "Q3_K", "output.weight": "Q6_K"}
+
 _MIXTRAL_8X7B = {
     "block_count": 32, "context_length": 32768, "embedding_length": 4096, "feed_forward_length": 14336,
     "attention.head_count": 32, "attention.head_count_kv": 8, "rope.freq_base": 1000000.0,
@@ -112,6 +151,8 @@ PRESETS: dict[str, Preset] = {
                           129280, "deepseek", "deepseek-v3", "Q4_K", "Q8_0", _DEEPSEEK_V3),
     "deepseek-v4-flash": Preset("deepseek4", "DeepSeek-V4-Flash: 43 layers, 256 experts top-6 + 1 shared, MXFP4",
                                 129280, "deepseek", "deepseek-v3", "MXFP4", "Q8_0", _DEEPSEEK_V4_FLASH),
+    "kimi-k3": Preset("kimi-k3", "Kimi-K3: 93 layers (1 dense, KDA:MLA 3:1), 896 latent experts top-16 + 2 shared, "
+                      "Q2_K mix", 163840, "kimi", "kimi-k2", "Q2_K", "Q2_K", _KIMI_K3, _Q2_K_MIX, "Q4_0"),
     "mixtral-8x7b": Preset("llama", "Mixtral-8x7B: 32 layers, 8 experts top-2", 32000, "chatml", "default",
                            "Q4_K", "Q8_0", _MIXTRAL_8X7B),
 }
@@ -120,8 +161,8 @@ PRESETS: dict[str, Preset] = {
 def describe_presets() -> str:
     from .writer import plan_synth, SynthOptions  # the sizes come from the same plan the writer uses
 
-    lines = [f"{'preset':<20} {'arch':<10} {'experts':>8} {'size':>11}  description"]
+    lines = [f"{'preset':<20} {'arch':<10} {'experts':>9} {'size':>11}  description"]
     for name, p in PRESETS.items():
         plan = plan_synth(SynthOptions(preset=name))
-        lines.append(f"{name:<20} {p.arch:<10} {p.expert_type:>8} {human_bytes(plan.total_bytes):>11}  {p.description}")
+        lines.append(f"{name:<20} {p.arch:<10} {p.expert_types():>9} {human_bytes(plan.total_bytes):>11}  {p.description}")
     return "\n".join(lines)

@@ -53,6 +53,15 @@ FAMILIES: dict[str, Family] = {
         "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
         "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
     ),
+    # Kimi-K2's vocabulary (K3 reuses it); K3's turn end <|end_of_msg|> is the eos, as its converter
+    # writes it. The template is K2's plain form, not K3's tag-based one (no tools or images here).
+    "kimi": Family(
+        ("[BOS]", "[EOS]", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
+         "<|end_of_msg|>"),
+        "[BOS]", "<|end_of_msg|>", False,
+        "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|end_of_msg|>"
+        "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}",
+    ),
     "harmony": Family(
         ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>"),
         "<|startoftext|>", "<|return|>", False,

@@ -32,7 +32,6 @@ CHUNK_BYTES = 16 << 20
 # and every router sends all tokens to the same few experts (useless for measuring a cache). A
 # strong embedding and a weak attention output keep routing as diverse as the tokens are.
 GAINS = {"token_embd.weight": 32.0, "attn_output.weight": 1 / 128}  # tensor name suffix -> gain
-FALLBACK_TYPE = T.F16  # for matrices whose rows do not fill whole blocks of the trunk type
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,8 @@ def plan_synth(options: SynthOptions) -> SynthPlan:
     try:
         expert_type = parse_type(options.expert_type or preset.expert_type)
         trunk_type = parse_type(options.trunk_type or preset.trunk_type)
+        by_name = {name: parse_type(t) for name, t in preset.types.items()}
+        fallback = parse_type(preset.fallback_type)
     except ValueError as exc:
         raise ExpertpackError(str(exc)) from None
     values = _truncated(preset.meta, options.n_layer)
@@ -89,7 +90,9 @@ def plan_synth(options: SynthOptions) -> SynthPlan:
         dense = values.get("leading_dense_block_count", 0)
         raise ExpertpackError(f"--layers {options.n_layer} keeps only dense layers of {options.preset} (its first "
                               f"{dense} layers are dense); use --layers {dense + 1} or more")
-    tensors = [_typed(spec, expert_type, trunk_type) for spec in specs]
+    # --type / --trunk-type replace the preset's whole mix for their kind of tensor
+    kept = {Kind.EXPERT: options.expert_type is None, Kind.MATRIX: options.trunk_type is None}
+    tensors = [_typed(spec, _named_type(spec, by_name, kept), expert_type, trunk_type, fallback) for spec in specs]
     metadata = [
         MetadataField("general.type", "model", GGUFValueType.STRING),
         MetadataField("general.name", f"expertpack synth {options.preset}", GGUFValueType.STRING),
@@ -202,11 +205,18 @@ def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
         offset += n
 
 
-def _typed(spec: TensorSpec, expert_type: T, trunk_type: T) -> SynthTensor:
+def _named_type(spec: TensorSpec, by_name: dict[str, T], kept: dict[Kind, bool]) -> T | None:
+    """The preset's type for this tensor by name (`blk.N.` stripped), unless an option replaced it."""
+    name = spec.name.split(".", 2)[2] if spec.name.startswith("blk.") else spec.name
+    return by_name.get(name) if kept.get(spec.kind, False) else None
+
+
+def _typed(spec: TensorSpec, named: T | None, expert_type: T, trunk_type: T, fallback: T) -> SynthTensor:
     if spec.kind is Kind.EXPERT:
-        t = expert_type
+        t = named or expert_type
     elif spec.kind is Kind.MATRIX:
-        t = trunk_type if spec.shape[0] % GGML_QUANT_SIZES[trunk_type][0] == 0 else FALLBACK_TYPE
+        t = named or trunk_type
+        t = t if spec.shape[0] % GGML_QUANT_SIZES[t][0] == 0 else fallback
     elif spec.kind is Kind.INDEX:
         t = T.I32
     else:
@@ -220,9 +230,9 @@ def _typed(spec: TensorSpec, expert_type: T, trunk_type: T) -> SynthTensor:
 
 
 # Per-layer arrays that say which kind of layer each is (DeepSeek-V4's attention: 0 sliding window,
-# 4 CSA, 128 HCA). A cut keeps one layer of every kind where it has room: llama.cpp's graph for a
+# 4 CSA, 128 HCA; Kimi-K3's head_count_kv: 0 KDA, 1 MLA). A cut keeps one layer of every kind where it has room: llama.cpp's graph for a
 # DeepSeek-V4 without any compressed layer dies with SIGFPE (a 2-layer cut of [0, 0, 4, 128, ...]).
-LAYER_KINDS = ("attention.compress_ratios",)
+LAYER_KINDS = ("attention.compress_ratios", "attention.head_count_kv")
 
 
 def _every_kind(kinds: list[Any], n_layer: int) -> list[Any]:
@@ -247,7 +257,7 @@ def _truncated(meta: dict[str, Any], n_layer: int | None) -> dict[str, Any]:
     out = {k: (v[:n_layer] if isinstance(v, list) and len(v) == full else v) for k, v in meta.items()}
     out["block_count"] = n_layer
     for key in LAYER_KINDS:
-        if key in out:
+        if isinstance(out.get(key), list):  # a scalar head_count_kv is the same for every layer
             out[key] = _every_kind(meta[key], n_layer)
     for key in ("leading_dense_block_count", "hash_layer_count"):  # counts of leading layers
         if key in out:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from expertpack.packtools.layout import Manifest
 
 from ..conftest import run_cli
@@ -48,3 +50,29 @@ def test_flagship_deepseek4_reports_mxfp4_blocks(fixture_packs: dict[str, tuple[
     gate = d["roles"][0]["roles"][0]
     assert gate["role"] == "gate" and gate["ggml_type"] == "MXFP4" and gate["shape"] == [256, 512]
     assert gate["nbytes"] == 512 * 256 // 32 * 17
+
+
+def test_kimi_k3_full_model_from_its_header(tmp_path: Path) -> None:
+    """The whole 93-layer `synth --preset kimi-k3` planned from its GGUF header (a sparse file: inspect
+    of a source reads only the header, and 1 TB of random weights is not for CI): 11,956,224 B per
+    expert, 1,472 experts and 17.6 GB per token at 0% hit, the 985.57 GB pack of real-shapes.json."""
+    import os
+
+    from expertpack.packtools.gguf_stream import write_header
+    from expertpack.packtools.synth.writer import SynthOptions, plan_synth
+
+    plan = plan_synth(SynthOptions(preset="kimi-k3"))
+    src = tmp_path / "k3.gguf"
+    layout = write_header(src, plan.arch, plan.metadata, [t.info() for t in plan.tensors])
+    os.truncate(src, layout.size_bytes)
+    try:
+        d = inspect_json(src)
+        text = run_cli("inspect", src, check=True).stdout
+    finally:
+        src.unlink()
+    assert d["expert_block_bytes"] == d["expert_payload_bytes"] == {"min": 11_956_224, "max": 11_956_224}
+    assert d["moe_layers"] == list(range(1, 93)) and d["n_expert"] == 896 and d["n_expert_used"] == 16
+    assert d["routed_experts_per_token"] == 1_472
+    assert d["routed_bytes_per_token"] == 1_472 * 11_956_224 == pytest.approx(17.6e9, rel=3e-3)
+    assert d["pack_size_bytes"] == pytest.approx(985.57e9, rel=1e-4)
+    assert "11,956,224 B per block" in text and "1,472 experts" in text and "17,599,561,728 B" in text

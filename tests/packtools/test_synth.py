@@ -275,3 +275,137 @@ def test_routing_skew_raises_a_caches_hit_rate(tmp_path: Path) -> None:
         top_quarter[skew] = min(shares) if skew else max(shares)
     assert lru[0.0] < 0.3 and lru[1.0] > lru[0.0] + 0.12, lru
     assert top_quarter[0.0] < 0.45 < 0.55 < top_quarter[1.0], top_quarter
+
+
+K3_Q2_K = FIXTURES / "flagship/kimi-k3/k3-tiny.Q2_K.gguf"
+# llama.cpp's type for a matrix whose rows do not fill 256-value blocks -> the K-quant it replaced
+LLAMA_CPP_FALLBACKS = {"Q4_0": "Q2_K", "Q5_1": "Q5_K"}
+K3_BLOCK_BYTES = 11_956_224  # real-shapes.json's cross-check: gate, up Q2_K + down Q3_K of 3072 x 3584
+
+
+def _k3_layer_sets(names_types: list[tuple[str, str]], kv_heads: list[int], n_dense: int) -> dict:
+    """{(attention kind, dense?): {tensor name without blk.N.}} of a kimi-k3 tensor list."""
+    sets: dict = {}
+    for name, _ in names_types:
+        if name.startswith("blk."):
+            layer, rest = int(name.split(".")[1]), name.split(".", 2)[2]
+            sets.setdefault(("mla" if kv_heads[layer] else "kda", layer < n_dense), set()).add(rest)
+    return sets
+
+
+def test_kimi_k3_has_the_real_expert_block_with_per_role_types() -> None:
+    """92 routed layers x 896 experts of 11,956,224 B: gate/up Q2_K and down Q3_K, each role a whole
+    number of 4096-byte pages, so the pack's blocks need no padding; 1,472 experts (17.6 GB) per token."""
+    plan = plan_synth(SynthOptions(preset="kimi-k3"))
+    experts = [t for t in plan.tensors if "_exps" in t.spec.name]
+    n_expert, top_k = PRESETS["kimi-k3"].meta["expert_count"], PRESETS["kimi-k3"].meta["expert_used_count"]
+    assert (n_expert, top_k, len(experts)) == (896, 16, 92 * 3)
+    roles = {t.spec.name.split(".")[2]: t for t in experts if t.spec.name.startswith("blk.1.")}
+    assert {r: (t.ggml_type.name, t.spec.shape) for r, t in roles.items()} == {
+        "ffn_gate_exps": ("Q2_K", (3584, 3072, 896)), "ffn_up_exps": ("Q2_K", (3584, 3072, 896)),
+        "ffn_down_exps": ("Q3_K", (3072, 3584, 896))}
+    per_role = {r: t.nbytes // n_expert for r, t in roles.items()}
+    assert per_role == {"ffn_gate_exps": 3_612_672, "ffn_up_exps": 3_612_672, "ffn_down_exps": 4_730_880}
+    assert all(b % 4096 == 0 for b in per_role.values())
+    assert sum(per_role.values()) == K3_BLOCK_BYTES
+    assert sum(t.nbytes for t in experts) == 92 * 896 * K3_BLOCK_BYTES  # 985.57 GB; the reference pack 985.61
+    assert 92 * top_k * K3_BLOCK_BYTES == pytest.approx(17.6e9, rel=3e-3)
+    # the whole file near the reference system's 38 Q2_K shards of 1009.51 GB
+    assert plan.total_bytes == pytest.approx(1009.51e9, rel=0.01)
+    kv = next(f for f in plan.metadata if f.key == "kimi-k3.attention.head_count_kv").value
+    assert len(kv) == 93 and kv.count(1) == 23 and all(kv[i] == (i % 4 == 3) for i in range(93))  # KDA:MLA 3:1
+
+
+def test_kimi_k3_trunk_has_the_q2_k_files_types() -> None:
+    """Every tensor of a 4-layer cut typed as llama-quantize Q2_K types the fixture's same tensor,
+    except where the fixture's tiny rows forced a fallback or its 8 experts triggered llama.cpp's
+    8-expert rule (attn_k/attn_v Q8_0)."""
+    plan = plan_synth(SynthOptions(preset="kimi-k3", n_layer=4))
+    fixture = GGUFReader(K3_Q2_K)
+    ours = {t.spec.name.split(".", 2)[-1] if t.spec.name.startswith("blk.") else t.spec.name: t for t in plan.tensors}
+    theirs = {t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name: t for t in fixture.tensors}
+    eight_expert_rule = {"attn_k.weight": "Q2_K", "attn_v.weight": "Q3_K"}
+    checked = 0
+    for name, t in theirs.items():
+        mine = ours[name]
+        fits = int(t.shape[0]) % 256 == 0 or t.tensor_type.name in ("F32", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
+        if name in eight_expert_rule:
+            assert mine.ggml_type.name == eight_expert_rule[name]
+        elif fits:
+            assert mine.ggml_type.name == t.tensor_type.name, name
+            checked += 1
+        else:  # the fixture fell back (rows of 32..128); ours falls back only where its rows do not fit
+            intended = LLAMA_CPP_FALLBACKS[t.tensor_type.name]
+            assert mine.ggml_type.name == ("Q4_0" if mine.spec.shape[0] % 256 else intended), name
+    assert checked > 30
+
+
+def test_kimi_k3_cut_has_the_fixtures_tensors_and_metadata_for_the_worker() -> None:
+    """A --layers 3 cut keeps the dense leading layer and one MLA layer (head_count_kv [0, 0, 1]);
+    each kind of layer holds exactly the tensor names llama.cpp's converter writes for that kind
+    (k3-tiny.Q2_K.gguf), the metadata has every key the fixture has, and kimi_k3.py's Args reads it."""
+    from expertpack.worker.config import read_args
+    from expertpack.worker.models.kimi_k3 import KEYS, Args
+
+    plan = plan_synth(SynthOptions(preset="kimi-k3", n_layer=3))
+    meta = {f.key: f.value for f in plan.metadata}
+    assert list(meta["kimi-k3.attention.head_count_kv"]) == [0, 0, 1]
+    assert meta["kimi-k3.leading_dense_block_count"] == 1
+    fixture = GGUFReader(K3_Q2_K)
+    fixture_meta = {k: f.contents() for k, f in fixture.fields.items() if k.startswith("kimi-k3.")}
+    assert set(fixture_meta) <= set(meta)
+    ours = _k3_layer_sets([(t.spec.name, "") for t in plan.tensors], [0, 0, 1], 1)
+    theirs = _k3_layer_sets([(t.name, "") for t in fixture.tensors], fixture_meta["kimi-k3.attention.head_count_kv"],
+                            fixture_meta["kimi-k3.leading_dense_block_count"])
+    assert set(ours) == {("kda", True), ("kda", False), ("mla", False)}
+    for kind in ours:
+        assert ours[kind] == theirs[kind], kind
+    assert {t.spec.name for t in plan.tensors if not t.spec.name.startswith("blk.")} == \
+        {t.name for t in fixture.tensors if not t.name.startswith("blk.")}
+    args = read_args(Args, "kimi-k3", meta, KEYS)
+    assert (args.n_layer, args.n_dense, args.n_expert_used, args.kda_head_dim) == (3, 1, 16, 128)
+    assert args.key_mla == 192 and args.kv_lora == 512 and args.kda_lower_bound == -5.0
+
+
+@pytest.mark.parametrize("layers,kv_heads", [(2, [0, 1]), (3, [0, 0, 1]), (4, [0, 0, 0, 1]), (8, [0, 0, 0, 1] * 2)])
+def test_kimi_k3_cuts_keep_an_mla_layer(layers: int, kv_heads: list[int]) -> None:
+    plan = plan_synth(SynthOptions(preset="kimi-k3", n_layer=layers))
+    got = list(next(f for f in plan.metadata if f.key == "kimi-k3.attention.head_count_kv").value)
+    assert got == kv_heads
+    mla = {int(t.spec.name.split(".")[1]) for t in plan.tensors if "attn_kv_a_mqa" in t.spec.name}
+    assert mla == {i for i, k in enumerate(got) if k}
+
+
+def test_type_options_replace_the_presets_per_role_mix() -> None:
+    plan = plan_synth(SynthOptions(preset="kimi-k3", n_layer=2, expert_type="Q4_K", trunk_type="Q8_0"))
+    assert {t.ggml_type.name for t in plan.tensors if "_exps" in t.spec.name} == {"Q4_K"}
+    assert next(t for t in plan.tensors if t.spec.name == "output.weight").ggml_type.name == "Q8_0"
+    assert next(t for t in plan.tensors if t.spec.name == "blk.1.attn_k_b.weight").ggml_type.name == "Q8_0"  # its 128-value rows fit Q8_0
+
+
+@pytest.mark.slow
+def test_kimi_k3_real_shape_cut_builds_from_a_split_set_and_verifies(tmp_path: Path) -> None:
+    """The smallest real-shape cut (--layers 2: the dense KDA layer and one MLA MoE layer, 12.7 GB)
+    written as 3 shards, packed, verified, and inspected: 896 blocks of 11,956,224 B, 16 per token."""
+    import json
+    import shutil
+
+    options = SynthOptions(preset="kimi-k3", n_layer=2, shards=3, progress=False)
+    need = plan_synth(options).total_bytes + 11 * 10**9  # the source and its pack side by side
+    if shutil.disk_usage(tmp_path).free < need:
+        pytest.skip(f"needs {need / 1e9:.0f} GB free in {tmp_path}")
+    try:
+        write_synth(tmp_path / "k3.gguf", options)
+        first = tmp_path / "k3-00001-of-00003.gguf"
+        run_cli("build", first, "-o", tmp_path / "pack", check=True)
+        assert run_cli("verify", tmp_path / "pack").returncode == 0
+        manifest = json.loads((tmp_path / "pack/manifest.json").read_text())
+        out = run_cli("inspect", tmp_path / "pack", check=True).stdout
+    finally:  # 24 GB: never left behind in pytest's kept temporary folders
+        for path in tmp_path.iterdir():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (layer,) = manifest["layers"]
+    assert layer["layer"] == 1 and layer["stride"] == layer["payload_bytes"] == K3_BLOCK_BYTES
+    assert layer["offset"] % 4096 == 0 and all(r["offset"] % 4096 == 0 for r in layer["roles"])
+    assert {r["role"]: r["ggml_type"] for r in layer["roles"]} == {"gate": "Q2_K", "up": "Q2_K", "down": "Q3_K"}
+    assert "11,956,224" in out and "16 experts" in out
