@@ -147,6 +147,15 @@ def hostile_frames(rng: random.Random, m: Manifest, slots: tuple[int, ...]) -> l
 
 
 # ---- the workers (each runs in its own process) ---------------------------------------------
+def every_key(m: Manifest) -> list[ExpertKey]:
+    return [ExpertKey(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]
+
+
+def is_packs(m: Manifest, key: ExpertKey, data: Any) -> bool:
+    """Whether `data` are the bytes the pack holds for `key` (its manifest sha256)."""
+    return hashlib.sha256(data).hexdigest() == m.layer(key.layer).sha256[key.expert]
+
+
 def decode_reply(raw: bytes, out: WorkerResult) -> p.Message | None:
     try:
         msg = p.decode(raw)
@@ -220,7 +229,7 @@ def churner(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: An
             shared_ids: bool) -> None:
     rng = random.Random(seed)
     m = Manifest.load(pack)
-    keys = [ExpertKey(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]
+    keys = every_key(m)
     out = WorkerResult("churner", index)
     ctx = zmq.Context()
     staging: mmap.mmap | None = None
@@ -263,10 +272,9 @@ def churner(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: An
                         out.violations.append(f"churner: READY names slot {msg.slot}, not one of its lease")
                         continue
                     at = msg.slot * welcome.slot_bytes
-                    got = hashlib.sha256(staging[at:at + msg.nbytes]).hexdigest()
                     out.keys += 1
                     out.checked_bytes += msg.nbytes
-                    if got != m.layer(msg.key.layer).sha256[msg.key.expert]:
+                    if not is_packs(m, msg.key, staging[at:at + msg.nbytes]):
                         out.mismatches += 1
                         out.violations.append(f"churner: slot {msg.slot} held other bytes than {tuple(msg.key)}")
                     held += 1
@@ -299,7 +307,7 @@ def checker(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: An
             shared_ids: bool) -> None:
     rng = random.Random(seed)
     m = Manifest.load(pack)
-    keys = [ExpertKey(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]
+    keys = every_key(m)
     out = WorkerResult("checker", index)
     try:
         while not stop.is_set():
@@ -322,8 +330,7 @@ def checker(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: An
                     for expert in client.fetch(wanted):
                         out.keys += 1
                         out.checked_bytes += expert.nbytes
-                        want = m.layer(expert.key.layer).sha256[expert.key.expert]
-                        if hashlib.sha256(expert.data).hexdigest() != want:
+                        if not is_packs(m, expert.key, expert.data):
                             out.mismatches += 1
                             out.violations.append(f"checker: {tuple(expert.key)} served with other bytes")
                         expert.release()
@@ -360,9 +367,9 @@ def verify_every_key(endpoint: str, m: Manifest) -> tuple[int, int]:
     """(keys served, mismatches) over one pass of the whole pack."""
     served = mismatches = 0
     with ExpertClient(endpoint, name="soak-final", timeout_s=60) as client:
-        for expert in client.fetch([(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]):
+        for expert in client.fetch(every_key(m)):
             served += 1
-            mismatches += hashlib.sha256(expert.data).hexdigest() != m.layer(expert.key.layer).sha256[expert.key.expert]
+            mismatches += not is_packs(m, expert.key, expert.data)
             expert.release()
     return served, mismatches
 
