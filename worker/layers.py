@@ -5,7 +5,7 @@ sinks). Pure torch on whatever device the inputs live on; no quant formats, no s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -176,7 +176,6 @@ class KVCache:
             self.keys[layer], self.values[layer] = _grown(self.keys[layer], size), _grown(self.values[layer], size)
         return self.keys[layer], self.values[layer], end
 
-
     def trade_buffers(self, other: "KVCache") -> None:
         """Swaps buffers with `other` (same layers and shapes), each cache keeping its own rows: a
         captured decode step reads fixed buffers, and the cache that decodes next must be in them."""
@@ -271,28 +270,30 @@ def gqa_attention(w: dict, p: str, h: torch.Tensor, layer: int, cache: KVCache, 
 
 def _stacked_qkv(w: dict, p: str) -> tuple[QTensor, QTensor | None] | None:
     """attn_q/k/v stacked into one matrix (and their biases into one vector), made at the first use
-    and kept in `w`; the three then view its bytes, so nothing is held twice. None where they
-    cannot stack (types or row lengths differ)."""
-    key = f"{p}attn_qkv.weight"
-    if key not in w:
-        names = [f"{p}attn_{x}" for x in "qkv"]
-        weight = stacked_rows(key, [w[n + ".weight"] for n in names])
-        has_bias = [n + ".bias" in w for n in names]
-        bias = stacked_rows(f"{p}attn_qkv.bias", [w[n + ".bias"] for n in names]) if all(has_bias) else None
-        if weight is None or (any(has_bias) and bias is None):
-            w[key] = None
-        else:
-            w[key] = (weight, bias)
-            for stacked in (weight, bias):
-                if stacked is None:
-                    continue
-                start = 0
-                for n in names:
-                    part = w[n + stacked.name[len(f"{p}attn_qkv"):]]
-                    size = part.raw.numel()
-                    w[part.name] = QTensor(part.name, part.ggml_type, part.shape, stacked.raw[start:start + size])
-                    start += size
-    return w[key]
+    and kept in `w` (None there where they cannot stack: types or row lengths differ); the three
+    then view the stacked bytes, so nothing is held twice."""
+    key = f"{p}attn_qkv"
+    if key + ".weight" not in w:
+        stacked = {}
+        for suffix in (".weight", ".bias"):
+            parts = [w.get(f"{p}attn_{x}{suffix}") for x in "qkv"]
+            if suffix == ".bias" and parts == [None] * 3:
+                break
+            stacked[suffix] = None if None in parts else stacked_rows(key + suffix, parts)
+            if stacked[suffix] is None:
+                stacked = {".weight": None}
+                break
+        for suffix, whole in stacked.items():
+            w[key + suffix] = whole
+            if whole is None:
+                continue
+            start = 0
+            for x in "qkv":
+                part = w[f"{p}attn_{x}{suffix}"]
+                w[part.name] = replace(part, raw=whole.raw[start:start + part.raw.numel()])
+                start += part.raw.numel()
+    weight = w[key + ".weight"]
+    return None if weight is None else (weight, w.get(key + ".bias"))
 
 
 def _fused_gqa(w: dict, p: str, h: torch.Tensor, fused: tuple[QTensor, QTensor | None], layer: int,
