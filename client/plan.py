@@ -25,9 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from expertpack.client.bench_cache import pack_slot_bytes, replay
 from expertpack.packtools.errors import ExpertpackError
-from expertpack.packtools.layout import ALIGNMENT, PACK_FILE, Manifest
+from expertpack.packtools.layout import PACK_FILE, Manifest
 from expertpack.packtools.units import GIB, human_bytes
+from expertpack.worker.routing_trace import TraceError, read_trace
 
 DEFAULT_RESERVE_GIB = 1.5  # VRAM kept for the KV cache, activations and CUDA's own (the worker's cache_reserve)
 DEFAULT_PCIE_GBPS = 25.0  # a PCIe 4.0 x16 link's practical pinned copy rate; PCIe 5.0 about twice
@@ -72,11 +74,6 @@ class Plan:
     tok_s_today: float | None  # None: nothing bounds it (every expert cached and no compute given)
     tok_s_overlapped: float | None
     bound: str
-
-
-def slot_bytes_of(manifest: Manifest) -> int:
-    """The largest payload rounded up to the alignment (worker/expert_cache.slot_bytes)."""
-    return -(-max(l.payload_bytes for l in manifest.layers) // ALIGNMENT) * ALIGNMENT
 
 
 def measure_disk_gbps(pack: Path, seconds: float = DISK_PROBE_S, threads: int = 8) -> float:
@@ -130,7 +127,7 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
     sources["compute"] = "--compute-tok-s" if args.compute_tok_s else "not given"
     k = m.model.n_expert_used
     return Inputs(str(args.pack), len(m.layers), m.model.n_expert, k, sum(k * l.stride for l in m.layers),
-                  sum(k * l.payload_bytes for l in m.layers), slot_bytes_of(m), m.trunk.size_bytes, vram,
+                  sum(k * l.payload_bytes for l in m.layers), pack_slot_bytes(m), m.trunk.size_bytes, vram,
                   int(args.reserve_gib * GIB), disk, args.pcie_gbps or DEFAULT_PCIE_GBPS, args.compute_tok_s, sources)
 
 
@@ -170,9 +167,6 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
 
 
 def _trace_hit_rate(path: Path, inputs: Inputs, slots: int) -> float:
-    from expertpack.client.bench_cache import replay
-    from expertpack.worker.routing_trace import TraceError, read_trace
-
     try:
         trace = read_trace(path)
     except (OSError, TraceError) as exc:

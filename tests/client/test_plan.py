@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from expertpack.client.bench_cache import replay
-from expertpack.client.plan import slot_bytes_of
+from expertpack.client.bench_cache import pack_slot_bytes, replay
 from expertpack.daemon.config import load_config
 from expertpack.packtools.layout import Manifest
 from expertpack.worker import main as worker_main
@@ -30,7 +29,7 @@ def plan_json(*args: str | Path) -> dict:
 
 def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     m = Manifest.load(tiny_pack)
-    slot = slot_bytes_of(m)
+    slot = pack_slot_bytes(m)
     trunk = m.trunk.size_bytes
     vram = trunk + 20 * slot + 1000  # twenty slots' worth once the trunk is in
     got = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5",
@@ -66,7 +65,7 @@ def test_a_traces_hit_rate_is_the_policys_replay(tiny_pack: Path, tmp_path: Path
     trace_path = tmp_path / "t.jsonl"
     run_cli("eval", tiny_pack, "--text", "the quick brown fox", "--greedy", "12", "--trace", trace_path, check=True)
     m = Manifest.load(tiny_pack)
-    vram = m.trunk.size_bytes + 10 * slot_bytes_of(m)
+    vram = m.trunk.size_bytes + 10 * pack_slot_bytes(m)
     got = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "1",
                     "--trace", trace_path)
     want = replay(read_trace(trace_path), [10], policies=("in_use",))[0].hit_rate["in_use"]
