@@ -7,6 +7,7 @@ the greedy answer, streamed and not, is the in-process engine's on the same rend
 from __future__ import annotations
 
 import pytest
+import torch
 
 from expertpack.worker.chat_template import ChatTemplate
 from expertpack.worker.engine import Engine
@@ -36,6 +37,10 @@ def test_flagship_chat_through_expertd_equals_the_engine(name: str, fixture_pack
         ids = [tokenizer.bos_id, *ids]
     tokens, _ = engine.generate(ids, 6, Sampler(), stop=set(tokenizer.stop_ids))
     want = tokenizer.decode(tokens)
+    # each answer token's log-probability, from one pass over the prompt and the answer: a tiny random
+    # model's few greedy tokens can survive a wrong prompt, these numbers cannot
+    logits = engine.forward(ids + tokens[:-1], engine.new_cache())[len(ids) - 1:]
+    want_logprobs = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(tokens)), tokens].tolist()
     engine.close()
 
     daemon = start_daemon(pack, tmp_path, "--client-slots", "4")
@@ -43,8 +48,11 @@ def test_flagship_chat_through_expertd_equals_the_engine(name: str, fixture_pack
     worker = start_worker(pack, daemon.endpoint, tmp_path)
     try:
         client = worker.client()
-        got = client.chat.completions.create(model="fixture", messages=CHAT, max_tokens=6, temperature=0)
+        got = client.chat.completions.create(model="fixture", messages=CHAT, max_tokens=6, temperature=0,
+                                             logprobs=True)
         assert got.choices[0].message.content == want
+        got_logprobs = [entry.logprob for entry in got.choices[0].logprobs.content]
+        assert got_logprobs == pytest.approx(want_logprobs[:len(got_logprobs)], abs=1e-4) and got_logprobs
         assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(tokens)
         stream = client.chat.completions.create(model="fixture", messages=CHAT, max_tokens=6, temperature=0,
                                                 stream=True)
