@@ -38,6 +38,7 @@ GAINS = {"token_embd.weight": 32.0, "attn_output.weight": 1 / 128}  # tensor nam
 class SynthOptions:
     preset: str
     n_layer: int | None = None
+    n_expert: int | None = None  # a cut of each MoE layer's experts (each keeps its shape); None: the preset's
     expert_type: str | None = None
     trunk_type: str | None = None
     shards: int = 1
@@ -84,6 +85,12 @@ def plan_synth(options: SynthOptions) -> SynthPlan:
     except ValueError as exc:
         raise ExpertpackError(str(exc)) from None
     values = _truncated(preset.meta, options.n_layer)
+    if options.n_expert is not None:
+        used, groups = values["expert_used_count"], values.get("expert_group_count", 1)
+        if options.n_expert < used or options.n_expert % groups:
+            raise ExpertpackError(f"n_expert {options.n_expert}: {options.preset} needs at least {used} (the experts "
+                                  f"a token uses) and a multiple of {groups} (its expert groups)")
+        values["expert_count"] = options.n_expert
     arch_meta = {f"{preset.arch}.{k}": v for k, v in values.items()}
     specs = ARCHS[preset.arch](Meta(preset.arch, arch_meta, preset.n_vocab))
     if not any(spec.kind is Kind.EXPERT for spec in specs):

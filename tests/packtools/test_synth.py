@@ -376,6 +376,24 @@ def test_kimi_k3_cuts_keep_an_mla_layer(layers: int, kv_heads: list[int]) -> Non
     assert mla == {i for i, k in enumerate(got) if k}
 
 
+def test_an_expert_cut_keeps_each_experts_shape_and_types() -> None:
+    full = plan_synth(SynthOptions(preset="kimi-k3", n_layer=2))
+    cut = plan_synth(SynthOptions(preset="kimi-k3", n_layer=2, n_expert=32))
+    assert cut.n_expert == 32
+    assert next(f for f in cut.metadata if f.key == "kimi-k3.expert_count").value == 32
+    def per_expert(plan, n: int) -> dict:  # name -> (type, shape of one expert, bytes of one expert)
+        return {t.spec.name: (t.ggml_type, t.spec.shape[:-1], t.nbytes // n, t.spec.shape[-1])
+                for t in plan.tensors if "_exps" in t.spec.name}
+
+    assert {k: v[:3] for k, v in per_expert(cut, 32).items()} == {k: v[:3] for k, v in per_expert(full, 896).items()}
+    assert {v[3] for v in per_expert(cut, 32).values()} == {32}
+    assert {t.spec.name for t in cut.tensors} == {t.spec.name for t in full.tensors}
+    with pytest.raises(ExpertpackError, match="at least 16"):
+        plan_synth(SynthOptions(preset="kimi-k3", n_layer=2, n_expert=8))
+    with pytest.raises(ExpertpackError, match="multiple of 8"):
+        plan_synth(SynthOptions(preset="deepseek-v3", n_layer=4, n_expert=36))
+
+
 def test_type_options_replace_the_presets_per_role_mix() -> None:
     plan = plan_synth(SynthOptions(preset="kimi-k3", n_layer=2, expert_type="Q4_K", trunk_type="Q8_0"))
     assert {t.ggml_type.name for t in plan.tensors if "_exps" in t.spec.name} == {"Q4_K"}
@@ -385,16 +403,18 @@ def test_type_options_replace_the_presets_per_role_mix() -> None:
 
 @pytest.mark.slow
 def test_kimi_k3_real_shape_cut_builds_from_a_split_set_and_verifies(tmp_path: Path) -> None:
-    """The smallest real-shape cut (--layers 2: the dense KDA layer and one MLA MoE layer, 12.7 GB)
-    written as 3 shards, packed, verified, and inspected: 896 blocks of 11,956,224 B, 16 per token;
-    the worker runs two tokens of it from the pack on the CPU (about 2.5 minutes on 2 cores)."""
+    """A real-shape cut (--layers 2: the dense KDA layer and one MLA MoE layer; 32 of the 896 experts,
+    each at its real shape and types, 2.4 GB) written as 3 shards, packed, verified, and inspected:
+    blocks of 11,956,224 B, 16 per token; the worker runs two tokens of it from the pack on the CPU.
+    The full expert count is checked on the plan (test_kimi_k3_has_the_real_expert_block_...): all 896
+    would only repeat the same block 864 more times, for 21 GB more disk and minutes more on 2 cores."""
     import json
     import shutil
 
     from expertpack.worker.engine import Engine
 
-    options = SynthOptions(preset="kimi-k3", n_layer=2, shards=3, progress=False)
-    need = plan_synth(options).total_bytes + 11 * 10**9  # the source and its pack side by side
+    options = SynthOptions(preset="kimi-k3", n_layer=2, n_expert=32, shards=3, progress=False)
+    need = 2 * plan_synth(options).total_bytes + 10**9  # the source and its pack side by side
     if shutil.disk_usage(tmp_path).free < need:
         pytest.skip(f"needs {need / 1e9:.0f} GB free in {tmp_path}")
     try:
@@ -406,9 +426,10 @@ def test_kimi_k3_real_shape_cut_builds_from_a_split_set_and_verifies(tmp_path: P
         out = run_cli("inspect", tmp_path / "pack", check=True).stdout
         engine = Engine.load(tmp_path / "pack")  # kimi_k3.py on the pack: trunk.gguf + experts.pack
         logits = engine.forward([1, 2], engine.new_cache())
-    finally:  # 24 GB: never left behind in pytest's kept temporary folders
+    finally:  # 4.8 GB: never left behind in pytest's kept temporary folders
         for path in tmp_path.iterdir():
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+    assert manifest["model"]["n_expert"] == 32
     (layer,) = manifest["layers"]
     assert layer["layer"] == 1 and layer["stride"] == layer["payload_bytes"] == K3_BLOCK_BYTES
     assert layer["offset"] % 4096 == 0 and all(r["offset"] % 4096 == 0 for r in layer["roles"])
