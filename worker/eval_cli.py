@@ -99,16 +99,12 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
 
 
 def _stepwise(engine: Engine, prompt: list[int], n: int, sampler: Sampler) -> tuple[list[int], torch.Tensor]:
-    """Engine.generate with the prompt fed one token per forward pass."""
+    """Engine.generate with the prompt fed one token per forward pass: all but its last token
+    here, the last one by generate on the same cache."""
     cache = engine.new_cache()
-    logits = torch.cat([engine.forward([t], cache) for t in prompt])
-    step, tokens = logits, []
-    for _ in range(n):
-        tokens.append(sampler(step[-1]))
-        if len(tokens) == n:
-            break
-        step = engine.forward([tokens[-1]], cache)
-    return tokens, logits
+    head = [engine.forward([t], cache) for t in prompt[:-1]]
+    tokens, last = engine.generate(prompt[-1:], n, sampler, cache)
+    return tokens, torch.cat([*head, last])
 
 
 def _fail(message: str) -> NoReturn:
