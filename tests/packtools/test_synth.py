@@ -407,7 +407,8 @@ def test_kimi_k3_real_shape_cut_builds_from_a_split_set_and_verifies(tmp_path: P
     each at its real shape and types, 2.4 GB) written as 3 shards, packed, verified, and inspected:
     blocks of 11,956,224 B, 16 per token; the worker runs two tokens of it from the pack on the CPU.
     The full expert count is checked on the plan (test_kimi_k3_has_the_real_expert_block_...): all 896
-    would only repeat the same block 864 more times, for 21 GB more disk and minutes more on 2 cores."""
+    would only repeat the same block 864 more times, for 21 GB more disk and ~50 s more on 2 cores
+    (102 s against ~150 s, on the dev VM, 2026-11-30; the worker's forward, ~30-60 s, is most of it)."""
     import json
     import shutil
 
