@@ -363,7 +363,7 @@ def create_app(service: WorkerService) -> FastAPI:
             raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(biases)}", param="logit_bias")
         out = {}
         for key, bias in biases.items():
-            if not key.isdigit() or not 0 <= int(key) < tokenizer.vocab_size:
+            if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < tokenizer.vocab_size:  # "²".isdigit()
                 raise ApiError(400, f"logit_bias: keys are token ids in 0..{tokenizer.vocab_size - 1}, got {key!r}",
                                param="logit_bias")
             out[int(key)] = bias

@@ -227,6 +227,7 @@ def test_penalties_follow_openais_formula_and_logprobs_stay_the_models(worker: W
     ("/v1/completions", "frequency_penalty", -3),
     ("/v1/completions", "logit_bias", {"not-a-token": 5}),
     ("/v1/completions", "logit_bias", {"5": 101}),
+    ("/v1/completions", "logit_bias", {"\u00b2": 5}),  # a digit to str.isdigit, not to int()
     ("/v1/completions", "seed", 2**64),
     ("/v1/completions", "messages", CHAT),
 ])
