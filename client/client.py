@@ -36,7 +36,7 @@ from . import protocol as p
 
 DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
 SHM_DIR = Path("/dev/shm")
-# ZMTP heartbeats this client sends (protocol v1's liveness rule, README "Liveness"): a PING every
+# ZMTP heartbeats this client sends (protocol v2's liveness rule, README "Liveness"): a PING every
 # second whose TTL tells expertd to drop the connection, and with it the leases, after 10 s of
 # silence; the same 10 s without a PONG tells the client that the daemon is frozen.
 HEARTBEAT_INTERVAL_MS = 1000
