@@ -21,31 +21,14 @@ import pytest
 import torch
 
 from expertpack.worker.chat_template import ChatTemplate
-from expertpack.worker.engine import Engine
 from expertpack.worker.sampling import Sampler
-from expertpack.worker.tokenizer import load_tokenizer
 
-from ..conftest import start_daemon
-from .test_expert_worker import CHAT, PACK, Worker, start_worker
+from .test_expert_worker import CHAT, Worker, local, served  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
-def worker(fixture_packs, tmp_path_factory: pytest.TempPathFactory):
-    pack = fixture_packs[PACK][1]
-    tmp = tmp_path_factory.mktemp("api")
-    daemon = start_daemon(pack, tmp, "--client-slots", "4")
-    daemon.wait_for("READY=1")
-    w = start_worker(pack, daemon.endpoint, tmp)
-    yield w
-    assert w.stop() == 0, w.log
-    assert "Traceback" not in w.log, w.log
-    assert daemon.stop()[0] == 0
-
-
-@pytest.fixture(scope="module")
-def local(fixture_packs):
-    engine = Engine.load(fixture_packs[PACK][1])
-    return engine, load_tokenizer(engine.files.metadata)
+def worker(served) -> Worker:
+    return served[2]
 
 
 def chat_ids(local) -> list[int]:
