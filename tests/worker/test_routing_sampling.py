@@ -87,6 +87,31 @@ def test_sampling_is_reproducible_and_respects_top_p() -> None:
         Sampler(top_p=0)
 
 
+def test_the_sampler_penalizes_from_a_copy_and_refuses_what_it_cannot_apply() -> None:
+    """What the API's penalties and logit_bias rest on, against a naive loop: the choice is made from
+    adjusted logits; the logits given (whose log-softmax is the logprob) are never written."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(50, generator=g)
+    counts = torch.zeros(50)
+    counts[[3, 3, 7, 11]] += 1
+    sampler = Sampler(presence_penalty=0.7, frequency_penalty=-1.2, logit_bias={7: 5.0, 49: -100.0})
+    before = logits.clone()
+    got = sampler.adjusted(logits, counts)
+    assert torch.equal(logits, before)
+    want = before.tolist()
+    for t, c in enumerate(counts.tolist()):
+        if c:
+            want[t] -= c * -1.2 + 0.7
+    want[7] += 5.0
+    want[49] -= 100.0
+    assert torch.allclose(got, torch.tensor(want), atol=1e-6, rtol=0)
+    assert sampler(logits, counts) == max(range(50), key=lambda i: (want[i], -i))
+    with pytest.raises(ValueError, match="names token 50; the model has 50"):
+        Sampler(logit_bias={50: 1.0})(logits)
+    with pytest.raises(ValueError, match="presence_penalty must lie in -2..2"):
+        Sampler(presence_penalty=float("nan"))
+
+
 def test_missing_metadata_is_listed_all_at_once() -> None:
     from dataclasses import dataclass
 
