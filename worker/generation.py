@@ -148,7 +148,7 @@ class Generator:
                 if on_logprobs is not None:
                     on_logprobs(entry)
                 # A character still incomplete (its bytes split across tokens) starts after the next token.
-                text_before = len(self.tokenizer.decode(ids).rstrip("\ufffd"))
+                text_before = len(text.decoded(ids).rstrip("\ufffd"))
             if text.add(ids):
                 finish = "stop"
                 break
@@ -184,12 +184,18 @@ class _TextStream:
         self.on_text = on_text
         self.sent = 0  # characters handed out
         self.final: str | None = None
+        self._decoded: tuple[int, str] = (0, "")  # (len(ids), their text): ids only grow, one decode per token
+
+    def decoded(self, ids: list[int]) -> str:
+        if self._decoded[0] != len(ids):
+            self._decoded = (len(ids), self.tokenizer.decode(ids))
+        return self._decoded[1]
 
     def add(self, ids: list[int]) -> bool:
         """True when a stop string appeared (the text is then cut before it)."""
         if not self.stop and self.on_text is None:
             return False  # nobody reads text before the end: decode once, in finish()
-        text = self.tokenizer.decode(ids)
+        text = self.decoded(ids)
         hits = [at for at in (text.find(s) for s in self.stop) if at >= 0]
         if hits:  # the earliest stop string wins, whichever comes first in the list
             self.final = text[:min(hits)]
@@ -205,7 +211,7 @@ class _TextStream:
 
     def finish(self, ids: list[int]) -> str:
         if self.final is None:
-            text = self.tokenizer.decode(ids)
+            text = self.decoded(ids)
             self.final = text
             self._emit(text)
         return self.final
