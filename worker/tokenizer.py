@@ -1,10 +1,12 @@
 """The tokenizer a GGUF carries, rebuilt with the `tokenizers` library: byte-level BPE
 (`tokenizer.ggml.model = gpt2`) with the pre-tokenizer `tokenizer.ggml.pre` names, or a
 SentencePiece-style BPE (`llama`) whose merges follow from the token scores. An HF tokenizer
-directory (tokenizer.json) may be given instead and then wins."""
+directory (tokenizer.json) may be given instead and then wins. TokenTexts spells one token as
+logprobs show it: its bytes, and its text or `bytes:\\xNN...`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,3 +146,48 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], types: list[
                                      decoders.Strip(" ", 1, 0)])
     tok.add_tokens(_specials(tokens, types))
     return tok
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's vocabulary writes each byte as one printable character (GPT-2's
+    bytes_to_unicode): the printable Latin-1 bytes as themselves, the others from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_decoder()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens
+
+
+class TokenTexts:
+    """What logprobs show of a token: its bytes (UTF-8; a token may hold part of a character) and
+    its text, which OpenAI writes as `bytes:\\xNN...` when the bytes are not whole UTF-8."""
+
+    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+        self.tok = tokenizer.tok
+        self.byte_level = isinstance(self.tok.decoder, decoders.ByteLevel)
+        self.added = set(self.tok.get_added_tokens_decoder())
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes_of(self, token: int) -> bytes:
+        if token not in self._bytes:
+            piece = self.tok.id_to_token(token) or ""
+            if token in self.added:
+                raw = piece.encode()
+            elif self.byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                raw = bytes(_BYTE_OF_CHAR[c] for c in piece)
+            elif match := _BYTE_PIECE.fullmatch(piece):
+                raw = bytes([int(match.group(1), 16)])
+            else:
+                raw = piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary is a space
+            self._bytes[token] = raw
+        return self._bytes[token]
+
+    def text_of(self, token: int) -> str:
+        raw = self.bytes_of(token)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
