@@ -13,6 +13,7 @@ model's pack, spoken to with the official `openai` client (nobody here wrote it)
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from expertpack.packtools.layout import Manifest
+from expertpack.packtools.layout import PACK_FILE, Manifest
 from expertpack.worker.chat_template import ChatTemplate
 from expertpack.worker.engine import Engine
 from expertpack.worker.expert_cache import slot_bytes
@@ -473,15 +474,12 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(served) 
 def test_a_corrupt_pack_answers_500_expert_corrupt_streamed_or_not(fixture_packs, tmp_path: Path) -> None:
     """Every block of layer 0 damaged on disk: the request fails with 500 and code expert_corrupt (the
     pack's fault, not the daemon's absence: no retry helps), naming the expert; the worker stays up."""
-    import shutil
-
-    from expertpack.packtools.layout import PACK_FILE
-
     pack = tmp_path / "pack"
     shutil.copytree(fixture_packs[PACK][1], pack)
-    layer = Manifest.load(pack).layers[0]
+    manifest = Manifest.load(pack)
+    layer = manifest.layers[0]
     with open(pack / PACK_FILE, "r+b") as f:
-        for e in range(Manifest.load(pack).model.n_expert):
+        for e in range(manifest.model.n_expert):
             f.seek(layer.block_offset(e) + 7)
             byte = f.read(1)[0]
             f.seek(layer.block_offset(e) + 7)
