@@ -56,11 +56,12 @@ run | tests)
     done
     have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py)
     if [ "$1" = tests ]; then timeout 500 python3 -m pytest -q tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
-    timeout 170 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
+    timeout 240 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
     out=${OUT:-/tmp}
     m=bench-out/qwen3-30b-a3b-12L.gguf
     mkdir -p bench-out && { [ -f $m ] || expertpack synth --preset qwen3-30b-a3b --layers 12 -o $m -q; }
     echo "== profile (CUDA graph)"; python3 bench/profile_decode.py $m 2>&1 | grep -v Warn | tee "$out/profile.txt" | head -16
+    echo "== one MoE layer of a prefill"; python3 bench/moe_prefill.py $m 2>&1 | grep -v Warn | tee "$out/moe_prefill.txt" | head -9
     echo "== peer"; bash bench/peer_on_device.sh run qwen3-30b-a3b 12 64 2 2>&1 | tail -12
     ;;
 *)

@@ -30,6 +30,18 @@ def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Te
     return linear(act(gate, up), w["down"], w.get("down.bias"))
 
 
+DENSE_MIN_TOKENS = 16  # below, a step is decode-like: no host sync to count its experts
+DENSE_MIN_PAIRS_PER_EXPERT = 16  # from this many tokens per selected expert, dequantize once and multiply (bench/moe_prefill.py)
+
+
+def dense_pays(ids: torch.Tensor) -> bool:
+    """Whether a step's experts run as dense products (moe_dense) rather than per pair (moe_tl):
+    when its selected experts have, on average, enough tokens each to repay dequantizing them."""
+    if ids.shape[0] < DENSE_MIN_TOKENS:
+        return False
+    return ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * torch.unique(ids).numel()
+
+
 class ExpertFFN:
     def __init__(self, source: ExpertSource, activation: Activation | Sequence[Activation] = SWIGLU) -> None:
         """`activation`: one for every layer, or one per layer (DeepSeek-V4's clamp varies)."""
@@ -63,6 +75,7 @@ class ExpertFFN:
         return self._per_expert(layer, h, ids, weights)
 
     def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from .kernels.moe_dense import experts_dense
         from .kernels.moe_tl import experts_per_pair
 
         t, k = ids.shape
@@ -72,9 +85,10 @@ class ExpertFFN:
             roles = self._roles[layer]
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
+        run = experts_dense if dense_pays(ids) else experts_per_pair  # by the whole step: every wave alike
         y = None
         for rows in self.source.expert_rows(layer, ids):
-            y = experts_per_pair(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)
+            y = run(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)
         return y.view(t, k, -1)  # summed over k in slot order by the caller: the same sum in every mode
 
     def _per_expert(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -118,3 +118,37 @@ def test_gate_up_split_over_k_equals_the_reference(monkeypatch: pytest.MonkeyPat
     got = experts_per_pair(x.to(device), pool.to(device), (ids.flatten() * lay.stride).to(device),
                            w.flatten().to(device), expert_roles(lay), act).cpu().double()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("act,types,fused,biases", [CASES[1], CASES[2]], ids=["clamped-q8-fused", "oai-mxfp4-biases"])
+def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act: Activation, types: tuple[T, T],
+                                            fused: bool, biases: bool, device: torch.device) -> None:
+    """A prefill's experts dequantized once each and multiplied by all their tokens, in groups of
+    experts (two here); a wave (the pairs of some experts, the blocks elsewhere) gives those pairs
+    the very bits of the whole step."""
+    from expertpack.worker.kernels import moe_dense
+
+    lay = layout(*types, fused, biases)
+    roles = expert_roles(lay)
+    monkeypatch.setattr(moe_dense, "GROUP_VALUES", 2 * (2 * F * D + D * F))
+    pool = pool_of(lay, seed=7)
+    g = torch.Generator().manual_seed(8)
+    n_tokens = 24
+    x = torch.randn(n_tokens, D, generator=g)
+    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
+    w = torch.rand(n_tokens, K_TOP, generator=g)
+    want = reference(lay, pool, x, ids, w, act)
+    offsets = (ids.flatten() * lay.stride).to(device)
+    args = (x.to(device), pool.to(device), offsets, w.flatten().to(device), roles, act)
+    full = moe_dense.experts_dense(*args)
+    rel = ((full.cpu().double() - want).norm() / want.norm()).item()
+    assert rel < 1e-5, f"relative error {rel:.2e}"
+    shift = 2 * lay.stride
+    moved = torch.cat([torch.zeros(shift, dtype=torch.uint8), pool]).to(device)
+    wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)  # the pairs of experts 1 and 3
+    part = moe_dense.experts_dense(args[0], moved, offsets + shift, args[3], roles, act, wave,
+                                   out=torch.full_like(full, math.nan))
+    assert torch.equal(part[wave.long()], full[wave.long()])
+    others = torch.ones(full.shape[0], dtype=torch.bool)
+    others[wave.long().cpu()] = False
+    assert part.cpu()[others].isnan().all()

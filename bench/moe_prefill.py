@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""One MoE layer of a prefill, both ways the worker can run it, by prompt length: per (token,
+expert) pair (moe_tl, an expert's bytes decoded for every pair) and dense (moe_dense, each selected
+expert dequantized once and multiplied by all its tokens). Routing is uniform at random over the
+layer's experts; each case is timed with triton.testing.do_bench, the two results are compared,
+and the worker's own choice (moe.dense_pays) is shown beside the faster one, to set its threshold
+from measurements.
+  python3 bench/moe_prefill.py MODEL.gguf [--tokens 16,32,64,128,256,512]
+Prints a table, then one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from expertpack.worker.engine import Engine
+from expertpack.worker.kernels import moe_dense, moe_tl
+from expertpack.worker.moe import dense_pays
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=40))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path, help="a GGUF (or pack directory)")
+    p.add_argument("--tokens", default="16,32,64,128,256,512", help="prompt lengths, comma-separated")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    model = Engine.load(args.model, device="cuda", resident_experts=True).model
+    moe = model.moe
+    layer = min(moe._roles)
+    roles, act = moe._roles[layer], moe.act(layer)
+    layout = moe.source.layout(layer)
+    table = moe.source.tables[layer]
+    n_expert = table.numel() // layout.stride
+    k_top = int(getattr(model.args, "n_expert_used"))
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for t in (int(v) for v in args.tokens.split(",")):
+        ids = torch.stack([torch.randperm(n_expert, device=dev, generator=g)[:k_top] for _ in range(t)])
+        offsets = (ids.flatten() * layout.stride).contiguous()
+        x = torch.randn(t, roles.gate.k, device=dev, generator=g)
+        w = torch.rand(t * k_top, device=dev, generator=g)
+        per_pair = moe_tl.experts_per_pair(x, table, offsets, w, roles, act)
+        dense = moe_dense.experts_dense(x, table, offsets, w, roles, act)
+        rel = ((dense - per_pair).norm() / per_pair.norm()).item()
+        ms_pair = bench_ms(lambda: moe_tl.experts_per_pair(x, table, offsets, w, roles, act))
+        ms_dense = bench_ms(lambda: moe_dense.experts_dense(x, table, offsets, w, roles, act))
+        rows.append({"tokens": t, "experts": int(torch.unique(ids).numel()), "per_pair_ms": ms_pair,
+                     "dense_ms": ms_dense, "rel_diff": rel, "chosen": "dense" if dense_pays(ids) else "per_pair"})
+    print(f"model {args.model.name}, layer {layer}: {n_expert} experts, top-{k_top}, "
+          f"{layout.stride} B per expert, {torch.cuda.get_device_name()}")
+    print(f"{'tokens':>6} {'experts':>7} {'per pair ms':>11} {'dense ms':>9} {'faster':>9} {'chosen':>9} {'rel diff':>9}")
+    for r in rows:
+        faster = "dense" if r["dense_ms"] < r["per_pair_ms"] else "per_pair"
+        print(f"{r['tokens']:>6} {r['experts']:>7} {r['per_pair_ms']:>11.3f} {r['dense_ms']:>9.3f} {faster:>9} "
+              f"{r['chosen']:>9} {r['rel_diff']:>9.1e}")
+    print(json.dumps({"bench": "moe_prefill", "date": date.today().isoformat(), "model": args.model.name,
+                      "gpu": torch.cuda.get_device_name(), "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
