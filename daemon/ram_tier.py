@@ -21,7 +21,7 @@ from typing import NamedTuple
 from expertpack.packtools.layout import ExpertKey
 
 from .ram_policy import RamPolicy
-from .staging import IllegalTransition
+from .staging import IllegalTransition, StagingError
 
 GIB = 1 << 30
 # The default budget (ram_cache_gib unset): this share of the memory the host has available at
@@ -29,6 +29,10 @@ GIB = 1 << 30
 # everything else the host runs, and never more than the whole pack.
 RAM_DEFAULT_SHARE = 0.5
 RAM_MARGIN_BYTES = 2 * GIB
+
+
+class RamBudgetError(StagingError):
+    """ram_cache_gib asks for more memory than the host has available beside the staging."""
 
 
 class RamState(Enum):
@@ -62,8 +66,14 @@ class RamSlot:
 def ram_slot_count(requested_gib: float | None, slot_bytes: int, staging_bytes: int, available_bytes: int,
                    n_blocks: int) -> tuple[int, str]:
     """RAM slots for a budget of `requested_gib` (None: the default share of `available_bytes`),
-    never more than the pack's `n_blocks`, and why that many. Whether the host can give them is
-    checked where the segment is made."""
+    never more than the pack's `n_blocks`, and why that many. A budget beyond what the host has
+    available beside the staging is refused (RamBudgetError), even where the pack is smaller: the
+    setting is wrong for this host."""
+    if requested_gib is not None and staging_bytes + requested_gib * GIB > available_bytes:
+        fit = max(0, available_bytes - staging_bytes) / GIB
+        raise RamBudgetError(f"ram_cache_gib = {requested_gib:g} asks for {int(requested_gib * GIB):,} bytes beside "
+                             f"{staging_bytes:,} bytes of staging, but the host has {available_bytes:,} bytes available; "
+                             f"lower ram_cache_gib (at most {fit:.3f} fit now)")
     if requested_gib is None:
         budget = max(0, int((available_bytes - staging_bytes - RAM_MARGIN_BYTES) * RAM_DEFAULT_SHARE))
         why = (f"default: {RAM_DEFAULT_SHARE:g} of the {available_bytes:,} bytes available after staging and a "

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from expertpack.daemon.ram_policy import RamPolicy
-from expertpack.daemon.ram_tier import GIB, RAM_DEFAULT_SHARE, RAM_MARGIN_BYTES, RamState, RamTier, ram_slot_count
+from expertpack.daemon.ram_tier import (
+    GIB, RAM_DEFAULT_SHARE, RAM_MARGIN_BYTES, RamBudgetError, RamState, RamTier, ram_slot_count,
+)
 from expertpack.daemon.staging import IllegalTransition
 from expertpack.packtools.layout import ExpertKey
 
@@ -101,3 +103,5 @@ def test_budget_sizing() -> None:
     slots, why = ram_slot_count(None, slot, staging, available, 1 << 30)
     assert slots == int((available - staging - RAM_MARGIN_BYTES) * RAM_DEFAULT_SHARE) // slot and "default" in why
     assert ram_slot_count(None, slot, staging, GIB, 1 << 30)[0] == 0  # less than the margin: no tier
+    with pytest.raises(RamBudgetError, match=r"lower ram_cache_gib \(at most 9.000 fit now\)"):
+        ram_slot_count(9.5, slot, staging, available, 4)  # beyond the host, though the pack is smaller
