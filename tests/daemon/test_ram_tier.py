@@ -2,14 +2,14 @@
 keys is answered from RAM without a read and byte-exact, by slot references into the segment the
 client maps; a small budget evicts (and keeps the hot block through a scan of cold ones); a block
 a client holds is never overwritten until it is released; a corrupt block is never made resident;
-a tier of 0 serves from staging as before; a bad ram_cache_gib is one line and exit 2; STATS,
+a tier of 0 serves from staging as before; a bad ram_cache_gib in the file is one line and exit 2
+(bad flags: tests/reliability/test_bad_input_table.py); STATS,
 `expertctl stats` and the mlock state say what the tier does."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -188,20 +188,8 @@ def test_no_ram_tier_serves_from_staging(tiny_pack: Path, tmp_path: Path) -> Non
     assert stats["ram"]["slots"] == 0 and stats["ram"]["resident_bytes"] == 0
 
 
-@pytest.mark.parametrize("flag,needle", [
-    ("-1", "ram_cache_gib: must lie in 0..65,536, got -1.0"),
-    ("nan", "ram_cache_gib: must lie in 0..65,536, got nan"),
-    ("65536", "lower ram_cache_gib (at most"),  # in range, beyond what the host has (the pack is smaller)
-])
-def test_a_bad_ram_cache_gib_is_one_line_and_exit_2(tiny_pack: Path, tmp_path: Path, flag: str, needle: str) -> None:
-    proc = subprocess.run([str(BIN / "expertd"), "--pack", str(tiny_pack), "--endpoint", f"ipc://{tmp_path}/s.sock",
-                           f"--ram-cache-gib={flag}"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc
-    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert not any(n.startswith(f"expertpack-{os.getpid()}") for n in os.listdir("/dev/shm"))
-
-
 def test_a_bad_ram_cache_gib_in_the_file_is_one_line_and_exit_2(tiny_pack: Path, tmp_path: Path) -> None:
+    """(Bad --ram-cache-gib flags are rows of tests/reliability/test_bad_input_table.py.)"""
     config = tmp_path / "expertd.toml"
     config.write_text(f'pack = "{tiny_pack}"\nendpoint = "ipc://{tmp_path}/s.sock"\nram_cache_gib = "lots"\n')
     proc = subprocess.run([str(BIN / "expertd"), "--config", str(config)], capture_output=True, text=True, timeout=60)
