@@ -439,8 +439,13 @@ class ExpertDaemon:
             work.slot, work.ram = resident.index, True
             if resident.state is RamState.RESIDENT:
                 self._ready_ram(work, resident)
-            else:
-                self._waiting[resident.index].append(work)
+                return True
+            waiting = self._waiting[resident.index]
+            reader = waiting[0]  # the key whose read fills the slot
+            if work.prio < reader.prio:  # demand joins a prefetch's read: it goes at demand priority now
+                reader.prio = work.prio
+                self.readers.promote(reader, int(work.prio))
+            waiting.append(work)
             return True
         if self.ram.n_slots:
             if holds >= share or session.ram_reads >= share:

@@ -263,3 +263,31 @@ def test_a_tier_the_memlock_limit_cannot_lock_is_served_unlocked_and_said_so(tin
     assert proc.returncode == 0, err
     assert stats["ram"]["locked"] is False and stats["ram"]["lock_error"], stats["ram"]
     assert err.count("is not locked in memory") == 1 and "LimitMEMLOCK" in err, err
+
+
+def test_a_demand_key_joining_a_prefetch_read_is_not_kept_behind_prefetches(tiny_pack: Path, tmp_path: Path) -> None:
+    """One reader thread, 32 prefetch reads into the tier queued (8 pieces each); a demand for the
+    last of them joins that read, which moves ahead of the other prefetches."""
+    m = Manifest.load(tiny_pack)
+    d = start_daemon(tiny_pack, tmp_path, "--read-threads", "1", "--read-splits", "8", "--stage-slots", "32",
+                     "--client-slots", "32", "--ram-cache-gib", "1")
+    d.wait_for("READY=1")
+    try:
+        with raw_session(d.endpoint) as (sock, welcome):
+            prefetch = all_keys(m)  # 64 keys: the first 32 are read into the tier at once (its share)
+            sock.send(p.encode(p.Fetch(1, tuple(prefetch), p.Priority.PREFETCH)))
+            sock.send(p.encode(p.Fetch(2, (prefetch[31],), p.Priority.DEMAND)))
+            order = []
+            while len(order) < len(prefetch) + 1:
+                msg = recv(sock)
+                assert isinstance(msg, p.Ready), msg
+                assert msg.slot >= welcome.ram_first_slot
+                order.append(msg.id)
+                sock.send(p.encode(p.Release((msg.slot,))))
+            sock.send(p.encode(p.Stats()))
+            stats = recv(sock)
+        assert isinstance(stats, p.StatsReply) and stats.stats["counters"]["ram_misses"] == len(prefetch)
+        demand_at = order.index(2)
+        assert demand_at < 8, f"demand key answered {demand_at + 1}th of {len(order)}"
+    finally:
+        assert d.stop()[0] == 0
