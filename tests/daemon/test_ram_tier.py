@@ -13,6 +13,7 @@ import json
 import resource
 import shutil
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -291,3 +292,47 @@ def test_a_demand_key_joining_a_prefetch_read_is_not_kept_behind_prefetches(tiny
         assert demand_at < 8, f"demand key answered {demand_at + 1}th of {len(order)}"
     finally:
         assert d.stop()[0] == 0
+
+
+def test_cancel_over_the_tier_answers_every_key_once(tiny_pack: Path, tmp_path: Path) -> None:
+    """Keys answered from RAM, keys joining a read and keys read into the tier: after a CANCEL each
+    is answered exactly once, and the reads already issued still make their blocks resident."""
+    m = Manifest.load(tiny_pack)
+    keys = tuple(all_keys(m))
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d, raw_session(d.endpoint) as (sock, welcome):
+        sock.send(p.encode(p.Fetch(1, keys[:4])))
+        warm = [recv(sock) for _ in range(4)]
+        sock.send(p.encode(p.Release(tuple(r.slot for r in warm))))
+        sock.send(p.encode(p.Fetch(7, keys + keys[:4], p.Priority.PREFETCH)))  # 4 hits, then misses
+        first = recv(sock)
+        sock.send(p.encode(p.Cancel(7)))
+        answers = [first]
+        while len(answers) < len(keys) + 4:
+            answers.append(recv(sock))
+        ready = [a for a in answers if isinstance(a, p.Ready)]
+        failed = [a for a in answers if isinstance(a, p.Fail)]
+        assert all(f.code is p.FailCode.CANCELLED for f in failed) and len(ready) >= 4
+        assert sorted(a.key for a in answers) == sorted(keys + keys[:4])
+        sock.send(p.encode(p.Ping()))
+        assert isinstance(recv(sock), p.Pong)  # nothing more was queued behind the pong
+        sock.send(p.encode(p.Release(tuple(r.slot for r in ready))))
+        sock.send(p.encode(p.Stats()))
+        stats = recv(sock).stats
+    assert stats["ram"]["held"] == 0 and stats["ram"]["reading"] == 0
+    assert stats["ram"]["resident"] == stats["counters"]["ram_misses"]  # cancelled or not, every read stays
+
+
+def test_a_client_that_goes_away_ends_its_holds(tiny_pack: Path, tmp_path: Path) -> None:
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d:
+        with ExpertClient(d.endpoint, name="leaver") as leaver:
+            kept = [e for e in leaver.fetch([(0, 0), (1, 1), (1, 1)])]  # never released
+            assert len({e.slot for e in kept}) == 2 and all(e.slot >= leaver.welcome.ram_first_slot for e in kept)
+            assert leaver.stats()["ram"]["held"] == 2
+        with ExpertClient(d.endpoint, name="observer") as observer:
+            held = observer.stats()["ram"]["held"]
+            for _ in range(100):
+                if not held:
+                    break
+                time.sleep(0.05)
+                held = observer.stats()["ram"]["held"]
+    assert held == 0
