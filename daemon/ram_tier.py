@@ -76,8 +76,8 @@ def ram_slot_count(requested_gib: float | None, slot_bytes: int, staging_bytes: 
                              f"lower ram_cache_gib (at most {fit:.3f} fit now)")
     if requested_gib is None:
         budget = max(0, int((available_bytes - staging_bytes - RAM_MARGIN_BYTES) * RAM_DEFAULT_SHARE))
-        why = (f"default: {RAM_DEFAULT_SHARE:g} of the {available_bytes:,} bytes available after staging and a "
-               f"{RAM_MARGIN_BYTES // GIB} GiB margin")
+        why = (f"default: {RAM_DEFAULT_SHARE:g} of what the staging and a {RAM_MARGIN_BYTES // GIB} GiB margin leave "
+               f"of the {available_bytes:,} bytes available")
     else:
         budget = int(requested_gib * GIB)
         why = f"ram_cache_gib = {requested_gib:g}"
@@ -100,6 +100,7 @@ class RamTier:
     slots: list[RamSlot] = field(init=False)
     slot_of: dict[ExpertKey, RamSlot] = field(default_factory=dict)  # RESIDENT or READING
     resident_bytes: int = 0
+    _empty: list[int] = field(init=False, repr=False)  # EMPTY slots' indices, the lowest last
 
     def __post_init__(self) -> None:
         self.slots = [RamSlot(self.first_slot + i) for i in range(self.n_slots)]
