@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from expertpack.client import FingerprintMismatch
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
@@ -147,6 +146,9 @@ def test_a_minimal_cache_over_the_ram_tier_is_bit_exact_and_reads_each_expert_on
     """The worker copies from RAM tier slots (READY naming a slot outside its lease) as from its
     staging: a cache that evicts at every layer gives the resident run's logits, and the second
     pass over the same prompt reads nothing from the pack; /metrics shows the tier."""
+    # Here, not at the top: tests/gpu imports this module on a machine without prometheus_client.
+    from prometheus_client.parser import text_string_to_metric_families
+
     name = "qwen3moe-a.Q4_K_M"
     pack = fixture_packs[name][1]
     d = daemon_for(pack, tmp_path, "--ram-cache-gib", "1")  # the whole (small) pack fits
