@@ -106,7 +106,12 @@ def run_fio(pack: Path, m: Manifest, piece: int, splits: int, jobs: int, total: 
 
 # ---- (b) expertd ------------------------------------------------------------------------------
 class DaemonProcess:
-    def __init__(self, pack: Path, workdir: Path, threads: int, splits: int, slots: int) -> None:
+    """A real expertd for a benchmark. Without a RAM tier unless `ram_cache_gib` says otherwise:
+    what these benchmarks measure is the SSD path, and a tier would answer repeated keys from
+    memory."""
+
+    def __init__(self, pack: Path, workdir: Path, threads: int, splits: int, slots: int,
+                 ram_cache_gib: float = 0.0) -> None:
         workdir = Path(tempfile.mkdtemp(dir=workdir))  # one per daemon: socket paths are not reused
         self.endpoint = f"ipc://{workdir}/bench.sock"
         notify_path = workdir / "notify.sock"
@@ -117,7 +122,8 @@ class DaemonProcess:
         self.log = open(workdir / "expertd.log", "w")
         self.proc = subprocess.Popen(
             [str(expertd), "--pack", str(pack), "--endpoint", self.endpoint, "--read-threads", str(threads),
-             "--read-splits", str(splits), "--stage-slots", str(slots), "--client-slots", str(slots)],
+             "--read-splits", str(splits), "--stage-slots", str(slots), "--client-slots", str(slots),
+             "--ram-cache-gib", repr(ram_cache_gib)],
             stdout=self.log, stderr=self.log, env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
         try:
             while b"READY=1" not in self.notify.recv(4096):

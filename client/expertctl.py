@@ -1,5 +1,5 @@
 """`expertctl`: ops tooling for a running expertd. `stats` prints a table for people (throughput,
-latency percentiles, errors, clients, slots) or JSON for scripts; `ping` prints the round trip;
+latency percentiles, errors, clients, slots, the RAM tier) or JSON for scripts; `ping` prints the round trip;
 `health` exits 0 when the daemon answers and has seen no I/O errors and no corrupt blocks, 1 when it
 answers but is degraded, 2 when it does not answer. Never leases slots (STATS and PING need no HELLO)."""
 
@@ -84,6 +84,14 @@ def render(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: f
     lines.append(f"slots    {s['total']} x {s['slot_bytes']:,} B: {s['unleased']} unleased, {s['free']} free, "
                  f"{s['reading']} reading, {s['leased']} leased   queue {stats['queue_depth']['keys']} keys, "
                  f"{stats['queue_depth']['reads']} reads")
+    ram = stats.get("ram")  # absent from an expertd before protocol v3
+    if ram is not None:
+        asked = ram["hits"] + ram["misses"]
+        lines.append(f"ram      {ram['slots']} x {s['slot_bytes']:,} B ({ram['size_bytes'] / 1e9:,.2f} GB, "
+                     f"{'locked' if ram['locked'] or not ram['slots'] else 'NOT locked: ' + str(ram['lock_error'])}): "
+                     f"{ram['resident']} resident ({ram['resident_bytes'] / 1e9:,.2f} GB), {ram['reading']} reading, "
+                     f"{ram['held']} held   hits {ram['hits']:,}  misses {ram['misses']:,}  "
+                     f"evictions {ram['evictions']:,}  hit rate {ram['hits'] / asked if asked else 0:.1%}")
     lines.append(f"clients  {len(stats['clients'])}")
     for cl in stats["clients"]:
         lines.append(f"  {cl['name']:<24} slots {cl['slots']:>4}  free {cl['free']:>4}  queued {cl['queued']:>6}  "

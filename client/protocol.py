@@ -7,7 +7,8 @@ msgpack map with an integer `op`:
     daemon (ROUTER) receives   [ routing id | msgpack{op, ...} ]   and answers with the same id
 
     HELLO{version, client, fingerprint, slots}
-                                      -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots}
+                                      -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots,
+                                                 ram_first_slot, ram_slots}
                                          (ERROR FINGERPRINT when the client's trunk was built with another pack;
                                          an empty fingerprint, as ops tools send, skips the check;
                                          `client` is 1..64 printable characters; `slots` asks for that
@@ -15,8 +16,10 @@ msgpack map with an integer `op`:
                                          0 or absent: its client_slots)
     FETCH{id, keys: [[layer, expert], ...], prio}
                                       -> one READY{id, key, slot, nbytes} or FAIL{id, key, code, message}
-                                         per key, in completion order
-    RELEASE{slots: [slot, ...]}       (no reply; the slots return to the client's free pool)
+                                         per key, in completion order; `slot` is one of the client's
+                                         leased slots, or (v3) a RAM tier slot
+    RELEASE{slots: [slot, ...]}       (no reply; leased slots return to the client's free pool; each
+                                         listing of a RAM tier slot ends one hold on it)
     CANCEL{id}                        -> FAIL{code=CANCELLED} for each key of id not yet READY
     STATS                             -> STATS_REPLY{stats}
     PING                              -> PONG
@@ -24,7 +27,11 @@ msgpack map with an integer `op`:
     daemon shutting down              -> BYE{reason} to every client
 
 Expert bytes never travel in a message: READY names a slot of the shared staging segment, and the
-payload is its first `nbytes` bytes. Keys are ExpertKey(layer, expert), the pack's own key type.
+payload is its first `nbytes` bytes (slot i starts at byte i * slot_bytes, whichever kind it is).
+RAM tier slots, [ram_first_slot, ram_first_slot + ram_slots), hold blocks resident for every
+client: a READY naming one is a hold that keeps the block there (never evicted nor overwritten)
+until the client RELEASEs it; several READYs, of one client or of many, may name the same RAM slot
+at once, and a client releases it once per READY. The client must only read a RAM slot. Keys are ExpertKey(layer, expert), the pack's own key type.
 Decoding validates every field (type, range, length) and the message size before anything acts on
 it; it never raises anything but ProtocolError. Never pickle.
 
@@ -32,6 +39,11 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
     1  the messages above.
     2  (2026-11-30) FAIL code CORRUPT: the block was read whole but fails the crc32 its pack recorded;
        its bytes are never served. A v1 client could not decode that FAIL, hence the new version.
+    3  (2026-11-30) The RAM tier: READY may name a RAM tier slot outside the client's lease, shared
+       with other clients and possibly named by several READYs at once, and a RELEASE lists such a
+       slot once per READY; WELCOME adds ram_first_slot and ram_slots (absent: 0) and its shm_bytes
+       covers them. A v2 client may take a READY's slot for one of its own (write into it, count it
+       against its lease, release it once), hence the new version.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ import msgpack
 
 from expertpack.packtools.layout import ExpertKey
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
 MAX_KEYS = 65536
 MAX_TEXT = 1024
@@ -219,8 +231,13 @@ class Welcome(Message):
     shm_bytes: int
     slot_bytes: int
     slots: tuple[int, ...]  # the slots leased to this client
+    # v3: the RAM tier's slots, [ram_first_slot, ram_first_slot + ram_slots) of the same segment;
+    # READY may name one of them (a block shared by every client: read it, never write it)
+    ram_first_slot: int = 0
+    ram_slots: int = 0
     checks = {"version": _uint(MAX_INDEX), "fingerprint": _fingerprint, "model": _map, "shm": _text,
-              "shm_bytes": _BYTES, "slot_bytes": _BYTES, "slots": _slots}
+              "shm_bytes": _BYTES, "slot_bytes": _BYTES, "slots": _slots, "ram_first_slot": _INDEX,
+              "ram_slots": _INDEX}
 
 
 @dataclass(frozen=True, slots=True)

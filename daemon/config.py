@@ -17,8 +17,8 @@ DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-# The range of every numeric key. Staging is further capped at start by the host's memory (what the
-# pack's block size makes of stage_slots is only known then). The heartbeat keys keep the ranges
+# The range of every numeric key. Staging and the RAM tier are further capped at start by the host's
+# memory (what the pack's block size makes of them is only known then). The heartbeat keys keep the ranges
 # they had (ZeroMQ's HEARTBEAT_TTL, a 16-bit count of deciseconds) so that existing files still load.
 RANGES: dict[str, tuple[float, float]] = {
     "stage_slots": (1, 1 << 20),
@@ -26,6 +26,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "max_client_slots": (0, 1 << 20),
     "read_threads": (1, 256),
     "read_splits": (1, 64),
+    "ram_cache_gib": (0.0, 65536.0),
     "heartbeat_interval_s": (0.01, 600.0),
     "heartbeat_timeout_s": (0.02, 6553.0),
 }
@@ -47,6 +48,10 @@ class DaemonConfig:
     read_threads: int = 8
     read_splits: int = 4  # aligned pieces each block is read in, in parallel
     direct_io: bool = True  # False: buffered reads, counted in fallback_count
+    # The RAM tier: GiB of hot expert blocks kept in the shared segment for every client (0: none).
+    # None (the key absent): half of the memory the host has available at start, after the staging
+    # and a 2 GiB margin, never more than the whole pack (ram_tier.ram_slot_count).
+    ram_cache_gib: float | None = None
     # No effect since expertd stopped sending ZMTP heartbeats (libzmq issue 4841): a client's own
     # PINGs carry the TTL after which a silent client loses its leases (10 s with ExpertClient; a
     # closed socket loses them at once). Accepted so that existing files load; a value other than
@@ -62,6 +67,8 @@ class DaemonConfig:
             out.append("pack: no pack directory given (--pack DIR or `pack = ...` in the config file)")
         for name, (low, high) in RANGES.items():
             value = getattr(self, name)
+            if value is None:  # a key whose default is computed at start
+                continue
             if not (math.isfinite(value) and low <= value <= high):
                 if low == 1 and value < 1 and isinstance(value, int):
                     out.append(f"{name}: must be at least 1, got {value}")
@@ -107,6 +114,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "read_threads": "reader threads issuing preadv (default 8)",
         "read_splits": "aligned pieces each expert block is read in (default 4)",
         "direct_io": "O_DIRECT reads (default on); --no-direct-io reads through the page cache",
+        "ram_cache_gib": "GiB of RAM for hot expert blocks shared by every client, in the staging segment, locked "
+                         "where the memlock limit allows (default: half the memory available at start after the "
+                         "staging and a 2 GiB margin, at most the whole pack; 0: no RAM tier)",
         "heartbeat_interval_s": "no effect (kept for old config files): expertd sends no ZMTP heartbeats",
         "heartbeat_timeout_s": "no effect (kept for old config files): a client's own ZMTP PINGs carry the TTL "
                                "after which it loses its leases (10 s with ExpertClient)",
@@ -118,7 +128,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps[f.name])
         else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
+            kind = {"int": int, "float": float}.get(_plain(str(f.type)), str)
             parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=helps[f.name])
 
 
@@ -143,7 +153,7 @@ def load_config(path: Path | None, args: argparse.Namespace) -> DaemonConfig:
         if flag_value is not None:
             values[name] = flag_value
     for name, value in list(values.items()):
-        kind = str(known[name].type)
+        kind = _plain(str(known[name].type))
         try:
             values[name] = _coerce(kind, value)
         except (TypeError, ValueError):
@@ -155,6 +165,11 @@ def load_config(path: Path | None, args: argparse.Namespace) -> DaemonConfig:
     if problems:
         raise ConfigError("; ".join(problems))
     return config
+
+
+def _plain(kind: str) -> str:
+    """The type of a key whose default is None (`float | None`: float); Paths keep their name."""
+    return kind if "Path" in kind else kind.removesuffix(" | None")
 
 
 def _coerce(kind: str, value: Any) -> Any:

@@ -9,6 +9,7 @@ served. It knows nothing of sockets or clients: completions go to a callback."""
 from __future__ import annotations
 
 import errno
+import heapq
 import itertools
 import mmap
 import os
@@ -162,6 +163,18 @@ class ReaderPool:
         """Checks a block read into `payload` (from `offset` in the pack) against `crc32`; the
         completion's error is CorruptBlock when it does not match."""
         self._queue.put(ReadJob(CHECK_PRIO, next(self._seq), offset, payload, token, crc32))
+
+    def promote(self, token: Any, prio: int) -> None:
+        """Moves the queued reads of `token` up to `prio`: a demand key that joins a read a prefetch
+        started (the RAM tier's one read per key) must not wait behind other prefetches."""
+        with self._queue.mutex:  # PriorityQueue's own lock: no reader pops meanwhile
+            changed = False
+            for job in self._queue.queue:
+                if job.token is token and job.prio > prio:
+                    job.prio = prio
+                    changed = True
+            if changed:
+                heapq.heapify(self._queue.queue)
 
     @property
     def queued(self) -> int:

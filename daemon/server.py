@@ -23,7 +23,13 @@ and some kB, until the daemon exits. Only peers that choose their routing id do 
 does not.)
 A client is leased the slots its HELLO asks for (client_slots when it asks for none), never more
 than the per-client cap (max_client_slots), so that one client cannot take the staging from the
-others."""
+others.
+The RAM tier (ram_tier.py, protocol v3) sits in front of the reads: a key resident there is
+answered at once with READY naming its RAM slot (a hold, ended by RELEASE like a lease); a key
+being read into it waits for that read; a miss the policy admits is read into a RAM slot instead of
+the client's staging slot, and is resident for everyone once its crc32 check passed. A client
+holds at most as many RAM blocks as it leases staging slots, and has at most that many reads into
+the RAM tier in flight, so one client cannot pin the tier nor take every reader."""
 
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ import signal
 import socket
 import stat
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +56,8 @@ from expertpack.packtools.layout import ExpertKey
 from .config import DaemonConfig
 from .notify import notify, watchdog_interval_s
 from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, open_pack
-from .staging import SlotState, StagingSegment, remove_orphans
+from .ram_tier import RamSlot, RamState, RamTier, ram_slot_count
+from .staging import SlotState, StagingSegment, lockable_bytes, remove_orphans
 from .stats import Counters, Histogram
 
 log = logging.getLogger("expertd")
@@ -77,6 +84,7 @@ class Work:
     cancelled: bool = False
     done: bool = False
     checked: bool = False  # its crc32 check has run (or the pack has none to check)
+    ram: bool = False  # `slot` is a RAM tier slot (read into it, or waiting on that read)
 
 
 @dataclass(eq=False)
@@ -96,6 +104,8 @@ class Session:
     requests: dict[int, Request] = field(default_factory=dict)
     queued: int = 0  # keys pending or in flight
     closed: bool = False
+    ram_holds: Counter[int] = field(default_factory=Counter)  # RAM slot -> READYs naming it not yet released
+    ram_reads: int = 0  # reads into the RAM tier this client started that are in flight
 
 
 class ExpertDaemon:
@@ -118,6 +128,7 @@ class ExpertDaemon:
         self.read_latency = Histogram()
         self.fetch_latency = Histogram()
         self.sessions: dict[bytes, Session] = {}
+        self._waiting: dict[int, list[Work]] = {}  # RAM slot being read -> the keys answered when it is in
         # Clients whose connection closed: a RELEASE or CANCEL they sent just before closing is read
         # after the disconnect and is the tail of a clean close, not a protocol error. Bounded.
         self._gone: OrderedDict[bytes, None] = OrderedDict()
@@ -127,7 +138,17 @@ class ExpertDaemon:
             self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             for orphan in remove_orphans():
                 log.warning("removed %s, the staging of an expertd that is gone", orphan)
-            self.staging = StagingSegment(config.stage_slots, self.manifest.max_stride)
+            slot_bytes = self.manifest.max_stride
+            n_blocks = len(self.manifest.layers) * self.manifest.model.n_expert
+            ram_slots, self.ram_why = ram_slot_count(config.ram_cache_gib, slot_bytes, config.stage_slots * slot_bytes,
+                                                     lockable_bytes()[0], n_blocks)
+            self.staging = StagingSegment(config.stage_slots, slot_bytes, ram_slots=ram_slots)
+            self.ram = RamTier(config.stage_slots, ram_slots)
+            if ram_slots and not self.staging.ram_locked:
+                log.warning("the RAM tier (%s bytes) is not locked in memory: mlock failed (%s); it is served "
+                            "unlocked and may be swapped out. Raise the memlock limit (systemd: "
+                            "LimitMEMLOCK=infinity; shell: ulimit -l unlimited) to lock it",
+                            f"{ram_slots * slot_bytes:,}", self.staging.ram_lock_error)
             self.ctx = zmq.Context()
             self.router = self._bind()
             self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -190,9 +211,12 @@ class ExpertDaemon:
         watchdog = watchdog_interval_s()
         next_ping = time.monotonic()
         log.info("serving %s on %s: %s, %d MoE layers x %d experts, %d staging slots of %d bytes (%s), "
-                 "%d reader threads, %s reads", self.config.pack, self.config.endpoint, self.manifest.model.arch,
-                 len(self.layers), self.manifest.model.n_expert, self.config.stage_slots, self.staging.slot_bytes,
-                 self.staging.path, self.config.read_threads, "O_DIRECT" if self.pack.direct else "buffered")
+                 "RAM tier %d slots (%s bytes, %s; %s), %d reader threads, %s reads", self.config.pack,
+                 self.config.endpoint, self.manifest.model.arch, len(self.layers), self.manifest.model.n_expert,
+                 self.config.stage_slots, self.staging.slot_bytes, self.staging.path, self.ram.n_slots,
+                 f"{self.ram.n_slots * self.staging.slot_bytes:,}", self.ram_why,
+                 "locked" if self.staging.ram_locked or not self.ram.n_slots else "NOT locked",
+                 self.config.read_threads, "O_DIRECT" if self.pack.direct else "buffered")
         defaults = DaemonConfig()
         if (self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s) != (
                 defaults.heartbeat_interval_s, defaults.heartbeat_timeout_s):
@@ -311,7 +335,7 @@ class ExpertDaemon:
             model={"arch": m.model.arch, "n_layer": m.model.n_layer, "n_expert": m.model.n_expert,
                    "n_expert_used": m.model.n_expert_used, "moe_layers": list(m.model.moe_layers)},
             shm=self.staging.name, shm_bytes=self.staging.size_bytes, slot_bytes=self.staging.slot_bytes,
-            slots=tuple(slots)))
+            slots=tuple(slots), ram_first_slot=self.ram.first_slot, ram_slots=self.ram.n_slots))
 
     def _fetch(self, session: Session, msg: p.Fetch) -> None:
         if self.stopping:
@@ -338,22 +362,41 @@ class ExpertDaemon:
         session.queued += len(works)
         self.counters.fetches += 1
         self.counters.keys += len(works)
+        self.ram.touch(msg.keys)
         self._dispatch(session)
 
     def _release(self, session: Session, msg: p.Release) -> None:
+        """Staging slots go back to the client's free pool; each listing of a RAM slot ends one of
+        the client's holds on it (a RAM slot may be listed as often as READY named it)."""
         slots = self.staging.pool.slots
-        for i in msg.slots:
+        staged = [i for i in msg.slots if not self.ram.owns(i)]
+        ram = Counter(i for i in msg.slots if self.ram.owns(i))
+        for i in staged:
             if i >= len(slots) or slots[i].lessee != session.identity or slots[i].state is not SlotState.LEASED:
                 self._error(session.identity, p.ErrorCode.BAD_FIELD,
                             f"RELEASE.slots: slot {i} holds no expert of this client")
                 return
-        if len(set(msg.slots)) != len(msg.slots):
+        for i, n in ram.items():
+            if session.ram_holds[i] < n:
+                self._error(session.identity, p.ErrorCode.BAD_FIELD,
+                            f"RELEASE.slots: RAM slot {i} listed {n} times, this client holds it {session.ram_holds[i]} "
+                            "times")
+                return
+        if len(set(staged)) != len(staged):
             self._error(session.identity, p.ErrorCode.BAD_FIELD, "RELEASE.slots: a slot is listed twice")
             return
-        for i in msg.slots:
+        for i in staged:
             slots[i].move(SlotState.FREE)
             session.free.append(i)
+        for i, n in ram.items():
+            self._unhold(session, i, n)
         self._dispatch(session)
+
+    def _unhold(self, session: Session, index: int, n: int) -> None:
+        self.ram.unhold(self.ram.slot(index), n)
+        session.ram_holds[index] -= n
+        if not session.ram_holds[index]:
+            del session.ram_holds[index]
 
     def _cancel(self, session: Session, msg: p.Cancel) -> None:
         request = session.requests.get(msg.id)
@@ -370,23 +413,77 @@ class ExpertDaemon:
 
     # ---- reads -------------------------------------------------------------------------------
     def _dispatch(self, session: Session) -> None:
-        """Starts reads for the session's queued keys while it has free slots, demand first."""
+        """Answers or starts the session's queued keys in order, demand first, until one needs a
+        staging slot (or a RAM hold) the client does not have free."""
         if session.closed:
             return
         demand, prefetch = session.pending
-        while session.free and (demand or prefetch):
-            work = demand.popleft() if demand else prefetch.popleft()
-            if work.done:
-                continue
-            slot = session.free.popleft()
-            self.staging.pool.slots[slot].move(SlotState.READING)
-            work.slot = slot
-            layer = self.layers[work.key.layer]
-            block = layer.block_offset(work.key.expert)
-            pieces = self.pack.splits[layer.layer]
-            work.pieces_left = len(pieces)
-            for start, length in pieces:
-                self.readers.submit(int(work.prio), block + start, self.staging.view(slot, start, start + length), work)
+        while demand or prefetch:
+            queue_ = demand if demand else prefetch
+            if not queue_[0].done and not self._start(session, queue_[0]):
+                return
+            queue_.popleft()
+
+    def _start(self, session: Session, work: Work) -> bool:
+        """A RAM hit is answered now; a key being read into the RAM tier waits for that read; a
+        miss is read into a RAM slot if the policy admits it, else into a free staging slot of the
+        client. False when none of these can happen yet: the client holds its share of the tier
+        (it must RELEASE), has its share of reads into it in flight, or has no staging slot free."""
+        share = len(session.slots)
+        holds = sum(session.ram_holds.values())
+        resident = self.ram.lookup(work.key)
+        if resident is not None:
+            if holds >= share:
+                return False
+            self.counters.ram_hits += 1
+            work.slot, work.ram = resident.index, True
+            if resident.state is RamState.RESIDENT:
+                self._ready_ram(work, resident)
+                return True
+            waiting = self._waiting[resident.index]
+            reader = waiting[0]  # the key whose read fills the slot
+            if work.prio < reader.prio:  # demand joins a prefetch's read: it goes at demand priority now
+                reader.prio = work.prio
+                self.readers.promote(reader, int(work.prio))
+            waiting.append(work)
+            return True
+        if self.ram.n_slots:
+            if holds >= share or session.ram_reads >= share:
+                return False  # a read or a RELEASE of its own lets it on; the key may still be admitted then
+            claim = self.ram.claim(work.key, self.layers[work.key.layer].payload_bytes)
+            if claim is not None:
+                self.counters.ram_misses += 1
+                self.counters.ram_evictions += claim.evicted is not None
+                session.ram_reads += 1
+                work.slot, work.ram = claim.slot.index, True
+                self._waiting[claim.slot.index] = [work]
+                self._read(work)
+                return True
+        if not session.free:
+            return False
+        self.counters.ram_misses += 1
+        slot = session.free.popleft()
+        self.staging.pool.slots[slot].move(SlotState.READING)
+        work.slot = slot
+        self._read(work)
+        return True
+
+    def _read(self, work: Work) -> None:
+        """Queues the reads of the work's block into its slot (staging or RAM: one segment)."""
+        assert work.slot is not None
+        layer = self.layers[work.key.layer]
+        block = layer.block_offset(work.key.expert)
+        pieces = self.pack.splits[layer.layer]
+        work.pieces_left = len(pieces)
+        for start, length in pieces:
+            self.readers.submit(int(work.prio), block + start, self.staging.view(work.slot, start, start + length), work)
+
+    def _ready_ram(self, work: Work, slot: RamSlot) -> None:
+        """READY naming a resident RAM block: the client holds it until it releases it."""
+        self.ram.hold(slot)
+        work.session.ram_holds[slot.index] += 1
+        self.fetch_latency.add_ns(time.monotonic_ns() - work.submitted_ns)
+        self._finish(work, None, "", p.Ready(work.request_id, work.key, slot.index, slot.nbytes))
 
     def _on_read_done(self, job: ReadJob, error: BaseException | None, elapsed_ns: int) -> None:
         """Reader thread: hand over to the main loop."""
@@ -427,6 +524,9 @@ class ExpertDaemon:
                 self._read_complete(work)
 
     def _read_complete(self, work: Work) -> None:
+        if work.ram:
+            self._ram_read_complete(work)
+            return
         slot = self.staging.pool.slots[work.slot]
         session = work.session
         if not work.checked and work.error is None and not work.cancelled and not session.closed:
@@ -465,6 +565,52 @@ class ExpertDaemon:
             self.fetch_latency.add_ns(time.monotonic_ns() - work.submitted_ns)
             self._finish(work, None, "", p.Ready(work.request_id, work.key, slot.index, layer.payload_bytes))
         self._dispatch(session)
+
+    def _ram_read_complete(self, work: Work) -> None:
+        """A read into the RAM tier is in: checked (even if its own client left or cancelled: the
+        block is for everyone), then resident and answered to every key waiting on it, or, failed
+        or corrupt, dropped and FAILed to them all."""
+        slot = self.ram.slot(work.slot)
+        if not work.checked and work.error is None:
+            work.checked = True
+            if self.check_crc32:
+                layer = self.layers[work.key.layer]
+                self.readers.submit_check(layer.block_offset(work.key.expert),
+                                          self.staging.view(slot.index, 0, layer.payload_bytes),
+                                          layer.crc32[work.key.expert], work)
+                return
+        work.session.ram_reads -= 1
+        waiting = self._waiting.pop(slot.index)
+        self.ram.filled(slot, work.error is None)
+        if isinstance(work.error, CorruptBlock):
+            self.counters.corrupt_blocks += 1
+            layer, expert = work.key
+            log.error("corrupt block: layer %d expert %d of %s fails its crc32 check (%s); FAILed CORRUPT, "
+                      "never served (run expertpack verify %s; rebuild or restore the pack)",
+                      layer, expert, self.pack.path, work.error, self.config.pack)
+        elif work.error is not None:
+            log.warning("read of %s failed: %s", list(work.key), work.error)
+        sessions = []
+        for w in waiting:
+            if w.session.closed or w.done:
+                continue
+            if w.cancelled:
+                self._finish(w, p.FailCode.CANCELLED, "cancelled")
+            elif isinstance(work.error, CorruptBlock):
+                layer, expert = w.key
+                self._finish(w, p.FailCode.CORRUPT,
+                             f"layer {layer} expert {expert} of {self.pack.path} is corrupt: {work.error}; "
+                             f"run expertpack verify {self.config.pack}")
+            elif work.error is not None:
+                self._finish(w, p.FailCode.IO_ERROR, f"read failed: {work.error}")
+            else:
+                self._ready_ram(w, slot)
+            if w.session not in sessions:
+                sessions.append(w.session)
+        if work.session not in sessions:
+            sessions.append(work.session)
+        for session in sessions:
+            self._dispatch(session)
 
     def _finish(self, work: Work, fail: p.FailCode | None, message: str, ready: p.Ready | None = None) -> None:
         """Answers one key exactly once and retires its request when it was the last."""
@@ -519,7 +665,10 @@ class ExpertDaemon:
             if slot.state is not SlotState.FREE:
                 slot.move(SlotState.FREE)
             self.staging.pool.give_back(i)
-        log.info("client %r %s: %d slots back", session.name, why, len(session.slots))
+        held = sum(session.ram_holds.values())
+        for i, n in list(session.ram_holds.items()):
+            self._unhold(session, i, n)
+        log.info("client %r %s: %d slots back, %d RAM tier holds ended", session.name, why, len(session.slots), held)
 
     def _send(self, identity: bytes, msg: p.Message) -> None:
         try:
@@ -553,6 +702,13 @@ class ExpertDaemon:
             "queue_depth": {"keys": sum(s.queued for s in self.sessions.values()), "reads": self.readers.queued},
             "slots": {"total": len(pool.slots), "unleased": pool.n_unleased, "slot_bytes": self.staging.slot_bytes,
                       **{state.value: pool.count(state) for state in SlotState}},
+            "ram": {"slots": self.ram.n_slots, "first_slot": self.ram.first_slot,
+                    "size_bytes": self.ram.n_slots * self.staging.slot_bytes, "budget": self.ram_why,
+                    "resident_bytes": self.ram.resident_bytes, "held": self.ram.held,
+                    "locked": self.staging.ram_locked, "lock_error": self.staging.ram_lock_error,
+                    "hits": self.counters.ram_hits, "misses": self.counters.ram_misses,
+                    "evictions": self.counters.ram_evictions,
+                    **{state.value: self.ram.count(state) for state in RamState}},
             "clients": [{"name": s.name, "slots": len(s.slots), "free": len(s.free), "queued": s.queued,
                          "queue_entries": len(s.pending[0]) + len(s.pending[1]), "requests": len(s.requests)}
                         for s in self.sessions.values()],
@@ -577,7 +733,8 @@ class ExpertDaemon:
         log.info("stopped: %d keys served, %s read", self.counters.ready, f"{self.counters.pack_read_bytes:,} B")
 
     def _in_flight(self) -> bool:
-        return any(s.state is SlotState.READING for s in self.staging.pool.slots)
+        return (any(s.state is SlotState.READING for s in self.staging.pool.slots)
+                or any(s.state is RamState.READING for s in self.ram.slots))
 
     def close(self) -> None:
         """Releases everything the daemon created (socket and its ipc file, readers, staging, pack);

@@ -1,5 +1,8 @@
 """The shared staging: one POSIX shared-memory segment (/dev/shm, mode 0660, locked in RAM), carved
-into slots of one expert block each, where O_DIRECT reads land and clients read from. Each slot
+into slots of one expert block each, where O_DIRECT reads land and clients read from. The RAM
+tier's slots (ram_tier.py) follow the staging slots in the same segment, so that the one mapping a
+client registers with CUDA covers both; they are locked where the memlock limit allows, and
+served unlocked (said once in the log and in STATS) where it does not. Each staging slot
 moves FREE -> READING -> READY -> LEASED -> FREE (READING -> FREE and READY -> FREE when a read
 fails or its client is gone), checked on every move. Slots are leased to clients in sets; only the
 lessee's requests use a slot. Knows nothing of sockets or the pack."""
@@ -123,9 +126,12 @@ def lockable_bytes() -> tuple[int, str]:
 
 
 class StagingSegment:
-    """Creates (O_EXCL), maps and mlocks the segment; `close` unmaps and unlinks it."""
+    """Creates (O_EXCL), maps and mlocks the segment: `n_slots` staging slots, then `ram_slots` RAM
+    tier slots, all `slot_bytes` long. The staging must lock (fail-closed); the RAM tier is locked
+    if the memlock limit allows (`ram_locked`, and why not in `ram_lock_error`). `close` unmaps and
+    unlinks it."""
 
-    def __init__(self, n_slots: int, slot_bytes: int, name: str | None = None) -> None:
+    def __init__(self, n_slots: int, slot_bytes: int, name: str | None = None, ram_slots: int = 0) -> None:
         if slot_bytes % SLOT_ALIGNMENT:
             raise StagingError(f"slot size {slot_bytes} is not a multiple of {SLOT_ALIGNMENT}")
         limit, why = lockable_bytes()
@@ -133,9 +139,17 @@ class StagingSegment:
             raise StagingError(f"stage_slots {n_slots} x {slot_bytes:,}-byte slots need {n_slots * slot_bytes:,} "
                                f"bytes of locked memory, but {why}; lower stage_slots (at most "
                                f"{limit // slot_bytes} fit now)")
+        if (n_slots + ram_slots) * slot_bytes > limit:
+            fit_gib = (limit - n_slots * slot_bytes) // slot_bytes * slot_bytes / 2**30
+            raise StagingError(f"ram_cache_gib asks for {ram_slots} RAM slots of {slot_bytes:,} bytes "
+                               f"({ram_slots * slot_bytes:,} bytes) beside {n_slots * slot_bytes:,} bytes of staging, "
+                               f"but {why}; lower ram_cache_gib (at most {fit_gib:.3f} fit now)")
         self.name = name or f"expertpack-{os.getpid()}-{secrets.token_hex(4)}"
         self.slot_bytes = slot_bytes
-        self.size_bytes = n_slots * slot_bytes
+        self.staging_bytes = n_slots * slot_bytes
+        self.size_bytes = (n_slots + ram_slots) * slot_bytes
+        self.ram_locked = False
+        self.ram_lock_error: str | None = None
         self.path = SHM_DIR / self.name
         self.map: mmap.mmap | None = None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
@@ -155,7 +169,10 @@ class StagingSegment:
             self.address = ctypes.addressof(self._anchor)
             if self.address % SLOT_ALIGNMENT:
                 raise StagingError(f"staging mapped at {self.address:#x}, not {SLOT_ALIGNMENT}-aligned")
-            _mlock(self.address, self.size_bytes)
+            _mlock(self.address, self.staging_bytes)
+            if ram_slots:
+                self.ram_lock_error = _try_mlock(self.address + self.staging_bytes, ram_slots * slot_bytes)
+                self.ram_locked = self.ram_lock_error is None
         except BaseException:
             self.close()
             raise
@@ -177,10 +194,17 @@ class StagingSegment:
         self.path.unlink(missing_ok=True)
 
 
-def _mlock(address: int, size: int) -> None:
+def _try_mlock(address: int, size: int) -> str | None:
+    """mlock; None when it worked, else why not (the strerror)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) != 0:
-        err = ctypes.get_errno()
+        return os.strerror(ctypes.get_errno())
+    return None
+
+
+def _mlock(address: int, size: int) -> None:
+    err = _try_mlock(address, size)
+    if err is not None:
         raise StagingError(
-            f"cannot lock {size:,} bytes of staging in RAM: {os.strerror(err)}. Raise the memlock limit "
+            f"cannot lock {size:,} bytes of staging in RAM: {err}. Raise the memlock limit "
             "(systemd: LimitMEMLOCK=infinity; shell: ulimit -l unlimited) or lower stage_slots")

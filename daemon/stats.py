@@ -53,6 +53,11 @@ class Counters:
     checked_blocks: int = 0  # blocks whose crc32 was checked (0 for a pack built before format 1.1)
     checked_bytes: int = 0
     fallback_count: int = 0  # reads that went through the page cache (direct_io = false)
+    # RAM tier: keys answered without a read of their own (resident, or joining a read into the tier
+    # already in flight), keys read from the pack, blocks evicted from the tier to admit another.
+    ram_hits: int = 0
+    ram_misses: int = 0
+    ram_evictions: int = 0
     protocol_errors: int = 0  # ERROR replies
     clients_total: int = 0
     clients_dropped: int = 0  # vanished (disconnect or heartbeat timeout) holding leases

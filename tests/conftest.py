@@ -113,12 +113,17 @@ class Daemon:
 
 def start_daemon(pack: Path, tmp: Path, *extra: str, on_ramfs: bool = False) -> Daemon:
     """expertd on `pack`, its log in tmp/expertd.log. on_ramfs: the pack is first copied onto a ramfs
-    (which refuses O_DIRECT) mounted in a private mount namespace that dies with the daemon."""
+    (which refuses O_DIRECT) mounted in a private mount namespace that dies with the daemon. Without
+    a RAM tier unless `extra` gives --ram-cache-gib: most tests are about reads (counted bytes, a
+    pack damaged between two fetches), which a RAM tier holding a whole tiny pack would answer
+    from memory; tests/daemon/test_ram_tier.py tests the tier."""
     sock_path = tmp / "expertd.sock"
     notify_path = tmp / "notify.sock"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))
-    argv = [str(BIN / "expertd"), "--pack", str(pack), "--endpoint", f"ipc://{sock_path}", "--log-level", "debug", *extra]
+    ram = () if any(a.startswith("--ram-cache-gib") for a in extra) else ("--ram-cache-gib", "0")
+    argv = [str(BIN / "expertd"), "--pack", str(pack), "--endpoint", f"ipc://{sock_path}", "--log-level", "debug",
+            *ram, *extra]
     if on_ramfs:
         mnt = tmp / "ramfs"
         mnt.mkdir()

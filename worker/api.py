@@ -541,8 +541,8 @@ def create_app(service: WorkerService) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         cache = service.generator.engine.expert_cache
         stats = None if cache is None else await asyncio.to_thread(cache.stats)
-        return PlainTextResponse(render(service.counters, stats and stats["cache"], stats and stats["daemon"]),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render(service.counters, stats and stats["cache"], stats and stats["daemon"],
+                                        stats and stats.get("daemon_ram")), media_type="text/plain; version=0.0.4")
 
     return app
 

@@ -222,12 +222,13 @@ class ExpertCache:
                 self._pending.popleft().expert.release()
 
     def stats(self) -> dict:
-        """The cache's cumulative counters and state, and the daemon's counters next to them (None
-        while the daemon is unreachable)."""
+        """The cache's cumulative counters and state, and the daemon's counters and RAM tier next to
+        them (None while the daemon is unreachable)."""
+        daemon = self.link.stats() or {}
         return {"cache": {**self.counters.snapshot(), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
                           "resident_bytes": self.resident_bytes, "staging_pinned": self.link.pinned,
                           "reconnects": self.link.reconnects},
-                "daemon": (self.link.stats() or {}).get("counters")}
+                "daemon": daemon.get("counters"), "daemon_ram": daemon.get("ram")}
 
     def close(self) -> None:
         if self.copy_stream is not None:

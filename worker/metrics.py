@@ -1,6 +1,6 @@
 """The worker's counters in the Prometheus text exposition format (version 0.0.4), for /metrics:
 requests, tokens and latency from the HTTP side, the expert cache's counters and state, and the
-daemon's read bytes and errors as it last reported them."""
+daemon's read bytes, errors and RAM tier as it last reported them."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:
     return f"{name} {value}"
 
 
-def render(serve: ServeCounters, cache: dict | None, daemon: dict | None) -> str:
-    """cache: ExpertCache.stats()["cache"] (None without one); daemon: its counters (None when down)."""
+def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon_ram: dict | None = None) -> str:
+    """cache: ExpertCache.stats()["cache"] (None without one); daemon: its counters (None when down);
+    daemon_ram: its STATS "ram" section (None when down, or from an expertd without a RAM tier)."""
     out: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[float, dict[str, str] | None]],
@@ -72,4 +73,16 @@ def render(serve: ServeCounters, cache: dict | None, daemon: dict | None) -> str
                [(daemon["io_errors"], None)], "_total")
         metric("expertpack_daemon_failed", "counter", "Keys expertd answered with FAIL (errors, cancels).",
                [(daemon["failed"], None)], "_total")
+        for key, help_text in (("ram_hits", "Keys expertd answered from its RAM tier, without a read (all clients)."),
+                               ("ram_misses", "Keys expertd read from the pack (all clients)."),
+                               ("ram_evictions", "Blocks expertd evicted from its RAM tier to admit another.")):
+            if key in daemon:
+                metric(f"expertpack_daemon_{key}", "counter", help_text, [(daemon[key], None)], "_total")
+    if daemon_ram is not None:
+        metric("expertpack_daemon_ram_resident_bytes", "gauge", "Expert bytes resident in expertd's RAM tier.",
+               [(daemon_ram["resident_bytes"], None)])
+        metric("expertpack_daemon_ram_bytes", "gauge", "Size of expertd's RAM tier (0: none).",
+               [(daemon_ram["size_bytes"], None)])
+        metric("expertpack_daemon_ram_locked", "gauge", "1 when expertd's RAM tier is locked in memory (mlock).",
+               [(int(bool(daemon_ram["locked"])), None)])
     return "\n".join(out) + "\n"

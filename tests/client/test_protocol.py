@@ -1,4 +1,4 @@
-"""Protocol v1 on the wire: golden bytes (a change to them is a protocol change), a round trip for
+"""The protocol on the wire: golden bytes (a change to them is a protocol change), a round trip for
 every message, and decode's refusals, each with the code a peer will see."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ FP = "ab" * 32
 EXAMPLES: list[p.Message] = [
     p.Hello(1, "worker-0"),
     p.Welcome(1, FP, {"arch": "qwen3moe", "n_layer": 2}, "expertpack-1-abcd", 1 << 20, 1 << 16, (0, 1, 2)),
+    p.Welcome(3, FP, {"arch": "qwen3moe", "n_layer": 2}, "expertpack-1-abcd", 1 << 20, 1 << 16, (0, 1), 4, 12),
     p.Fetch(7, (ExpertKey(1, 2), ExpertKey(3, 4)), p.Priority.PREFETCH),
     p.Ready(7, ExpertKey(1, 2), 5, 110592),
     p.Fail(7, ExpertKey(3, 4), p.FailCode.IO_ERROR, "short read"),
@@ -38,14 +39,25 @@ def test_golden_bytes() -> None:
 
 
 def test_version_2_adds_fail_corrupt() -> None:
-    """v2's one change: FAIL code CORRUPT (4). HELLO carries the version the daemon checks."""
-    assert p.PROTOCOL_VERSION == 2
-    assert p.encode(p.Hello(p.PROTOCOL_VERSION, "w")).hex() == (
-        "84" "a26f70" "01" "a776657273696f6e" "02" "a6636c69656e74" "a177" "ab66696e6765727072696e74" "a0")
+    """v2's one change: FAIL code CORRUPT (4)."""
     assert p.encode(p.Fail(7, ExpertKey(3, 4), p.FailCode.CORRUPT, "crc")).hex() == (
         "85" "a26f70" "05" "a26964" "07" "a36b6579" "920304" "a4636f6465" "04" "a76d657373616765" "a3637263")
     assert p.decode(bytes.fromhex("85a26f7005a2696407a36b6579920304a4636f646504a76d657373616765a3637263")) == \
         p.Fail(7, ExpertKey(3, 4), p.FailCode.CORRUPT, "crc")
+
+
+def test_version_3_adds_the_ram_tier_to_welcome() -> None:
+    """v3: WELCOME names the RAM tier's slots (READY may name one); HELLO carries the version the
+    daemon checks. A WELCOME without the new fields (no RAM tier) still decodes, as 0 and 0."""
+    assert p.PROTOCOL_VERSION == 3
+    assert p.encode(p.Hello(p.PROTOCOL_VERSION, "w")).hex() == (
+        "84" "a26f70" "01" "a776657273696f6e" "03" "a6636c69656e74" "a177" "ab66696e6765727072696e74" "a0")
+    welcome = p.Welcome(3, FP, {}, "s", 8192, 4096, (0,), 2, 5)
+    wire = msgpack.unpackb(p.encode(welcome))
+    assert wire["ram_first_slot"] == 2 and wire["ram_slots"] == 5
+    del wire["ram_first_slot"], wire["ram_slots"]
+    old = p.decode(msgpack.packb(wire))
+    assert isinstance(old, p.Welcome) and (old.ram_first_slot, old.ram_slots) == (0, 0)
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

@@ -1,6 +1,6 @@
 """The expert cache on CUDA, fed by expertd in its own process (skipped without a GPU; run on the
 device machine): logits bit for bit equal to every expert resident on the device with a cache of
-the minimum size; the daemon's staging registered with CUDA (pinned, so copies are DMA); and the
+the minimum size, also with its experts served from expertd's RAM tier; the daemon's staging registered with CUDA (pinned, so copies are DMA); and the
 copies overlapping the reads: launched without waiting, finished while the same request's later
 experts are still being read. The overlap is shown on Qwen3-30B-A3B-sized experts (a 2-layer
 synthetic model), where a copy takes long enough for the clocks to see it."""
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
+from expertpack.packtools.layout import Manifest
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
 from expertpack.worker.engine import Engine
 
@@ -58,6 +59,36 @@ def test_minimal_cache_on_cuda_is_bit_exact(model: str, tmp_path: Path) -> None:
         assert got_tokens == want_tokens
         for step, (got, want) in enumerate(zip(got_logits, want_logits)):
             assert torch.equal(got, want), f"{model}: step {step} differs from the resident run"
+    finally:
+        assert d.stop()[0] == 0
+
+
+def test_minimal_cache_on_cuda_over_the_ram_tier_is_bit_exact(tmp_path: Path) -> None:
+    """READYs naming RAM tier slots: the GPU copies from the resident blocks through the same
+    registered mapping as from staging; a second pass reads nothing from the pack."""
+    model = "qwen3moe-a"
+    pack = pack_of(FIXTURES / "gguf" / model / FIXTURE_MODELS[model], tmp_path / "pack")
+    prompt = np.load(FIXTURES / "ref" / model / "prompt_ids.npy").tolist()
+    d = start_daemon(pack, tmp_path, "--client-slots", "4", "--ram-cache-gib", "1")
+    d.wait_for("READY=1")
+    try:
+        want_logits, want_tokens = greedy(Engine.load(pack, "cuda", resident_experts=True), prompt)
+        engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+        try:
+            runs = [greedy(engine, prompt) for _ in range(2)]
+            link = engine.expert_cache.link
+            assert link.pinned and link.staging.is_pinned() and link.client.welcome.ram_slots > 0
+            stats = engine.expert_cache.stats()
+            print(f"{model} over the RAM tier: {stats}")
+        finally:
+            engine.close()
+        daemon = stats["daemon"]
+        assert daemon["ram_hits"] > 0 and daemon["pack_read_bytes"] == daemon["ram_misses"] * Manifest.load(pack).max_stride
+        assert stats["cache"]["misses"] > 2 * daemon["ram_misses"]  # the second pass came from the tier
+        for got_logits, got_tokens in runs:
+            assert got_tokens == want_tokens
+            for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+                assert torch.equal(got, want), f"{model}: step {step} differs from the resident run"
     finally:
         assert d.stop()[0] == 0
 

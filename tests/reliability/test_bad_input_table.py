@@ -29,6 +29,9 @@ ROWS = [
     ("expertd", ("--stage-slots", "-3"), "good", "stage_slots: must be at least 1"),
     ("expertd", ("--stage-slots", "1048576", "--client-slots", "1"), "good", "bytes of locked memory"),
     ("expertd", ("--client-slots", "9", "--stage-slots", "8"), "good", "cannot exceed stage_slots"),
+    ("expertd", ("--ram-cache-gib", "-1"), "good", "ram_cache_gib: must lie in 0..65,536, got -1.0"),
+    ("expertd", ("--ram-cache-gib", "nan"), "good", "ram_cache_gib: must lie in 0..65,536, got nan"),
+    ("expertd", ("--ram-cache-gib", "65536"), "good", "lower ram_cache_gib (at most"),  # beyond the host, not the pack
     ("expertd", ("--endpoint", "inproc://x"), "good", "ipc:// or tcp://"),
     ("expertd", (), "truncated", "bytes but the manifest says"),
     ("expertd", (), "manifest-only", "missing"),

@@ -6,6 +6,7 @@ protocol and the copies are the same code as on a GPU):
   and the same greedy tokens; the counters agree with the keys the router asked for and with the
   daemon's own counters;
 - a cache that holds everything misses each expert once and then only hits;
+- over expertd's RAM tier, a minimal cache is bit-exact and a second pass reads nothing from the pack;
 - the daemon SIGKILLed in the middle of a fetch: restarted, the worker reconnects and the tokens
   are unchanged; left dead, the request fails with DaemonLost, and a later request, once the
   daemon is back, is exact again;
@@ -33,6 +34,7 @@ from expertpack.worker.cache_policy import CacheTooSmall
 from expertpack.worker.daemon_link import CorruptExpert, DaemonLost
 from expertpack.worker.engine import Engine
 from expertpack.worker.expert_cache import slot_bytes
+from expertpack.worker.metrics import ServeCounters, render
 
 from ..conftest import FIXTURES, Daemon, start_daemon
 
@@ -134,6 +136,45 @@ def test_a_cache_that_holds_everything_misses_each_expert_once(fixture_packs, re
         again = cache.counters.since(first)
         assert again["misses"] == 0 and again["h2d_bytes"] == 0 and again["hits"] == first["hits"] + first["misses"]
         assert all(torch.equal(a, b) for a, b in zip(first_logits, second_logits))
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
+def test_a_minimal_cache_over_the_ram_tier_is_bit_exact_and_reads_each_expert_once(
+        fixture_packs, resident, tmp_path: Path) -> None:
+    """The worker copies from RAM tier slots (READY naming a slot outside its lease) as from its
+    staging: a cache that evicts at every layer gives the resident run's logits, and the second
+    pass over the same prompt reads nothing from the pack; /metrics shows the tier."""
+    # Here, not at the top: tests/gpu imports this module on a machine without prometheus_client.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    name = "qwen3moe-a.Q4_K_M"
+    pack = fixture_packs[name][1]
+    d = daemon_for(pack, tmp_path, "--ram-cache-gib", "1")  # the whole (small) pack fits
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+    try:
+        cache = engine.expert_cache
+        prompt = prompts(MODELS[name])[0]
+        want_logits, _ = greedy_run(resident[name], prompt)
+        for attempt in range(2):
+            got_logits, _ = greedy_run(engine, prompt)
+            for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+                assert torch.equal(got, want), f"pass {attempt}: logits of step {step} differ from the resident run"
+            stats = cache.stats()
+            if attempt == 0:
+                first = stats["daemon"]
+        daemon, ram = stats["daemon"], stats["daemon_ram"]
+        assert stats["cache"]["misses"] > 2 * first["ram_misses"]  # the cache evicts; the tier keeps them
+        assert daemon["pack_read_bytes"] == first["pack_read_bytes"] and daemon["ram_misses"] == first["ram_misses"]
+        assert daemon["ram_hits"] == stats["cache"]["misses"] - daemon["ram_misses"] > 0
+        assert ram["resident_bytes"] > 0 and ram["held"] == 0
+        text = render(ServeCounters(), stats["cache"], daemon, ram)
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert values["expertpack_daemon_ram_hits_total"] == daemon["ram_hits"]
+        assert values["expertpack_daemon_ram_misses_total"] == daemon["ram_misses"]
+        assert values["expertpack_daemon_ram_evictions_total"] == 0
+        assert values["expertpack_daemon_ram_resident_bytes"] == ram["resident_bytes"]
     finally:
         engine.close()
         assert d.stop()[0] == 0

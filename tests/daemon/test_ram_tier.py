@@ -1,0 +1,398 @@
+"""The RAM tier in a real expertd, through real sockets, on a real pack: a second fetch of the same
+keys is answered from RAM without a read and byte-exact, by slot references into the segment the
+client maps; a small budget evicts (and keeps the hot block through a scan of cold ones); a block
+a client holds is never overwritten until it is released; a corrupt block is never made resident;
+a tier of 0 serves from staging as before; a bad ram_cache_gib in the file is one line and exit 2
+(bad flags: tests/reliability/test_bad_input_table.py); STATS,
+`expertctl stats` and the mlock state say what the tier does."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from expertpack.client import ExpertClient, FetchFailed
+from expertpack.client import protocol as p
+from expertpack.client.expertctl import main as expertctl_main
+from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
+
+from ..conftest import BIN, Daemon, start_daemon
+from .test_corrupt import flip_byte
+from .test_serving import all_keys, raw_session, recv
+
+GIB = 1 << 30
+
+
+def gib_for(slots: int, pack: Path) -> str:
+    """--ram-cache-gib for exactly `slots` RAM slots of this pack (half a slot over, against rounding)."""
+    return repr((slots + 0.5) * Manifest.load(pack).max_stride / GIB)
+
+
+@contextmanager
+def ram_daemon(pack: Path, tmp: Path, *extra: str) -> Iterator[Daemon]:
+    d = start_daemon(pack, tmp, "--stage-slots", "32", "--client-slots", "8", *extra)
+    d.wait_for("READY=1")
+    try:
+        yield d
+    finally:
+        code, log = d.stop()
+        assert code == 0, log
+
+
+def payload(packed: np.ndarray, m: Manifest, key: ExpertKey) -> bytes:
+    layer = m.layer(key.layer)
+    start = layer.block_offset(key.expert)
+    return packed[start:start + layer.payload_bytes].tobytes()
+
+
+def fetch_all(client: ExpertClient, keys: list[ExpertKey], m: Manifest, packed: np.ndarray) -> list[int]:
+    """Fetches and releases `keys`, checking every payload against the pack and its sha256; the slots."""
+    slots = []
+    for expert in client.fetch(keys):
+        assert bytes(expert.data) == payload(packed, m, expert.key), expert
+        assert hashlib.sha256(expert.data).hexdigest() == m.layer(expert.key.layer).sha256[expert.key.expert]
+        slots.append(expert.slot)
+        expert.release()
+    return slots
+
+
+def test_a_second_fetch_is_answered_from_ram_byte_exact(tiny_pack: Path, tmp_path: Path) -> None:
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    keys = all_keys(m)
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d:
+        with ExpertClient(d.endpoint, name="first") as client:
+            w = client.welcome
+            assert (w.ram_first_slot, w.ram_slots) == (32, len(keys))  # 1 GiB, capped at the whole pack
+            assert w.shm_bytes == (32 + len(keys)) * w.slot_bytes
+            fetch_all(client, keys, m, packed)
+            read = client.stats()["counters"]["pack_read_bytes"]
+        assert read == len(keys) * m.max_stride
+        with ExpertClient(d.endpoint, name="second") as client:  # another client hits what the first read
+            for _ in range(2):
+                slots = fetch_all(client, list(reversed(keys)), m, packed)
+                assert all(w.ram_first_slot <= s < w.ram_first_slot + w.ram_slots for s in slots)
+                assert len(set(slots)) == len(keys)
+            stats = client.stats()
+    c, ram = stats["counters"], stats["ram"]
+    assert c["pack_read_bytes"] == read and c["read_ops"] == len(keys) * 4  # not one read more
+    assert (c["ram_hits"], c["ram_misses"], c["ram_evictions"]) == (2 * len(keys), len(keys), 0)
+    assert ram["resident"] == len(keys) and ram["resident_bytes"] == sum(
+        m.layer(k.layer).payload_bytes for k in keys)
+    assert ram["held"] == 0 and c["checked_blocks"] == len(keys) and c["ready"] == 3 * len(keys)
+
+
+def test_a_small_budget_evicts_and_keeps_the_hot_block(tiny_pack: Path, tmp_path: Path) -> None:
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    hot, cold = ExpertKey(0, 0), [k for k in all_keys(m) if k != ExpertKey(0, 0)][:20]
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", gib_for(4, tiny_pack)) as d, \
+            ExpertClient(d.endpoint) as client:
+        assert client.welcome.ram_slots == 4
+        for _ in range(10):
+            fetch_all(client, [hot], m, packed)
+        for key in cold:  # a scan: each cold key once, in its own request
+            fetch_all(client, [key], m, packed)
+        before = client.stats()
+        fetch_all(client, [hot], m, packed)  # still resident: no read
+        fetch_all(client, cold[-3:], m, packed)  # the latest cold keys displaced the older ones
+        after = client.stats()
+        fetch_all(client, cold[:1], m, packed)  # the first cold key was evicted: read again
+        last = client.stats()
+    assert before["ram"]["resident"] == 4 and before["counters"]["ram_evictions"] == len(cold) - 3
+    assert after["counters"]["pack_read_bytes"] == before["counters"]["pack_read_bytes"]
+    assert after["counters"]["ram_hits"] == before["counters"]["ram_hits"] + 4
+    assert last["counters"]["pack_read_bytes"] == after["counters"]["pack_read_bytes"] + m.max_stride
+
+
+def test_a_held_block_is_not_overwritten_until_released(tiny_pack: Path, tmp_path: Path) -> None:
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    held, other = ExpertKey(1, 3), ExpertKey(2, 9)
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", gib_for(1, tiny_pack)) as d, \
+            ExpertClient(d.endpoint, name="holder") as holder, ExpertClient(d.endpoint, name="busy") as busy:
+        expert = next(holder.fetch([held]))
+        assert expert.slot == holder.welcome.ram_first_slot
+        for _ in range(6):  # `other` is asked for far more often than `held`: it would take its slot
+            slots = fetch_all(busy, [other], m, packed)
+            assert slots[0] != expert.slot  # served from busy's staging instead
+            assert bytes(expert.data) == payload(packed, m, held)
+        stats = busy.stats()
+        assert stats["ram"]["held"] == 1 and stats["counters"]["ram_evictions"] == 0
+        expert.release()
+        holder.ping()  # the RELEASE is in before busy asks again
+        assert fetch_all(busy, [other], m, packed) == [holder.welcome.ram_first_slot]
+        stats = busy.stats()
+    assert stats["counters"]["ram_evictions"] == 1 and stats["ram"]["held"] == 0
+
+
+def test_release_of_a_ram_slot_counts_holds(tiny_pack: Path, tmp_path: Path) -> None:
+    """Two READYs name one RAM slot: it is released twice; a third release, or a release by a
+    client that holds nothing there, is refused and changes nothing."""
+    key = ExpertKey(0, 1)
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d, raw_session(d.endpoint) as (sock, welcome):
+        sock.send(p.encode(p.Fetch(1, (key, key))))
+        first, second = recv(sock), recv(sock)
+        assert isinstance(first, p.Ready) and isinstance(second, p.Ready) and first.slot == second.slot
+        assert first.slot >= welcome.ram_first_slot
+        with ExpertClient(d.endpoint, name="bystander") as other:
+            with pytest.raises(Exception, match="RAM slot .* listed 1 times, this client holds it 0"):
+                other._sock.send(p.encode(p.Release((first.slot,))))
+                other.ping()
+            assert other.stats()["ram"]["held"] == 1
+        sock.send(p.encode(p.Release((first.slot, first.slot, first.slot))))
+        error = recv(sock)
+        assert isinstance(error, p.Error) and "listed 3 times, this client holds it 2" in error.message
+        sock.send(p.encode(p.Release((first.slot, first.slot))))
+        sock.send(p.encode(p.Stats()))
+        stats = recv(sock)
+        assert isinstance(stats, p.StatsReply) and stats.stats["ram"]["held"] == 0
+
+
+def test_a_corrupt_block_is_never_made_resident(tiny_pack: Path, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    bad = ExpertKey(1, 5)
+    flip_byte(pack, bad)
+    with ram_daemon(pack, tmp_path, "--ram-cache-gib", "1") as d, ExpertClient(d.endpoint) as client:
+        for attempt in (1, 2):  # read, checked and refused each time: never served from RAM
+            with pytest.raises(FetchFailed) as failed:
+                list(client.fetch([bad]))
+            assert failed.value.code is p.FailCode.CORRUPT
+            stats = client.stats()
+            assert stats["counters"]["corrupt_blocks"] == attempt and stats["ram"]["resident"] == 0
+            assert stats["counters"]["ram_hits"] == 0
+
+
+def test_no_ram_tier_serves_from_staging(tiny_pack: Path, tmp_path: Path) -> None:
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    keys = all_keys(m)[:20]
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "0") as d, ExpertClient(d.endpoint) as client:
+        assert (client.welcome.ram_slots, client.welcome.shm_bytes) == (0, 32 * client.welcome.slot_bytes)
+        for _ in range(2):
+            assert set(fetch_all(client, keys, m, packed)) <= set(client.slots)
+        stats = client.stats()
+    c = stats["counters"]
+    assert c["pack_read_bytes"] == 2 * len(keys) * m.max_stride
+    assert (c["ram_hits"], c["ram_misses"], c["ram_evictions"]) == (0, 2 * len(keys), 0)
+    assert stats["ram"]["slots"] == 0 and stats["ram"]["resident_bytes"] == 0
+
+
+def test_a_bad_ram_cache_gib_in_the_file_is_one_line_and_exit_2(tiny_pack: Path, tmp_path: Path) -> None:
+    """(Bad --ram-cache-gib flags are rows of tests/reliability/test_bad_input_table.py.)"""
+    config = tmp_path / "expertd.toml"
+    config.write_text(f'pack = "{tiny_pack}"\nendpoint = "ipc://{tmp_path}/s.sock"\nram_cache_gib = "lots"\n')
+    proc = subprocess.run([str(BIN / "expertd"), "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc
+    assert "ram_cache_gib: expected float, got 'lots'" in proc.stderr
+
+
+def test_the_default_tier_is_sized_from_the_host_and_capped_by_the_pack(tiny_pack: Path, tmp_path: Path) -> None:
+    m = Manifest.load(tiny_pack)
+    # start_daemon gives --ram-cache-gib 0 unless told otherwise: this one runs without the flag.
+    sock = tmp_path / "default.sock"
+    proc = subprocess.Popen([str(BIN / "expertd"), "--pack", str(tiny_pack), "--endpoint", f"ipc://{sock}",
+                             "--stage-slots", "8", "--client-slots", "4"], stderr=subprocess.PIPE, text=True)
+    try:
+        with ExpertClient(f"ipc://{sock}", timeout_s=20) as client:
+            stats = client.stats()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    ram = stats["ram"]
+    assert "capped at the whole pack" in ram["budget"] and "default" in ram["budget"]  # this host has the room
+    assert ram["slots"] == len(all_keys(m)) and stats["config"]["ram_cache_gib"] is None
+
+
+def test_stats_and_expertctl_show_the_tier(tiny_pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d:
+        with ExpertClient(d.endpoint) as client:
+            for expert in client.fetch([(0, 0), (0, 1)]):
+                expert.release()
+            for expert in client.fetch([(0, 0)]):
+                expert.release()
+        assert expertctl_main(["stats", "--endpoint", d.endpoint, "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert expertctl_main(["stats", "--endpoint", d.endpoint]) == 0
+        table = capsys.readouterr().out
+    c, ram = stats["counters"], stats["ram"]
+    assert (c["ram_hits"], c["ram_misses"], c["ram_evictions"]) == (1, 2, 0)
+    assert {"slots", "first_slot", "size_bytes", "resident_bytes", "held", "locked", "lock_error", "hits", "misses",
+            "evictions", "empty", "reading", "resident", "budget"} <= set(ram)
+    assert ram["resident"] == 2 and ram["resident_bytes"] == 2 * Manifest.load(tiny_pack).layer(0).payload_bytes
+    line = next(li for li in table.splitlines() if li.startswith("ram "))
+    assert "2 resident" in line and "hits 1" in line and "misses 2" in line and "evictions 0" in line, line
+
+
+def test_a_tier_the_memlock_limit_cannot_lock_is_served_unlocked_and_said_so(tiny_pack: Path, tmp_path: Path) -> None:
+    """In a user namespace (no CAP_IPC_LOCK there, even for its root) with a memlock limit that
+    locks the staging but not the tier: expertd logs it once, serves, and STATS says so."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare")
+    m = Manifest.load(tiny_pack)
+    staging = 32 * m.max_stride
+    limit_kib = (staging + 2 * m.max_stride) // 1024  # the staging and two RAM slots, not the whole tier
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if hard != resource.RLIM_INFINITY and hard < limit_kib * 1024:
+        pytest.skip(f"the memlock hard limit ({hard}) is below the staging's needs")
+    sock = tmp_path / "s.sock"
+    argv = ["unshare", "-r", "sh", "-c", f"ulimit -l {limit_kib} && exec \"$@\"", "sh", str(BIN / "expertd"),
+            "--pack", str(tiny_pack), "--endpoint", f"ipc://{sock}", "--stage-slots", "32", "--client-slots", "8",
+            "--ram-cache-gib", "1"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        with ExpertClient(f"ipc://{sock}", timeout_s=20) as client:
+            expert = next(client.fetch([(2, 2)]))
+            assert expert.slot >= client.welcome.ram_first_slot
+            expert.release()
+            stats = client.stats()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert stats["ram"]["locked"] is False and stats["ram"]["lock_error"], stats["ram"]
+    assert err.count("is not locked in memory") == 1 and "LimitMEMLOCK" in err, err
+
+
+def test_a_demand_key_joining_a_prefetch_read_is_not_kept_behind_prefetches(tiny_pack: Path, tmp_path: Path) -> None:
+    """One reader thread, 32 prefetch reads into the tier queued (8 pieces each); a demand for the
+    last of them joins that read, which moves ahead of the other prefetches."""
+    m = Manifest.load(tiny_pack)
+    d = start_daemon(tiny_pack, tmp_path, "--read-threads", "1", "--read-splits", "8", "--stage-slots", "32",
+                     "--client-slots", "32", "--ram-cache-gib", "1")
+    d.wait_for("READY=1")
+    try:
+        with raw_session(d.endpoint) as (sock, welcome):
+            prefetch = all_keys(m)  # 64 keys: the first 32 are read into the tier at once (its share)
+            sock.send(p.encode(p.Fetch(1, tuple(prefetch), p.Priority.PREFETCH)))
+            sock.send(p.encode(p.Fetch(2, (prefetch[31],), p.Priority.DEMAND)))
+            order = []
+            while len(order) < len(prefetch) + 1:
+                msg = recv(sock)
+                assert isinstance(msg, p.Ready), msg
+                assert msg.slot >= welcome.ram_first_slot
+                order.append(msg.id)
+                sock.send(p.encode(p.Release((msg.slot,))))
+            sock.send(p.encode(p.Stats()))
+            stats = recv(sock)
+        assert isinstance(stats, p.StatsReply) and stats.stats["counters"]["ram_misses"] == len(prefetch)
+        demand_at = order.index(2)
+        assert demand_at < 8, f"demand key answered {demand_at + 1}th of {len(order)}"
+    finally:
+        assert d.stop()[0] == 0
+
+
+def test_cancel_over_the_tier_answers_every_key_once(tiny_pack: Path, tmp_path: Path) -> None:
+    """Keys answered from RAM, keys joining a read and keys read into the tier: after a CANCEL each
+    is answered exactly once, and the reads already issued still make their blocks resident."""
+    m = Manifest.load(tiny_pack)
+    keys = tuple(all_keys(m))
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d, raw_session(d.endpoint) as (sock, welcome):
+        sock.send(p.encode(p.Fetch(1, keys[:4])))
+        warm = [recv(sock) for _ in range(4)]
+        sock.send(p.encode(p.Release(tuple(r.slot for r in warm))))
+        sock.send(p.encode(p.Fetch(7, keys + keys[:4], p.Priority.PREFETCH)))  # 4 hits, then misses
+        first = recv(sock)
+        sock.send(p.encode(p.Cancel(7)))
+        answers = [first]
+        while len(answers) < len(keys) + 4:
+            answers.append(recv(sock))
+        ready = [a for a in answers if isinstance(a, p.Ready)]
+        failed = [a for a in answers if isinstance(a, p.Fail)]
+        assert all(f.code is p.FailCode.CANCELLED for f in failed) and len(ready) >= 4
+        assert sorted(a.key for a in answers) == sorted(keys + keys[:4])
+        sock.send(p.encode(p.Ping()))
+        assert isinstance(recv(sock), p.Pong)  # nothing more was queued behind the pong
+        sock.send(p.encode(p.Release(tuple(r.slot for r in ready))))
+        sock.send(p.encode(p.Stats()))
+        stats = recv(sock).stats
+    assert stats["ram"]["held"] == 0 and stats["ram"]["reading"] == 0
+    assert stats["ram"]["resident"] == stats["counters"]["ram_misses"]  # cancelled or not, every read stays
+
+
+def test_a_client_that_goes_away_ends_its_holds(tiny_pack: Path, tmp_path: Path) -> None:
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d:
+        with ExpertClient(d.endpoint, name="leaver") as leaver:
+            kept = [e for e in leaver.fetch([(0, 0), (1, 1), (1, 1)])]  # never released
+            assert len({e.slot for e in kept}) == 2 and all(e.slot >= leaver.welcome.ram_first_slot for e in kept)
+            assert leaver.stats()["ram"]["held"] == 2
+        with ExpertClient(d.endpoint, name="observer") as observer:
+            held = observer.stats()["ram"]["held"]
+            for _ in range(100):
+                if not held:
+                    break
+                time.sleep(0.05)
+                held = observer.stats()["ram"]["held"]
+    assert held == 0
+
+
+def test_clients_racing_over_a_small_tier_get_exact_bytes_and_leave_it_clean(tiny_pack: Path, tmp_path: Path) -> None:
+    """Four clients, skewed random keys (hits, joins, admissions, evictions, refusals all happen),
+    some fetches abandoned half way (CANCEL), some experts kept a while: every payload is the pack's,
+    the daemon never logs a traceback, and once they are gone nothing is held or being read."""
+    import random
+    import threading
+
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    keys = all_keys(m)
+    weights = [1 / (i + 1) for i in range(len(keys))]
+    errors: list[BaseException] = []
+
+    def client_loop(seed: int, endpoint: str) -> None:
+        rng = random.Random(seed)
+        try:
+            with ExpertClient(endpoint, name=f"racer{seed}", timeout_s=20) as client:
+                kept: list = []
+                for _ in range(40):
+                    wanted = rng.choices(keys, weights, k=rng.randint(1, 6))
+                    stream = client.fetch(wanted, prio=rng.choice(list(p.Priority)))
+                    for i, expert in enumerate(stream):
+                        assert bytes(expert.data) == payload(packed, m, expert.key), expert
+                        if rng.random() < 0.3 and len(kept) < 2:
+                            kept.append(expert)
+                        else:
+                            expert.release()
+                        if rng.random() < 0.1:
+                            stream.close()  # abandon the rest: CANCEL
+                            break
+                    if kept and rng.random() < 0.5:
+                        kept.pop(0).release()
+                for expert in kept:
+                    assert bytes(expert.data) == payload(packed, m, expert.key), expert  # still intact
+                    expert.release()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", gib_for(6, tiny_pack), "--read-splits", "2") as d:
+        threads = [threading.Thread(target=client_loop, args=(s, d.endpoint)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        with ExpertClient(d.endpoint, name="after") as client:
+            stats = client.stats()
+            for _ in range(100):
+                if not stats["ram"]["held"] and not stats["ram"]["reading"] and not stats["slots"]["reading"]:
+                    break
+                time.sleep(0.05)
+                stats = client.stats()
+        log = d.log
+    c, ram = stats["counters"], stats["ram"]
+    assert ram["held"] == 0 and ram["reading"] == 0 and ram["resident"] == 6
+    assert c["ram_hits"] > 0 and c["ram_evictions"] > 0 and c["io_errors"] == 0 and c["corrupt_blocks"] == 0
+    assert c["pack_read_bytes"] == c["ram_misses"] * m.max_stride  # every miss read once, whole
+    assert "Traceback" not in log and "IllegalTransition" not in log
