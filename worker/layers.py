@@ -133,7 +133,7 @@ class KVCache:
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """Positions [T] of the tokens of this pass, on the device."""
         if self.step_positions is not None:
-            return self.step_positions
+            return self.step_positions.to(device)  # itself on its device; a copy on another range's (placement.py)
         return torch.arange(self.length, self.length + t, device=device)
 
     def bound(self, t: int) -> int:
@@ -154,8 +154,9 @@ class KVCache:
         """Writes k/v [T, Hkv, d] at this pass's positions; returns the keys and values to attend."""
         keys, values, seen = self.buffers(layer, k.shape[0], k.shape[1:], v.shape[1:], k)
         if self.step_positions is not None:
-            keys.index_copy_(0, self.step_positions, k)
-            values.index_copy_(0, self.step_positions, v)
+            positions = self.positions(k.shape[0], k.device)
+            keys.index_copy_(0, positions, k)
+            values.index_copy_(0, positions, v)
         else:
             keys[self.length:seen] = k
             values[self.length:seen] = v
