@@ -91,6 +91,11 @@ class Engine:
         return cls(model, files, dev, place)
 
     @property
+    def layer_ranges(self) -> tuple[range, ...]:
+        """The layers each of place.devices runs, in order."""
+        return self.place.ranges(int(self.files.metadata[f"{self.files.arch}.block_count"]))
+
+    @property
     def expert_cache(self) -> ExpertCache | CacheGroup | None:
         source = self.model.moe.source
         return source if isinstance(source, (ExpertCache, CacheGroup)) else None

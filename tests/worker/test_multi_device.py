@@ -7,8 +7,10 @@ the same checks over two GPUs, where the hand-over really copies."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ from expertpack.worker.model_files import ResidentExperts
 from expertpack.worker.placement import tensor_layer
 from expertpack.worker.split_experts import CacheGroup, SplitExperts
 
-from ..conftest import FIXTURES
+from ..conftest import FIXTURES, run_cli
 from .test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
 
 MODELS = {  # one GGUF per architecture, each deep enough to split
@@ -158,3 +160,21 @@ def test_split_expert_caches_share_one_daemon_and_are_bit_identical(arch: str, p
     finally:
         engine.close()
         assert d.stop()[0] == 0
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def test_eval_over_cpu_devices_saves_the_same_logits(tmp_path: Path) -> None:
+    path = FIXTURES / MODELS["deepseek2"]
+    out = {}
+    for devices in ("cpu", "cpu,cpu,cpu"):
+        logits = tmp_path / f"{devices}.npy"
+        proc = run_cli("eval", path, "--tokens", ",".join(map(str, PROMPT)), "--greedy", "3", "--device", devices,
+                       "--save-logits", logits, "--json", check=True)
+        out[devices] = (json.loads(proc.stdout), np.load(logits))
+    (one, one_logits), (three, three_logits) = out["cpu"], out["cpu,cpu,cpu"]
+    assert three["continuation"] == one["continuation"] and np.array_equal(three_logits, one_logits)
+    assert three["layers"] == [["cpu", 0, 0], ["cpu", 1, 1], ["cpu", 2, 2]] and "layers" not in one
+    proc = run_cli("eval", FIXTURES / MODELS["qwen3moe"], "--tokens", "1,2", "--device", "cpu,cpu,cpu")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "expertpack eval: 3 devices for a model of 2 layers: each device needs at least one layer; name at most 2 "
+        "devices"], proc.stderr
