@@ -21,9 +21,11 @@ from expertpack.worker.expert_cache import ExpertCache
 from expertpack.worker.model_files import ResidentExperts
 from expertpack.worker.placement import tensor_layer
 from expertpack.worker.split_experts import CacheGroup, SplitExperts
+from expertpack.worker.tokenizer import load_tokenizer
 
 from ..conftest import FIXTURES, run_cli
 from .test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
+from .test_expert_worker import local_greedy, start_worker
 
 MODELS = {  # one GGUF per architecture, each deep enough to split
     "qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",
@@ -52,9 +54,10 @@ def device_lists(engine: Engine) -> list[str]:
     return ["cpu,cpu"] + (["cpu,cpu,cpu"] if n_layer >= 3 else [])
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
-@pytest.mark.parametrize("resident", [False, True], ids=["from-file", "resident"])
+@pytest.mark.parametrize("arch,resident", [(arch, True) for arch in sorted(MODELS)] + [("qwen3moe", False)],
+                         ids=[f"{arch}-resident" for arch in sorted(MODELS)] + ["qwen3moe-from-file"])
 def test_split_over_devices_is_bit_identical(arch: str, resident: bool) -> None:
+    """Every expert resident (one table per device), and for one model read from the file per step."""
     path = FIXTURES / MODELS[arch]
     single = Engine.load(path, "cpu", resident_experts=resident)
     want = run(single)
@@ -178,3 +181,27 @@ def test_eval_over_cpu_devices_saves_the_same_logits(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "expertpack eval: 3 devices for a model of 2 layers: each device needs at least one layer; name at most 2 "
         "devices"], proc.stderr
+
+
+def test_expert_worker_over_cpu_devices_serves_one_devices_answer(packs, tmp_path: Path) -> None:
+    """expert-worker --device cpu,cpu against a real expertd: the split is logged, the answer is the
+    in-process engine's on one device, /metrics adds the two caches' counters up."""
+    pack = packs["qwen3moe"]
+    local = Engine.load(pack)
+    tokenizer = load_tokenizer(local.files.metadata)
+    prompt = "The quick brown fox"
+    want = local_greedy((local, tokenizer), tokenizer.encode(prompt), 8)
+    d = daemon_for(pack, tmp_path)
+    worker = start_worker(pack, d.endpoint, tmp_path, "--device", "cpu,cpu", "--cache-vram-mib", "2")
+    try:
+        got = worker.client().completions.create(model="fixture", prompt=prompt, max_tokens=8, temperature=0)
+        assert got.choices[0].text == want
+        assert got.model_extra["expertpack"]["ssd_bytes"] > 0
+        status, metrics = worker.get("/metrics")
+        assert status == 200 and "expertpack_cache_misses_total" in metrics
+        assert worker.get("/health")[0] == 200
+    finally:
+        assert worker.stop() == 0, worker.log
+        assert d.stop()[0] == 0
+    assert "layers split over 2 devices: cpu 0..0, cpu 1..1" in worker.log, worker.log
+    assert "Traceback" not in worker.log
