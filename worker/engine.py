@@ -11,9 +11,12 @@ from pathlib import Path
 
 import torch
 
-from .layers import KVCache
+from expertpack.packtools.layout import Manifest
+
+from .cache_policy import CacheTooSmall
 from .daemon_link import DaemonLink
 from .expert_cache import ExpertCache
+from .layers import KVCache
 from .model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .models import Model, model_module
 from .placement import Placement, parse_devices, plan
@@ -79,7 +82,8 @@ class Engine:
                 if place.split:
                     share = cache_bytes // len(place.devices) if dev.type == "cpu" else cache_bytes
                     pending: deque = deque()  # the link's staging slots whose copy may still run, any device's
-                    cache = CacheGroup([(layers, ExpertCache(manifest, link, d, share, reserve_bytes, layers, pending))
+                    cache = CacheGroup([(layers, _device_cache(manifest, link, d, share, reserve_bytes, layers, pending,
+                                                               len(place.devices)))
                                         for layers, d in parts])
                 else:
                     cache = ExpertCache(manifest, link, dev, cache_bytes, reserve_bytes)
@@ -166,6 +170,16 @@ class Engine:
                 break
             logits = self.forward([token], cache)
         return out, prompt_logits
+
+
+def _device_cache(manifest: Manifest, link: DaemonLink, device: torch.device, cache_bytes: int, reserve_bytes: int,
+                  layers: list[int], pending: deque, n_devices: int) -> ExpertCache:
+    """One device's expert cache of a split worker; a refusal names the device and its layers."""
+    try:
+        return ExpertCache(manifest, link, device, cache_bytes, reserve_bytes, layers, pending)
+    except CacheTooSmall as exc:
+        shared = f"; the {n_devices} CPU devices share the budget evenly" if device.type == "cpu" else ""
+        raise CacheTooSmall(f"{device} (MoE layers {layers[0]}..{layers[-1]}): {exc}{shared}") from None
 
 
 def _require_triton(device: torch.device) -> None:

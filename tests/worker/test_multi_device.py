@@ -16,9 +16,11 @@ import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.packtools.layout import ExpertKey
+from expertpack.worker.cache_policy import CacheTooSmall
 from expertpack.worker.engine import Engine
 from expertpack.worker.expert_cache import ExpertCache
 from expertpack.worker.model_files import ResidentExperts
+from expertpack.worker import placement
 from expertpack.worker.placement import tensor_layer
 from expertpack.worker.split_experts import CacheGroup, SplitExperts
 from expertpack.worker.tokenizer import load_tokenizer
@@ -56,8 +58,21 @@ def device_lists(engine: Engine) -> list[str]:
 
 @pytest.mark.parametrize("arch,resident", [(arch, True) for arch in sorted(MODELS)] + [("qwen3moe", False)],
                          ids=[f"{arch}-resident" for arch in sorted(MODELS)] + ["qwen3moe-from-file"])
-def test_split_over_devices_is_bit_identical(arch: str, resident: bool) -> None:
-    """Every expert resident (one table per device), and for one model read from the file per step."""
+def test_split_over_devices_is_bit_identical(arch: str, resident: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every expert resident (one table per device), and for one model read from the file per step.
+    Each hand-over copies the state, as a move between GPUs does (on the CPU `.to` would alias it),
+    so nothing downstream may rely on sharing a tensor with the range before."""
+    moved = placement._moved
+    copies = []
+
+    def copying(value, device):
+        out = moved(value, device)
+        if isinstance(out, torch.Tensor):
+            out = out.clone()
+            copies.append(out.shape)
+        return out
+
+    monkeypatch.setattr(placement, "_moved", copying)
     path = FIXTURES / MODELS[arch]
     single = Engine.load(path, "cpu", resident_experts=resident)
     want = run(single)
@@ -81,7 +96,9 @@ def test_split_over_devices_is_bit_identical(arch: str, resident: bool) -> None:
                 for layer, part in source.source_of.items():  # each device holds its own layers' experts only
                     assert isinstance(part, ResidentExperts)
                     assert set(part.tables) <= set(ranges[place.part_of(layer)])
+            before = len(copies)
             assert_same(run(engine), want, f"{arch} over {devices}")
+            assert len(copies) > before  # the state was handed on
         finally:
             engine.close()
 
@@ -205,3 +222,15 @@ def test_expert_worker_over_cpu_devices_serves_one_devices_answer(packs, tmp_pat
         assert d.stop()[0] == 0
     assert "layers split over 2 devices: cpu 0..0, cpu 1..1" in worker.log, worker.log
     assert "Traceback" not in worker.log
+
+
+def test_a_split_cache_too_small_names_its_device(packs, tmp_path: Path) -> None:
+    pack = packs["qwen3moe"]
+    d = daemon_for(pack, tmp_path)
+    try:
+        with pytest.raises(CacheTooSmall) as err:  # enough for one device, not for two sharing it
+            Engine.load(pack, "cpu,cpu", daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+        assert str(err.value).startswith("cpu (MoE layers 0..0): an expert cache of")
+        assert str(err.value).endswith("the 2 CPU devices share the budget evenly")
+    finally:
+        assert d.stop()[0] == 0
