@@ -218,9 +218,9 @@ class Placement:
 
     @contextmanager
     def running(self) -> Iterator[None]:
-        """Around a forward pass: it starts on the first device and leaves the current CUDA device
-        as it found it."""
-        if not self.split or self.first.type != "cuda":
+        """Around a forward pass: it starts on the first device (the current CUDA device, where
+        Triton launches its kernels, is made the first's) and leaves the current device as it found it."""
+        if self.first.type != "cuda":
             yield
             return
         with torch.cuda.device(self.first):
