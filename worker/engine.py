@@ -150,11 +150,15 @@ class Engine:
             if self._graph is not None:
                 return self._graph.step(token)
         cache.step_positions = torch.full((1,), cache.length, dtype=torch.int64, device=self.device)
+        if self.place.split:  # the position written on every range's device once, not copied per layer
+            cache.step_copies = {d: torch.full((1,), cache.length, dtype=torch.int64, device=d)
+                                 for d in self.place.devices[1:]}
         try:
             return self.model.forward(torch.full((1,), token, dtype=torch.int64, device=self.device),
                                       cache).to(torch.float32)
         finally:
             cache.step_positions = None
+            cache.step_copies = {}
 
     def generate(self, prompt: list[int], n: int, sampler: Sampler, cache: KVCache | None = None,
                  stop: set[int] = frozenset()) -> tuple[list[int], torch.Tensor]:

@@ -129,11 +129,17 @@ class KVCache:
     length: int = 0  # tokens before the current forward pass
     state: dict[int, object] = field(default_factory=dict)  # layer -> an architecture's own cache (compressors)
     step_positions: torch.Tensor | None = None
+    # step_positions on the other devices of a worker split over several (placement.py), written
+    # once per step by the engine
+    step_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """Positions [T] of the tokens of this pass, on the device."""
         if self.step_positions is not None:
-            return self.step_positions.to(device)  # itself on its device; a copy on another range's (placement.py)
+            if not self.step_copies or self.step_positions.device == device:
+                return self.step_positions  # one device: a captured step reads this very tensor
+            copy = self.step_copies.get(device)
+            return copy if copy is not None else self.step_positions.to(device)
         return torch.arange(self.length, self.length + t, device=device)
 
     def bound(self, t: int) -> int:
