@@ -16,11 +16,11 @@ import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.packtools.layout import ExpertKey
+from expertpack.worker import placement
 from expertpack.worker.cache_policy import CacheTooSmall
 from expertpack.worker.engine import Engine
 from expertpack.worker.expert_cache import ExpertCache
 from expertpack.worker.model_files import ResidentExperts
-from expertpack.worker import placement
 from expertpack.worker.placement import tensor_layer
 from expertpack.worker.split_experts import CacheGroup, SplitExperts
 from expertpack.worker.tokenizer import load_tokenizer
@@ -41,8 +41,7 @@ PROMPT = [1, 5, 9, 200, 17, 3]
 
 
 def run(engine: Engine, n: int = 4) -> tuple[list[torch.Tensor], list[int]]:
-    logits, tokens = greedy_run(engine, PROMPT, n)
-    return logits, tokens
+    return greedy_run(engine, PROMPT, n)
 
 
 def assert_same(got: tuple[list[torch.Tensor], list[int]], want: tuple[list[torch.Tensor], list[int]], what: str) -> None:
