@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import zmq
@@ -34,6 +34,7 @@ from expertpack.packtools.layout import ExpertKey
 log = logging.getLogger("expert-worker")
 
 PROBE_TIMEOUT_S = 2.0  # how long /health and /metrics wait for the daemon's STATS
+CUDA_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every CUDA context
 RETRY_PAUSE_S = 0.05  # between a failed session and the next HELLO (which itself waits for a daemon)
 
 
@@ -55,11 +56,13 @@ class CorruptExpert(FetchFailed):
 
 
 class DaemonLink:
-    def __init__(self, endpoint: str, fingerprint: str | None, pin_for: torch.device, name: str = "expert-worker",
-                 timeout_s: float = 30.0, down_timeout_s: float = 60.0) -> None:
+    def __init__(self, endpoint: str, fingerprint: str | None, pin_for: torch.device | Sequence[torch.device],
+                 name: str = "expert-worker", timeout_s: float = 30.0, down_timeout_s: float = 60.0) -> None:
+        """`pin_for`: the device, or every device, that copies out of the staging (a worker
+        spanning several GPUs shares one link: the staging is registered once for all of them)."""
         self.endpoint = endpoint
         self.fingerprint = fingerprint
-        self.pin_for = pin_for
+        self.pin_for = (pin_for,) if isinstance(pin_for, torch.device) else tuple(pin_for)
         self.name = name
         self.timeout_s = timeout_s
         self.down_timeout_s = down_timeout_s
@@ -81,15 +84,18 @@ class DaemonLink:
         self.client = client
         self.staging = torch.frombuffer(self.client.staging, dtype=torch.uint8)
         self.pinned = False
-        if self.pin_for.type == "cuda":
+        if self.pin_for[0].type == "cuda":
             self._register()
 
     def _register(self) -> None:
-        """Page-locks the shared segment for the GPU: copies from it become DMA, not staged."""
+        """Page-locks the shared segment for the GPU: copies from it become DMA, not staged. For
+        several GPUs, once as portable memory: pinned in every device's context (a range can be
+        registered once only)."""
         assert self.staging is not None
         ptr, size = self.staging.data_ptr(), self.staging.numel()
-        with torch.cuda.device(self.pin_for):
-            err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        flags = CUDA_HOST_REGISTER_PORTABLE if len(self.pin_for) > 1 else 0
+        with torch.cuda.device(self.pin_for[0]):
+            err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)
         if int(err) != 0:
             log.warning("cudaHostRegister of the staging failed (%s); copies will be pageable and slower", err)
             return
@@ -100,8 +106,9 @@ class DaemonLink:
 
     def _disconnect(self) -> None:
         if self._registered is not None:
-            torch.cuda.synchronize(self.pin_for)  # no copy may still read the segment
-            with torch.cuda.device(self.pin_for):
+            for device in self.pin_for:
+                torch.cuda.synchronize(device)  # no copy may still read the segment
+            with torch.cuda.device(self.pin_for[0]):
                 torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
         self.staging = None

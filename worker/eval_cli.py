@@ -78,6 +78,9 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
               "arch": engine.files.arch, "device": args.device, "seconds": round(seconds, 3)}
     if args.trace is not None:
         result["trace"] = str(args.trace)
+    if engine.place.split:  # which layers ran where: [device, first layer, last layer] per device
+        ranges = engine.layer_ranges
+        result["layers"] = [[str(d), r.start, r.stop - 1] for d, r in zip(engine.place.devices, ranges)]
     if engine.expert_cache is not None:
         result["expert_cache"] = engine.expert_cache.stats()
     if args.json:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import torch
 
@@ -81,21 +81,26 @@ class _Pending:
 
 class ExpertCache:
     def __init__(self, manifest: Manifest, link: DaemonLink, device: torch.device, cache_bytes: int,
-                 reserve_bytes: int = 0) -> None:
+                 reserve_bytes: int = 0, layers: Collection[int] | None = None,
+                 pending: "deque[_Pending] | None" = None) -> None:
+        """`layers`: the MoE layers this cache serves (default all; a worker spanning devices has
+        one cache per device, split_experts.py); `pending`: the queue of staging slots whose copy may
+        still run, shared by the caches of one DaemonLink (the link's staging leases are theirs together)."""
         self.manifest = manifest
         self.link = link
         self.device = device
         self.layers = {l.layer: l for l in manifest.layers}
         self.slot_bytes = slot_bytes(manifest)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else cache_bytes + reserve_bytes
-        every_expert = len(manifest.layers) * manifest.model.n_expert  # no use for more slots than that
+        served = len(manifest.layers) if layers is None else len(layers)
+        every_expert = served * manifest.model.n_expert  # no use for more slots than that
         self.n_slots = min(every_expert, slot_count(cache_bytes, free, reserve_bytes, self.slot_bytes,
                                                     manifest.model.n_expert_used))
         self.memory = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.policy = CachePolicy(self.n_slots)
         self.counters = CacheCounters()
         self.ready: dict[int, torch.cuda.Event] = {}  # slot -> event its last copy recorded
-        self._pending: deque[_Pending] = deque()  # staging slots whose copy may still run
+        self._pending: deque[_Pending] = deque() if pending is None else pending  # staging slots whose copy may still run
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.timeline: list[CopyRecord] | None = None  # set to [] to record every miss (tests, benchmarks)
         self._fetches = 0
@@ -210,7 +215,9 @@ class ExpertCache:
         if self._pending and self._pending[0].expert.client is not self.link.client:
             # The daemon went away and the link reconnected: it synchronized the device before
             # unmapping, so those copies are complete, and their leases died with the old session.
-            self._pending = deque(p for p in self._pending if p.expert.client is self.link.client)
+            kept = [p for p in self._pending if p.expert.client is self.link.client]
+            self._pending.clear()  # in place: other caches of the link may share the queue
+            self._pending.extend(kept)
         while self._pending and self._pending[0].event.query():
             self._pending.popleft().expert.release()
         while self._pending and len(self._pending) > self.link.n_staging_slots - keep_free:

@@ -129,11 +129,17 @@ class KVCache:
     length: int = 0  # tokens before the current forward pass
     state: dict[int, object] = field(default_factory=dict)  # layer -> an architecture's own cache (compressors)
     step_positions: torch.Tensor | None = None
+    # step_positions on the other devices of a worker split over several (placement.py), written
+    # once per step by the engine
+    step_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """Positions [T] of the tokens of this pass, on the device."""
         if self.step_positions is not None:
-            return self.step_positions
+            if not self.step_copies or self.step_positions.device == device:
+                return self.step_positions  # one device: a captured step reads this very tensor
+            copy = self.step_copies.get(device)
+            return copy if copy is not None else self.step_positions.to(device)
         return torch.arange(self.length, self.length + t, device=device)
 
     def bound(self, t: int) -> int:
@@ -154,8 +160,9 @@ class KVCache:
         """Writes k/v [T, Hkv, d] at this pass's positions; returns the keys and values to attend."""
         keys, values, seen = self.buffers(layer, k.shape[0], k.shape[1:], v.shape[1:], k)
         if self.step_positions is not None:
-            keys.index_copy_(0, self.step_positions, k)
-            values.index_copy_(0, self.step_positions, v)
+            positions = self.positions(k.shape[0], k.device)
+            keys.index_copy_(0, positions, k)
+            values.index_copy_(0, positions, v)
         else:
             keys[self.length:seen] = k
             values[self.length:seen] = v

@@ -54,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML file, e.g. /etc/expertpack/worker.toml")
     p.add_argument("--pack", type=Path, help="pack directory (trunk.gguf, manifest.json); required")
     p.add_argument("--daemon", metavar="ENDPOINT", help=f"expertd's endpoint (default {DEFAULTS['daemon']})")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when there is one)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when there is one), or a list of GPUs "
+                                     "(cuda:0,cuda:1): the layers are split in contiguous ranges over them, each GPU "
+                                     "with an expert cache of --cache-vram-mib for its own layers")
     p.add_argument("--cache-vram-mib", type=int, metavar="N",
                    help=f"expert cache size in MiB (default {DEFAULTS['cache_vram_mib']}); the cache takes "
                         "min(N, free - reserve) and must hold one layer's top-k")
@@ -127,26 +129,19 @@ def settings(argv: list[str] | None) -> argparse.Namespace:
 
 
 def pick_device(requested: str | None) -> str:
-    """cpu, cuda or cuda:N, checked against what this machine has (torch is imported by now)."""
+    """cpu, cuda, cuda:N, or a list of GPUs (cuda:0,cuda:1) whose layers the worker splits
+    (placement.py), checked against what this machine has (torch is imported by now); returned
+    in canonical form."""
     import torch
+
+    from .placement import DeviceSpecError, device_spec, parse_devices
 
     if requested is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(requested)
-    except RuntimeError:
-        raise SettingsError(f"--device {requested!r}: expected cpu, cuda or cuda:N") from None
-    if device.type == "cpu":
-        return str(device)
-    if device.type != "cuda":
-        raise SettingsError(f"--device {requested!r}: expert-worker runs on cpu or cuda, not {device.type}")
-    if not torch.cuda.is_available():
-        raise SettingsError(f"--device {requested}: no CUDA device is usable here (torch {torch.__version__}, "
-                            f"CUDA build {torch.version.cuda or 'none'}); use --device cpu")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise SettingsError(f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA devices "
-                            f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
-    return str(device)
+        return device_spec(parse_devices(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    except DeviceSpecError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +225,10 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
                 log.error("cannot start: --trace %s: %s", args.trace, exc.strerror or exc)
                 return 2
             log.info("recording routing into %s", args.trace)
+        if engine.place.split:
+            ranges = engine.layer_ranges
+            log.info("layers split over %d devices: %s", len(ranges),
+                     ", ".join(f"{d} {r.start}..{r.stop - 1}" for d, r in zip(engine.place.devices, ranges)))
         cache = engine.expert_cache
         m = cache.manifest
         log.info("serving %s (%s, %d layers, %d experts top-%d) on %s: %d cache slots of %.2f MiB, %.0f MiB "

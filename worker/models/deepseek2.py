@@ -17,6 +17,7 @@ from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
 from ..mla import absorbed_attention, mla_keys_values, mla_query
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
+from ..placement import Placement
 from ..routing import sigmoid_group_topk, softmax_topk
 from ..weights import QTensor, linear, use_kernels
 
@@ -80,10 +81,10 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
 
-    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+    def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.nope = a.key_mla - a.rope_dim
-        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.w = place.weights(files.trunk)
         self.moe = ExpertFFN(files.experts)
         # DeepSeek's YaRN scales attention by mscale^2 through the softmax scale, and leaves cos/sin
         # alone (its mscale equals mscale_all_dim). The GGUF stores 0.1 * mscale_all_dim.
@@ -91,7 +92,7 @@ class Model:
         self.scale = a.key_mla ** -0.5 * mscale * mscale
         self.rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow)
-        self.device = device
+        self.place, self.device = place, place.first
 
     def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, p, t = self.args, self.w, f"blk.{i}.", len(h)
@@ -132,6 +133,7 @@ class Model:
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
         for i in range(a.n_layer):
             p = f"blk.{i}."
+            x, cos, sin = self.place.hop(i, x, cos, sin)
             x = x + self.attention(i, rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps), cos, sin, cache)
             x = x + self.ffn(i, rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps))
         cache.length += t

@@ -21,6 +21,7 @@ from ..hyper_connections import HyperConnection
 from ..layers import KVCache, Rope, RopeStyle, rms_norm
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
+from ..placement import Placement
 from ..routing import sqrtsoftplus_hashed, sqrtsoftplus_topk
 from ..weights import linear
 
@@ -88,10 +89,10 @@ KEYS = {
 class Model:
     static_decode = False  # not yet: its compressed-attention caches grow as tokens arrive
 
-    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+    def __init__(self, files: ModelFiles, place: Placement) -> None:
         a = self.args = read_args(Args, files.arch, files.metadata, KEYS)
-        self.w = w = {name: t.to(device) for name, t in files.trunk.items()}
-        self.device = device
+        self.w = w = place.weights(files.trunk)
+        self.place, self.device = place, place.first
         self.main_rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM)
         self.compress_rope = Rope(a.rope_dim, a.compress_rope_base, RopeStyle.NORM, a.rope_factor,
                                   a.rope_original_context, a.yarn_beta_fast, a.yarn_beta_slow)  # no mscale
@@ -106,7 +107,7 @@ class Model:
         self.hc_ffn = [hc(f"blk.{i}.hc_ffn") for i in range(a.n_layer)]
         self.hc_head = hc("output_hc")
         self.moe = ExpertFFN(files.experts, [Activation(limit=float(c)) for c in a.clamp_exp])
-        self.tables = {i: w[f"blk.{i}.ffn_gate_tid2eid.weight"].ints().to(device) for i in range(a.n_hash)}
+        self.tables = {i: w[f"blk.{i}.ffn_gate_tid2eid.weight"].ints() for i in range(a.n_hash)}
         self.moe.static_routes.update(self.tables)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -116,6 +117,7 @@ class Model:
         streams = x[:, None, :].expand(-1, a.hc, -1).contiguous()
         for i in range(a.n_layer):
             p = f"blk.{i}."
+            streams, tokens = self.place.hop(i, streams, tokens)
             state = cache.state.setdefault(i, LayerState())
             rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
             pre, post, comb = self.hc_attn[i].weights(streams)

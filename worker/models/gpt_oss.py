@@ -15,6 +15,7 @@ from ..config import Key, read_args
 from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, rms_norm
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
+from ..placement import Placement
 from ..routing import topk_softmax
 from ..weights import linear
 
@@ -59,13 +60,16 @@ KEYS = {
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
 
-    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+    def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
-        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.w = place.weights(files.trunk)
         self.moe = ExpertFFN(files.experts, Activation(ActKind.SWIGLU_OAI, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA))
         self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
-        self.device = device
+        self.place, self.device = place, place.first
+        # the next block's input norm (or the output norm), fused into this block's residual add: on this block's device
+        self.norm_after = [place.on_layer(i, self.w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < self.args.n_layer
+                                                 else "output_norm.weight"]) for i in range(self.args.n_layer)]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, hd, t = self.args, self.w, self.args.head_dim, len(tokens)
@@ -74,13 +78,13 @@ class Model:
         h = rms_norm(x, w["blk.0.attn_norm.weight"].dequant(), a.eps)
         for i in range(a.n_layer):
             p = f"blk.{i}."
+            x, h, cos, sin = self.place.hop(i, x, h, cos, sin)
             window = a.sliding_window if i % 2 == 0 else None  # sliding on even layers, full on odd
             attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps, window,
                                  parts=True)
             x, h = add_rms_norm(x, attn, w[p + "post_attention_norm.weight"].dequant(), a.eps)
             logits = linear(h, w[p + "ffn_gate_inp.weight"], w[p + "ffn_gate_inp.bias"])
             ids, weights = topk_softmax(logits, a.n_expert_used)
-            after = f"blk.{i + 1}.attn_norm.weight" if i + 1 < a.n_layer else "output_norm.weight"
-            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), w[after].dequant(), a.eps)
+            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), self.norm_after[i].dequant(), a.eps)
         cache.length += t
         return linear(h, w["output.weight"])

@@ -21,6 +21,7 @@ from ..layers import KVCache, attention, rms_norm
 from ..mla import absorbed_attention, mla_keys_values, mla_query
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
+from ..placement import Placement
 from ..routing import sigmoid_group_topk
 from ..weights import linear, use_kernels
 
@@ -70,14 +71,14 @@ KEYS = {
 class Model:
     static_decode = True  # a one-token step has static shapes; the KDA states are updated in place
 
-    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+    def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         if a.kda_lower_bound == float("-inf"):
             raise ValueError("kimi-k3: a KDA gate without kda.gate_lower_bound (Kimi-Linear's form) is not supported")
-        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.w = place.weights(files.trunk)
         self.situ = Activation(ActKind.SITU, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
         self.moe = ExpertFFN(files.experts, self.situ)
-        self.device = device
+        self.place, self.device = place, place.first
 
     # ---- the residual stream -------------------------------------------------------------------
     def _mix(self, cur: torch.Tensor, bank: list[torch.Tensor], score: torch.Tensor) -> torch.Tensor:
@@ -129,6 +130,7 @@ class Model:
         bank: list[torch.Tensor] = []  # checkpoints of this pass, per token (across depth, not time)
         for i in range(a.n_layer):
             p = f"blk.{i}."
+            x, bank = self.place.hop(i, x, bank)
             h = rms_norm(self._mix(x, bank, w[p + "attn_res_score.weight"].dequant()),
                          w[p + "attn_norm.weight"].dequant(), a.eps)
             banked = i % a.res_block == 0

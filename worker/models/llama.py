@@ -12,6 +12,7 @@ from ..config import Key, read_args
 from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, rms_norm
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
+from ..placement import Placement
 from ..routing import softmax_topk
 from ..weights import linear, linear_parts
 
@@ -43,13 +44,16 @@ KEYS = {
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
 
-    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+    def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.head_dim = a.n_embd // a.n_head
-        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.w = place.weights(files.trunk)
         self.moe = ExpertFFN(files.experts)
         self.rope = Rope(a.rope_dim or self.head_dim, a.rope_base, RopeStyle.NORM)
-        self.device = device
+        self.place, self.device = place, place.first
+        # the next block's input norm (or the output norm), fused into this block's residual add: on this block's device
+        self.norm_after = [place.on_layer(i, self.w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < self.args.n_layer
+                                                 else "output_norm.weight"]) for i in range(self.args.n_layer)]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a, w, hd, t = self.args, self.w, self.head_dim, len(tokens)
@@ -58,11 +62,11 @@ class Model:
         h = rms_norm(x, w["blk.0.attn_norm.weight"].dequant(), a.eps)
         for i in range(a.n_layer):
             p = f"blk.{i}."
+            x, h, cos, sin = self.place.hop(i, x, h, cos, sin)
             attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps,
                                  parts=True)
             x, h = add_rms_norm(x, attn, w[p + "ffn_norm.weight"].dequant(), a.eps)
             ids, weights = softmax_topk(linear_parts(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=True)
-            after = f"blk.{i + 1}.attn_norm.weight" if i + 1 < a.n_layer else "output_norm.weight"
-            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), w[after].dequant(), a.eps)
+            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), self.norm_after[i].dequant(), a.eps)
         cache.length += t
         return linear(h, w["output.weight"])

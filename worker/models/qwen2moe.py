@@ -13,6 +13,7 @@ from ..config import Key, read_args
 from ..layers import KVCache, Rope, RopeStyle, gqa_attention, rms_norm
 from ..model_files import ModelFiles
 from ..moe import ExpertFFN
+from ..placement import Placement
 from ..routing import softmax_topk
 from ..weights import linear
 
@@ -42,13 +43,13 @@ KEYS = {
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
 
-    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+    def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.head_dim = a.n_embd // a.n_head
-        self.w = {name: t.to(device) for name, t in files.trunk.items()}
+        self.w = place.weights(files.trunk)
         self.moe = ExpertFFN(files.experts)
         self.rope = Rope(self.head_dim, a.rope_base, RopeStyle.NEOX)
-        self.device = device
+        self.place, self.device = place, place.first
 
     def shared_expert(self, p: str, h: torch.Tensor) -> torch.Tensor:
         w = self.w
@@ -63,6 +64,7 @@ class Model:
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
         for i in range(a.n_layer):
             p = f"blk.{i}."
+            x, cos, sin = self.place.hop(i, x, cos, sin)
             h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
             x = x + gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
             h = rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps)
