@@ -6,7 +6,8 @@ the architecture's `Activation`, as data.
 
 Two paths, one result within rounding: on CUDA (and on the CPU under Triton's interpreter, for
 tests) the source hands the fused kernels a byte-offset map into its memory and every selected
-expert runs in two launches; elsewhere each expert runs through `linear`, a torch loop kept as
+expert runs in two launches (a long prefill: each expert dequantized once and multiplied by all its
+tokens, kernels/moe_dense.py); elsewhere each expert runs through `linear`, a torch loop kept as
 the CPU path and the reference."""
 
 from __future__ import annotations
