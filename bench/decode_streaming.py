@@ -12,7 +12,7 @@ step; prints a table, then one JSON line.
 Decode feeds a fixed pseudo-random token stream, one token at a time through the KV cache, rather
 than the model's own greedy output: a random-weight model's greedy output soon repeats one token,
 whose experts are then always cached, which would flatter the cache far beyond real text.
-  python3 bench/decode_streaming.py [--preset qwen3-30b-a3b] [--cache-gib 4] [--device cuda] [--dir bench-out]
+  python3 bench/decode_streaming.py [--preset qwen3-30b-a3b] [--cache-gib 4] [--device cuda|cuda:0,cuda:1] [--dir bench-out]
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def sync(device: str) -> None:
+    """Waits for every GPU the device list names (`cuda`, or `cuda:0,cuda:1` for a split)."""
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
 def run(engine, prompt: list[int], n_decode: int, device: str, on_phase) -> dict:
