@@ -168,7 +168,8 @@ def test_a_minimal_cache_over_the_ram_tier_is_bit_exact_and_reads_each_expert_on
         assert stats["cache"]["misses"] > 2 * first["ram_misses"]  # the cache evicts; the tier keeps them
         assert daemon["pack_read_bytes"] == first["pack_read_bytes"] and daemon["ram_misses"] == first["ram_misses"]
         assert daemon["ram_hits"] == stats["cache"]["misses"] - daemon["ram_misses"] > 0
-        assert ram["resident_bytes"] > 0 and ram["held"] == 0
+        # holds outlive a step only for copies still in flight, released with the next request: at most a cache's worth
+        assert ram["resident_bytes"] > 0 and ram["held"] <= stats["cache"]["slots"]
         text = render(ServeCounters(), stats["cache"], daemon, ram)
         values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
         assert values["expertpack_daemon_ram_hits_total"] == daemon["ram_hits"]
