@@ -20,12 +20,7 @@ import torch
 from expertpack.worker.engine import Engine
 from expertpack.worker.kernels import moe_dense, moe_tl
 from expertpack.worker.moe import dense_pays
-
-
-def bench_ms(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=5, rep=40))
+from kernel_bandwidth import bench_ms  # bench/ is on the path when this script runs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,14 +90,22 @@ def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused:
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 1e-5, f"relative error {rel:.2e}"
     # A wave: only some pairs, the blocks moved elsewhere in another pool; those rows are the same bits.
-    shift = 3 * lay.stride
-    moved = torch.cat([torch.zeros(shift, dtype=torch.uint8), pool]).to(device)
-    pairs = torch.arange(0, ids.numel(), 2, dtype=torch.int32, device=device)
-    full = experts_per_pair(*args)
-    part = experts_per_pair(args[0], moved, offsets + shift, args[3], roles, act, pairs,
-                            out=torch.full_like(full, math.nan))
-    assert torch.equal(part[pairs.long()], full[pairs.long()])
-    assert part[1::2].isnan().all()
+    assert_a_wave_gives_the_same_bits(experts_per_pair, args, lay.stride,
+                                      torch.arange(0, ids.numel(), 2, dtype=torch.int32, device=device))
+
+
+def assert_a_wave_gives_the_same_bits(run, args: tuple, stride: int, wave: torch.Tensor) -> None:
+    """`run` over only the pairs `wave`, the blocks moved elsewhere in another pool (as a cache's
+    slots): those rows are the whole step's bits, the others untouched."""
+    x, pool, offsets, w, roles, act = args
+    full = run(*args)
+    shift = 3 * stride
+    moved = torch.cat([torch.zeros(shift, dtype=torch.uint8, device=pool.device), pool])
+    part = run(x, moved, offsets + shift, w, roles, act, wave, out=torch.full_like(full, math.nan))
+    assert torch.equal(part[wave.long()], full[wave.long()])
+    others = torch.ones(full.shape[0], dtype=torch.bool, device=full.device)
+    others[wave.long()] = False
+    assert part[others].isnan().all()
 
 
 def test_gate_up_split_over_k_equals_the_reference(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
@@ -143,12 +151,5 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     full = moe_dense.experts_dense(*args)
     rel = ((full.cpu().double() - want).norm() / want.norm()).item()
     assert rel < 1e-5, f"relative error {rel:.2e}"
-    shift = 2 * lay.stride
-    moved = torch.cat([torch.zeros(shift, dtype=torch.uint8), pool]).to(device)
     wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)  # the pairs of experts 1 and 3
-    part = moe_dense.experts_dense(args[0], moved, offsets + shift, args[3], roles, act, wave,
-                                   out=torch.full_like(full, math.nan))
-    assert torch.equal(part[wave.long()], full[wave.long()])
-    others = torch.ones(full.shape[0], dtype=torch.bool)
-    others[wave.long().cpu()] = False
-    assert part.cpu()[others].isnan().all()
+    assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)

@@ -47,10 +47,10 @@ def _dequantize_into(out: torch.Tensor, pool: torch.Tensor, bases: torch.Tensor,
                                  QT=role.ggml_type, BN=BN, CH=CHUNK, num_warps=4)
 
 
-def _biases(pool: torch.Tensor, bases: torch.Tensor, offset: int, n: int) -> torch.Tensor:
-    """[E, n] float32 bias vectors at offset in each block."""
+def _biases(pool: torch.Tensor, bases: torch.Tensor, offset: int, n: int, sizes: list[int]) -> torch.Tensor:
+    """[sum(sizes), n] float32: the bias vector at offset in each block, once per pair of its expert."""
     at = bases[:, None] + offset + torch.arange(4 * n, device=pool.device)
-    return pool[at].view(torch.float32)
+    return pool[at].view(torch.float32).repeat_interleave(torch.tensor(sizes, device=pool.device), dim=0)
 
 
 def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
@@ -77,30 +77,24 @@ def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, we
     first = 0  # the group's first pair in sorted order
     for g0 in range(0, len(counts_host), per_group):
         sizes = counts_host[g0:g0 + per_group]
+        rows = slice(first, first + sum(sizes))
+        first = rows.stop
         bases = blocks[g0:g0 + len(sizes)].contiguous()
         w_gu = torch.empty((len(sizes), 2 * f, k), dtype=torch.float32, device=x.device)
         w_down = torch.empty((len(sizes), d, f), dtype=torch.float32, device=x.device)
         _dequantize_into(w_gu, pool, bases, roles.gate)
         _dequantize_into(w_gu[:, f:], pool, bases, roles.up)
         _dequantize_into(w_down, pool, bases, roles.down)
-        rows = slice(first, first + sum(sizes))
-        start = first
-        for e, m in enumerate(sizes):
-            torch.mm(xs[start:start + m], w_gu[e].T, out=gu[start:start + m])
-            start += m
+        for e, (xe, gue) in enumerate(zip(xs[rows].split(sizes), gu[rows].split(sizes))):
+            torch.mm(xe, w_gu[e].T, out=gue)
         g, u = gu[rows, :f], gu[rows, f:]
-        which = torch.repeat_interleave(torch.arange(len(sizes), device=x.device),
-                                        torch.tensor(sizes, device=x.device))
         if roles.gate_bias is not None:
-            g = g + _biases(pool, bases, roles.gate_bias, f)[which]
-            u = u + _biases(pool, bases, roles.up_bias, f)[which]
+            g = g + _biases(pool, bases, roles.gate_bias, f, sizes)
+            u = u + _biases(pool, bases, roles.up_bias, f, sizes)
         a = act(g, u).contiguous()
-        start = first
-        for e, m in enumerate(sizes):
-            torch.mm(a[start - first:start - first + m], w_down[e].T, out=y[start:start + m])
-            start += m
+        for e, (ae, ye) in enumerate(zip(a.split(sizes), y[rows].split(sizes))):
+            torch.mm(ae, w_down[e].T, out=ye)
         if roles.down_bias is not None:
-            y[rows] += _biases(pool, bases, roles.down_bias, d)[which]
-        first = rows.stop
+            y[rows] += _biases(pool, bases, roles.down_bias, d, sizes)
     out[order] = y * weights[order, None]
     return out
