@@ -63,6 +63,7 @@ run | tests)
     m=bench-out/qwen3-30b-a3b-12L.gguf
     mkdir -p bench-out && { [ -f $m ] || expertpack synth --preset qwen3-30b-a3b --layers 12 -o $m -q; }
     echo "== profile (CUDA graph)"; python3 bench/profile_decode.py $m 2>&1 | grep -v Warn | tee "$out/profile.txt" | head -16
+    echo "== profile (prefill of 512 tokens)"; python3 bench/profile_decode.py $m --prefill 512 --steps 3 2>&1 | grep -v Warn | tee "$out/profile_prefill.txt" | head -14
     echo "== one MoE layer of a prefill"; python3 bench/moe_prefill.py $m 2>&1 | grep -v Warn | tee "$out/moe_prefill.txt" | head -9
     echo "== peer"; bash bench/peer_on_device.sh run qwen3-30b-a3b 12 64 2 2>&1 | tail -12
     ;;
