@@ -3,7 +3,8 @@
 # starts the llama.cpp build in the background (bench/peer_on_device.sh), meanwhile runs the kernel
 # and GPU tests on a fixture subset and profiles a decode step, then runs the peer comparison once
 # the build is done. About 7 minutes. Prepare here, then carry .whl, .peer and .gpufix:
-#   bash ../shared/device/wheels.sh jinja2 markupsafe      # .whl (the machine reaches no registry)
+#   bash ../shared/device/wheels.sh jinja2 markupsafe openai httpx2 httpcore2 truststore distro jiter sniffio certifi idna
+#       # .whl (the machine reaches no registry; openai: tests/worker helpers that tests/kernels import)
 #   .venv/bin/python bench/peer_llamacpp.py fetch --dest .peer/llama.cpp
 #   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 26 MiB) or b (41 MiB)
 # and on the device: COMMIT=<hash> bash bench/device_check.sh run
@@ -57,7 +58,7 @@ run | tests)
     have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py
         --deselect tests/gpu/test_cuda_worker.py::test_resident_experts_equal_read_per_use_on_cuda
         --deselect tests/gpu/test_multi_gpu.py::test_two_gpus_through_expertd_share_one_connection)
-    if [ "$1" = tests ]; then timeout 500 python3 -m pytest -q tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
+    if [ "$1" = tests ]; then timeout 500 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
     timeout 240 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
     out=${OUT:-/tmp}
     m=bench-out/qwen3-30b-a3b-12L.gguf
