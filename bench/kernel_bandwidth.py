@@ -3,7 +3,7 @@
 of one model: every distinct trunk matrix a one-token step multiplies (matvec) and one layer's
 selected experts (gate+up and down over k pairs), each timed alone with triton.testing.do_bench
 (L2 flushed between runs), reported as bytes of weights read per second. With --sweep the kernels'
-tile rows and warps are varied, to choose them from measurements.
+tile rows, warps and split-K programs per multiprocessor are varied, to choose them from measurements.
   python3 bench/kernel_bandwidth.py MODEL.gguf [--sweep]
 Prints a table, then one JSON line."""
 
@@ -43,17 +43,18 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("blk.0.") or not name.startswith("blk."):
             if isinstance(t, QTensor) and len(t.shape) == 2 and not name.startswith("token_embd"):
                 shapes.setdefault((int(t.ggml_type), t.shape[0], t.shape[1]), (name, t))
-    configs = [(linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS)]
+    configs = [(linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM)]
     if args.sweep:
-        configs += [(bn, w) for bn in (8, 16, 32, 64) for w in (2, 4, 8) if (bn, w) != configs[0]]
+        configs += [(bn, w, s) for bn in (16, 32) for w in (4, 8) for s in (4, 8, 16)
+                    if (bn, w, s) != configs[0]]
     for (qt, k, n), (name, t) in sorted(shapes.items(), key=lambda kv: kv[1][0]):
         x = torch.randn(1, k, device=dev)
-        for bn, warps in configs:
-            linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS = bn, warps
-            ms = bench_ms(lambda: linear_tl.matvec(x, t.raw, qt, k, n))
+        for bn, warps, per_sm in configs:
+            linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM = bn, warps, per_sm
+            ms = bench_ms(lambda: linear_tl.matvec_parts(x, t.raw, qt, k, n))  # the consumer adds the splits
             rows.append({"kernel": "matvec", "tensor": name, "type": t.ggml_type.name, "shape": [n, k], "bn": bn,
-                         "warps": warps, "us": ms * 1e3, "gbps": t.raw.numel() / ms / 1e6})
-    linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS = configs[0]
+                         "warps": warps, "per_sm": per_sm, "us": ms * 1e3, "gbps": t.raw.numel() / ms / 1e6})
+    linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM = configs[0]
     moe = model.moe
     layer = min(moe._roles) if moe._roles else None
     if layer is not None:
@@ -66,19 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         offsets = ids * layout.stride
         x = torch.randn(1, roles.gate.k, device=dev)
         w = torch.rand(k_top, device=dev)
-        econfigs = [(moe_tl.BN, moe_tl.WARPS)]
+        econfigs = [(moe_tl.BN, moe_tl.WARPS, moe_tl.PROGRAMS_PER_SM)]
         if args.sweep:
-            econfigs += [(bn, wp) for bn in (4, 8, 16, 32) for wp in (1, 2, 4, 8) if (bn, wp) != econfigs[0]]
-        for bn, warps in econfigs:
-            moe_tl.BN, moe_tl.WARPS = bn, warps
+            econfigs += [(bn, wp, s) for bn in (16, 32) for wp in (4, 8) for s in (8, 16, 32)
+                         if (bn, wp, s) != econfigs[0]]
+        for bn, warps, per_sm in econfigs:
+            moe_tl.BN, moe_tl.WARPS, moe_tl.PROGRAMS_PER_SM = bn, warps, per_sm
             ms = bench_ms(lambda: moe_tl.experts_per_pair(x, table, offsets, w, roles, act))
             rows.append({"kernel": "experts", "tensor": f"blk.{layer} x{k_top}", "type": roles.gate.ggml_type,
-                         "shape": [roles.gate.n, roles.gate.k], "bn": bn, "warps": warps, "us": ms * 1e3,
-                         "gbps": k_top * layout.stride / ms / 1e6})
-    print(f"{'kernel':<8} {'tensor':<28} {'type':<6} {'shape':>14} {'bn':>3} {'warps':>5} {'us':>8} {'GB/s':>7}")
+                         "shape": [roles.gate.n, roles.gate.k], "bn": bn, "warps": warps, "per_sm": per_sm,
+                         "us": ms * 1e3, "gbps": k_top * layout.stride / ms / 1e6})
+    print(f"{'kernel':<8} {'tensor':<28} {'type':<6} {'shape':>14} {'bn':>3} {'warps':>5} {'per SM':>6} {'us':>8} "
+          f"{'GB/s':>7}")
     for r in rows:
         print(f"{r['kernel']:<8} {r['tensor']:<28} {str(r['type']):<6} {'x'.join(map(str, r['shape'])):>14} "
-              f"{r['bn']:>3} {r['warps']:>5} {r['us']:>8.1f} {r['gbps']:>7.0f}")
+              f"{r['bn']:>3} {r['warps']:>5} {r['per_sm']:>6} {r['us']:>8.1f} {r['gbps']:>7.0f}")
     print(json.dumps({"bench": "kernel_bandwidth", "date": date.today().isoformat(), "model": args.model.name,
                       "gpu": torch.cuda.get_device_name(), "rows": rows}))
     return 0

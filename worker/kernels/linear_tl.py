@@ -18,6 +18,7 @@ from .dequant_tl import CHUNK, chunk
 BN_MATVEC = 16  # rows of W per program
 MATVEC_WARPS = 4
 BN_DEQUANT = 16
+PROGRAMS_PER_SM = 4  # split K until a matvec has this many programs per multiprocessor
 MATVEC_MAX_ROWS = 8  # up to this many rows of x, decode in registers; more, dequantize and multiply
 DEQUANT_PIECE_VALUES = 1 << 24  # a prefill dequantizes a big matrix in pieces of 64 MiB of float32
 
@@ -68,11 +69,11 @@ def _sm_count(device: torch.device) -> int:
 
 def splits_for(n_rows: int, k: int, device: torch.device) -> int:
     """Split K so that a short wide matrix (a router, an attention projection) still gives every
-    multiprocessor four programs; a function of the shape and the GPU alone, so the same step gives
+    multiprocessor PROGRAMS_PER_SM programs; a function of the shape and the GPU alone, so the same step gives
     the same bits whatever feeds it (the resident table or the cache)."""
     blocks = math.ceil(n_rows / BN_MATVEC)
     chunks = math.ceil(k / CHUNK)
-    return max(1, min(chunks, math.ceil(4 * _sm_count(device) / blocks)))
+    return max(1, min(chunks, math.ceil(PROGRAMS_PER_SM * _sm_count(device) / blocks)))
 
 
 def matvec_parts(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
