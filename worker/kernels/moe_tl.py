@@ -133,14 +133,6 @@ def gate_up_splits(n_pairs: int, f: int, k: int, device: torch.device) -> int:
     return triton.cdiv(chunks, triton.cdiv(chunks, splits))  # no split left without chunks
 
 
-def by_expert(offsets: torch.Tensor, pairs: torch.Tensor | None) -> torch.Tensor:
-    """The pairs to run (all, or `pairs`) ordered by their expert's block, so that the programs
-    running at once read the same expert's rows and the second pair of an expert finds them in L2
-    (a prompt's pairs share experts). Each pair's arithmetic is the same in any order."""
-    idx = pairs.to(torch.int64) if pairs is not None else torch.arange(offsets.shape[0], device=offsets.device)
-    return idx[torch.argsort(offsets[idx], stable=True)].to(torch.int32)
-
-
 def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                      roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,8 +141,6 @@ def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
     outside `pairs`, when given, are left as they were)."""
     total = offsets.shape[0]
     k_top = total // x.shape[0]
-    if x.shape[0] > 1:
-        pairs = by_expert(offsets, pairs)
     n_pairs = total if pairs is None else pairs.shape[0]
     f, d, k = roles.gate.n, roles.down.n, roles.gate.k
     splits = gate_up_splits(total, f, k, x.device)
