@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -144,6 +145,17 @@ def pick_device(requested: str | None) -> str:
         raise SettingsError(str(exc)) from None
 
 
+def client_name(model: str, device: str, pid: int) -> str:
+    """The name this worker gives expertd at HELLO: `expert-worker[PID] MODEL@DEVICE`, as its log
+    lines start, so that several workers on one daemon (one per GPU, same model) are told apart in
+    `expertctl stats` and in expertd's log. Cut to the protocol's limit (a long model name would
+    otherwise be refused at HELLO), the pid first so that it survives."""
+    from expertpack.client.protocol import MAX_CLIENT_NAME
+
+    printable = "".join(c if c.isprintable() else "?" for c in model)
+    return f"expert-worker[{pid}] {printable}@{device}"[:MAX_CLIENT_NAME]
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = settings(argv)
@@ -204,7 +216,7 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     start = time.perf_counter()
     try:
         engine = Engine.load(pack, device, daemon=args.daemon, cache_bytes=int(args.cache_vram_mib) << 20,
-                             reserve_bytes=int(args.cache_reserve_mib) << 20, name=f"expert-worker:{name}",
+                             reserve_bytes=int(args.cache_reserve_mib) << 20, name=client_name(name, device, os.getpid()),
                              daemon_timeout_s=float(args.daemon_timeout_s),
                              down_timeout_s=float(args.daemon_down_timeout_s))
         tokenizer = load_tokenizer(engine.files.metadata, args.tokenizer)
