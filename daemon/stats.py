@@ -84,7 +84,5 @@ class ClientCounters:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "demand_latency"}
-        h = self.demand_latency
-        out["demand_latency_us"] = {"count": h.total, "mean": h.sum_us / h.total if h.total else 0.0,
-                                    "p50": h.percentile_us(0.5), "p99": h.percentile_us(0.99)}
+        out["demand_latency_us"] = self.demand_latency.to_dict()  # buckets too: percentiles of any interval
         return out
