@@ -7,11 +7,19 @@
 #   .venv/bin/python bench/peer_llamacpp.py fetch --dest .peer/llama.cpp
 #   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 26 MiB) or b (41 MiB)
 # and on the device: COMMIT=<hash> bash bench/device_check.sh run
+# `bash bench/device_check.sh workers` (needs .whl only) measures N worker processes, one per visible
+# GPU, on one expertd against one worker alone (bench/decode_workers.py): the SSD path (no RAM tier),
+# expertd's default RAM tier, and a decode stream per worker. About 5 minutes on two GPUs.
 # Set a holds what tests/kernels and most of tests/gpu read; set b the architectures the rest read
 # (mixtral-a, deepseek3-a at BF16, DeepSeek-V4 and Kimi-K3): `tests` with it, carried without .peer.
 # Outputs (profiles, llama-bench JSON, chart) go to $OUT.
 set -uo pipefail
 fixtures=${EXPERTPACK_SHARED:-../shared}/fixtures
+install() {  # the project and the carried wheels, on a machine that reaches no registry
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+}
 case "${1:-}" in
 fixtures)
     set -e
@@ -36,11 +44,23 @@ fixtures)
     fi
     du -sh .gpufix
     ;;
+workers)
+    install
+    n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    out=${OUT:-/tmp}
+    common=(--workers "$n" --layers 12 --cache-gib 1 --prompt 16 --decode 24)
+    echo "== $n workers, no RAM tier (every miss of a worker's cache read from the SSD)"
+    python3 bench/decode_workers.py "${common[@]}" --ram-cache-gib 0 2>&1 | grep -v Warn | tee "$out/workers-ssd.txt" | tail -12
+    echo "== $n workers, expertd's default RAM tier (shared)"
+    python3 bench/decode_workers.py "${common[@]}" 2>&1 | grep -v Warn | tee "$out/workers-ram.txt" | tail -12
+    echo "== $n workers, a decode stream each, no RAM tier"
+    python3 bench/decode_workers.py "${common[@]}" --ram-cache-gib 0 --distinct 2>&1 | grep -v Warn \
+        | tee "$out/workers-distinct.txt" | tail -12
+    ;;
 run | tests)
     [ "$1" = run ] && bash bench/peer_on_device.sh start-build
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 EXPERTPACK_FIXTURES=$PWD/.gpufix
+    install
+    export EXPERTPACK_FIXTURES=$PWD/.gpufix
     echo "== tests (those whose fixtures are in .gpufix)"
     have() { [ -e ".gpufix/$1" ]; }
     skip=()
@@ -67,7 +87,7 @@ run | tests)
     echo "== peer"; bash bench/peer_on_device.sh run qwen3-30b-a3b 12 64 2 2>&1 | tail -12
     ;;
 *)
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

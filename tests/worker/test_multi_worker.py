@@ -6,7 +6,8 @@ expertd, as `expert-worker --device cuda:0` and `--device cuda:1` run side by si
 - `expertctl stats` lists both, told apart by name and pid, with their own counters;
 - the daemon's RAM tier is shared: every expert the second worker asks for was read once, for the
   first, and is a RAM hit for it (no pack byte is read for the second worker at all);
-- with a small staging (two slots a client) neither starves: both generate concurrently to the end.
+- with a small staging (two slots a client) neither starves: both generate concurrently to the end;
+- each worker's /metrics has expertd's counters for its own session beside the daemon-wide ones.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from expertpack.worker.main import client_name
 
 from ..conftest import BIN, start_daemon
-from .test_expert_worker import Worker, start_worker
+from .test_expert_worker import Worker, metric_values, start_worker
 
 PROMPTS = ("The quick brown fox", "Once upon a time in a land far away")
 N_TOKENS = 12
@@ -73,6 +74,7 @@ def test_two_workers_share_one_expertd(tiny_pack: Path, tmp_path: Path) -> None:
         assert not errors and not any(t.is_alive() for t in threads), errors
         stats = json.loads(expertctl_stats(daemon.endpoint, "--json"))
         table = expertctl_stats(daemon.endpoint)
+        metrics = [metric_values(w) for w in workers]
     finally:
         codes = [w.stop() for w in workers]
         code, log = daemon.stop()
@@ -103,3 +105,8 @@ def test_two_workers_share_one_expertd(tiny_pack: Path, tmp_path: Path) -> None:
         assert c["failed"] == 0 and c["served_bytes"] > 0 and c["demand_latency_us"]["count"] > 0, (name, c)
         assert name in table
     assert "ram hits" in table and f"pid {workers[1].proc.pid}" in table
+    # Each worker's /metrics: its own session's counters, not the daemon's sum over both.
+    for c, values in ((a, metrics[0]), (b, metrics[1])):
+        for key in ("keys", "ram_hits", "ram_misses", "read_bytes", "served_bytes"):
+            assert values[f"expertpack_daemon_client_{key}_total"] == c[key], (key, c, values)
+    assert metrics[1]["expertpack_daemon_client_read_bytes_total"] == 0 < metrics[1]["expertpack_daemon_read_bytes_total"]
