@@ -69,8 +69,7 @@ def child(args: argparse.Namespace) -> int:
         marks: dict[str, dict] = {}
 
         def mark(phase: str) -> None:
-            stats = cache.link.stats() or {}
-            mine = next((c for c in stats.get("clients", []) if c["name"] == name), None)
+            mine = cache.link.own_client(cache.link.stats())
             if mine is None:
                 raise WorkerFailed(f"{name}: expertd's STATS has no client of this name (or did not answer)")
             marks[phase] = {"cache": cache.counters.snapshot(), "client": mine, "t": time.time()}
@@ -78,10 +77,11 @@ def child(args: argparse.Namespace) -> int:
         print(READY_LINE, flush=True)
         if sys.stdin.readline().strip() != GO_LINE:
             return 1  # the parent went away
-        result = run(engine, stream_prompt(args.stream, args.prompt), args.decode, args.device, mark, seed=args.stream)
-        print(json.dumps({"index": args.index, "stream": args.stream, "device": args.device, "name": name, "pid": os.getpid(),
-                          "slots": cache.n_slots, "slot_bytes": cache.slot_bytes, "pinned": cache.link.pinned,
-                          **result, "marks": marks}), flush=True)
+        prompt = stream_prompt(args.stream, args.prompt)
+        result = run(engine, prompt, args.decode, args.device, mark, seed=args.stream)
+        print(json.dumps({"index": args.index, "stream": args.stream, "device": args.device, "name": name,
+                          "pid": os.getpid(), "slots": cache.n_slots, "slot_bytes": cache.slot_bytes,
+                          "pinned": cache.link.pinned, **result, "marks": marks}), flush=True)
         return 0
     finally:
         engine.close()
@@ -118,9 +118,9 @@ def start_workers(args: argparse.Namespace, devices: list[str], streams: list[in
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(
                     [sys.executable, __file__, "--child", "--index", str(i), "--stream", str(streams[i]),
-                     "--device", device, "--endpoint",
-                     endpoint, "--pack", str(args.pack), "--cache-gib", repr(args.cache_gib), "--prompt",
-                     str(args.prompt), "--decode", str(args.decode), "--threads", str(threads)],
+                     "--device", device, "--endpoint", endpoint, "--pack", str(args.pack), "--cache-gib",
+                     repr(args.cache_gib), "--prompt", str(args.prompt), "--decode", str(args.decode),
+                     "--threads", str(threads)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
             procs.append((proc, log_path))
         for proc, log_path in procs:
@@ -161,7 +161,8 @@ def decode_figures(r: dict, n_decode: int) -> dict:
     looked = (c1["hits"] - c0["hits"]) + (c1["misses"] - c0["misses"])
     ram_hits, ram_misses = d1["ram_hits"] - d0["ram_hits"], d1["ram_misses"] - d0["ram_misses"]
     tokens = n_decode - 1
-    return {"device": r["device"], "stream": r["stream"], "prefill_tps": r["prefill_tps"], "decode_tps": r["decode_tps"],
+    return {"device": r["device"], "stream": r["stream"], "prefill_tps": r["prefill_tps"],
+            "decode_tps": r["decode_tps"],
             "vram_hit_rate": (c1["hits"] - c0["hits"]) / looked if looked else 0.0,
             "ram_hit_rate": ram_hits / (ram_hits + ram_misses) if ram_hits + ram_misses else 0.0,
             "ram_hits": ram_hits, "ram_misses": ram_misses,
@@ -236,8 +237,9 @@ def parent(args: argparse.Namespace) -> int:
           f"{'RAM hit':>9}{'SSD MB/tok':>12}{'stall s/tok':>12}{'p99 ms':>8}  argmax")
     for run_name, figures in (("alone", alone), ("together", together)):
         for i, f in enumerate(figures):
-            print(f"{run_name:<10}{i if run_name == 'together' else '-':<8}{f['stream']:<8}{f['device']:<8}{f['prefill_tps']:14.2f}{f['decode_tps']:14.2f}"
-                  f"{f['vram_hit_rate']:10.1%}{f['ram_hit_rate']:9.1%}{f['ssd_bytes_per_token'] / 1e6:12.1f}"
+            worker = i if run_name == "together" else "-"
+            print(f"{run_name:<10}{worker:<8}{f['stream']:<8}{f['device']:<8}{f['prefill_tps']:14.2f}"
+                  f"{f['decode_tps']:14.2f}{f['vram_hit_rate']:10.1%}{f['ram_hit_rate']:9.1%}{f['ssd_bytes_per_token'] / 1e6:12.1f}"
                   f"{f['stall_s_per_token']:12.3f}{f['demand_p99_us'] / 1000:8.1f}  {f['argmax_sha256']}")
     print(f"aggregate decode, {args.workers} workers together: {total_tps:.2f} tok/s = {total_tps / alone_tps:.2f}x "
           f"one worker alone ({alone_tps:.2f} tok/s{', the mean over the streams' if len(alone) > 1 else ''})")

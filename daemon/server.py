@@ -332,7 +332,8 @@ class ExpertDaemon:
         pid = _peer_pid(fd)
         self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots), pid=pid)
         self.counters.clients_total += 1
-        log.info("client %r (pid %s) connected: %d slots%s", msg.client, pid if pid is not None else "unknown", len(slots),
+        log.info("client %r (pid %s) connected: %d slots%s", msg.client, pid if pid is not None else "unknown",
+                 len(slots),
                  f" ({asked} asked, at most {self.config.client_slot_cap} a client)" if asked > n_slots else "")
         m = self.manifest
         self._send(identity, p.Welcome(

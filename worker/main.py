@@ -216,7 +216,8 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     start = time.perf_counter()
     try:
         engine = Engine.load(pack, device, daemon=args.daemon, cache_bytes=int(args.cache_vram_mib) << 20,
-                             reserve_bytes=int(args.cache_reserve_mib) << 20, name=client_name(name, device, os.getpid()),
+                             reserve_bytes=int(args.cache_reserve_mib) << 20,
+                             name=client_name(name, device, os.getpid()),
                              daemon_timeout_s=float(args.daemon_timeout_s),
                              down_timeout_s=float(args.daemon_down_timeout_s))
         tokenizer = load_tokenizer(engine.files.metadata, args.tokenizer)
