@@ -245,11 +245,12 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
         cache = engine.expert_cache
         m = cache.manifest
         log.info("serving %s (%s, %d layers, %d experts top-%d) on %s: %d cache slots of %.2f MiB, %.0f MiB "
-                 "resident, staging pinned: %s, context %d; loaded in %.1f s; http://%s:%d/v1",
+                 "resident, staging pinned: %s, %d staging slots of expertd as client %r, context %d; loaded in "
+                 "%.1f s; http://%s:%d/v1",
                  name, engine.files.arch, m.model.n_layer, m.model.n_expert, m.model.n_expert_used, device,
                  cache.n_slots, cache.slot_bytes / 2**20, cache.resident_bytes / 2**20,
-                 "yes" if cache.link.pinned else "no", generator.n_ctx, time.perf_counter() - start,
-                 args.host, args.port)
+                 "yes" if cache.link.pinned else "no", cache.link.n_staging_slots, cache.link.name, generator.n_ctx,
+                 time.perf_counter() - start, args.host, args.port)
         limits = Limits.for_context(generator.n_ctx, int(args.max_prompt_chars), int(args.max_body_mib) << 20)
         service = WorkerService(generator, name, limits)
         app = create_app(service)

@@ -94,6 +94,8 @@ def test_two_workers_share_one_expertd(tiny_pack: Path, tmp_path: Path) -> None:
     a, b = by[names[0]], by[names[1]]
     assert (a["pid"], b["pid"]) == (workers[0].proc.pid, workers[1].proc.pid)
     assert a["slots"] == b["slots"] == 2
+    for w, name in zip(workers, names):  # what an operator matches `expertctl stats` against
+        assert f"2 staging slots of expertd as client '{name}'" in w.log, w.log
     # Every read happened while worker A was alone: B's experts, and A's since, were all RAM hits.
     a_alone = next(c for c in first["clients"] if c["name"] == names[0])
     assert a_alone["ram_misses"] > 0 and a_alone["read_bytes"] > 0
