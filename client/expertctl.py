@@ -103,10 +103,11 @@ def client_lines(clients: list[dict[str, Any]], previous: list[dict[str, Any]] |
     --watch, its experts/s since the last print). An expertd from before per-client counters gets
     the first line only."""
     before = {(c["name"], c.get("pid")): c for c in previous or []}
+    width = max([24, *(len(c["name"]) for c in clients)])
     out = []
     for cl in clients:
         pid = cl.get("pid")
-        out.append(f"  {cl['name']:<24} pid {pid if pid is not None else '?'!s:<7}  slots {cl['slots']:>4}  "
+        out.append(f"  {cl['name']:<{width}} pid {pid if pid is not None else '?'!s:<7}  slots {cl['slots']:>4}  "
                    f"free {cl['free']:>4}  queued {cl['queued']:>6}"
                    + (f" ({cl['queued_demand']} demand, {cl['queued_prefetch']} prefetch)  ram held "
                       f"{cl['ram_held']}" if "queued_demand" in cl else "")
@@ -119,11 +120,16 @@ def client_lines(clients: list[dict[str, Any]], previous: list[dict[str, Any]] |
         old = before.get((cl["name"], pid))
         if old is not None and interval_s:
             rate = f"  now {(cl['ready'] - old['ready']) / interval_s:,.0f} experts/s"
-        out.append(f"  {'':<24} keys {cl['keys']:,}  ready {cl['ready']:,}  failed {cl['failed']:,}  "
-                   f"served {cl['served_bytes'] / 1e9:,.2f} GB  read {cl['read_bytes'] / 1e9:,.2f} GB  "
+        out.append(f"  {'':<{width}} keys {cl['keys']:,}  ready {cl['ready']:,}  failed {cl['failed']:,}  "
+                   f"served {size(cl['served_bytes'])}  read {size(cl['read_bytes'])}  "
                    f"ram hits {cl['ram_hits']:,} ({cl['ram_hits'] / asked if asked else 0:.1%})  "
                    f"demand p50 <= {lat['p50']:,.0f} us  p99 <= {lat['p99']:,.0f} us{rate}")
     return out
+
+
+def size(n_bytes: int) -> str:
+    """Bytes for people: MB below a GB (a worker's first minutes), GB above."""
+    return f"{n_bytes / 1e9:,.2f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:,.1f} MB"
 
 
 def health(stats: dict[str, Any]) -> tuple[int, str]:
