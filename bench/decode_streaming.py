@@ -50,7 +50,7 @@ def run(engine, prompt: list[int], n_decode: int, device: str, on_phase, seed: i
     on_phase("start")
     cache = engine.new_cache()
     t0 = time.perf_counter()
-    logits = engine.forward(prompt, cache)
+    logits = engine.forward(prompt, cache, last=True)
     sync(device)
     prefill_s = time.perf_counter() - t0
     on_phase("prefill")

@@ -3,7 +3,8 @@
 # starts the llama.cpp build in the background (bench/peer_on_device.sh), meanwhile runs the kernel
 # and GPU tests on a fixture subset and profiles a decode step, then runs the peer comparison once
 # the build is done. About 7 minutes. Prepare here, then carry .whl, .peer and .gpufix:
-#   bash ../shared/device/wheels.sh jinja2 markupsafe      # .whl (the machine reaches no registry)
+#   bash ../shared/device/wheels.sh jinja2 markupsafe openai httpx2 httpcore2 truststore distro jiter sniffio certifi idna
+#       # .whl (the machine reaches no registry; openai: tests/worker helpers that tests/kernels import)
 #   .venv/bin/python bench/peer_llamacpp.py fetch --dest .peer/llama.cpp
 #   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 26 MiB) or b (41 MiB)
 # and on the device: COMMIT=<hash> bash bench/device_check.sh run
@@ -82,12 +83,13 @@ run | tests)
         --deselect tests/gpu/test_cuda_worker.py::test_resident_experts_equal_read_per_use_on_cuda
         --deselect tests/gpu/test_multi_gpu.py::test_two_gpus_through_expertd_share_one_connection)
     skip+=(--deselect tests/gpu/test_two_workers.py)  # workers-test runs it (several processes; minutes)
-    if [ "$1" = tests ]; then timeout 500 python3 -m pytest -q tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
+    if [ "$1" = tests ]; then timeout 500 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
     timeout 240 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
     out=${OUT:-/tmp}
     m=bench-out/qwen3-30b-a3b-12L.gguf
     mkdir -p bench-out && { [ -f $m ] || expertpack synth --preset qwen3-30b-a3b --layers 12 -o $m -q; }
     echo "== profile (CUDA graph)"; python3 bench/profile_decode.py $m 2>&1 | grep -v Warn | tee "$out/profile.txt" | head -16
+    echo "== profile (prefill of 512 tokens)"; python3 bench/profile_decode.py $m --prefill 512 --steps 3 2>&1 | grep -v Warn | tee "$out/profile_prefill.txt" | head -14
     echo "== one MoE layer of a prefill"; python3 bench/moe_prefill.py $m 2>&1 | grep -v Warn | tee "$out/moe_prefill.txt" | head -9
     echo "== peer"; bash bench/peer_on_device.sh run qwen3-30b-a3b 12 64 2 2>&1 | tail -12
     ;;

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         ms_pair = bench_ms(lambda: moe_tl.experts_per_pair(x, table, offsets, w, roles, act))
         ms_dense = bench_ms(lambda: moe_dense.experts_dense(x, table, offsets, w, roles, act))
         rows.append({"tokens": t, "experts": int(torch.unique(ids).numel()), "per_pair_ms": ms_pair,
-                     "dense_ms": ms_dense, "rel_diff": rel, "chosen": "dense" if dense_pays(ids) else "per_pair"})
+                     "dense_ms": ms_dense, "rel_diff": rel, "chosen": "dense" if dense_pays(ids, n_expert) else "per_pair"})
     print(f"model {args.model.name}, layer {layer}: {n_expert} experts, top-{k_top}, "
           f"{layout.stride} B per expert, {torch.cuda.get_device_name()}")
     print(f"{'tokens':>6} {'experts':>7} {'per pair ms':>11} {'dense ms':>9} {'faster':>9} {'chosen':>9} {'rel diff':>9}")

@@ -184,7 +184,7 @@ def time_engine(engine, prompt_lengths: list[int], n_decode: int, reps: int, dev
         cache = engine.new_cache()
         sync()
         t0 = time.perf_counter()
-        engine.forward(stream[:n], cache)
+        engine.forward(stream[:n], cache, last=True)  # as llama-bench: its batch outputs the last token only
         sync()
         return n / (time.perf_counter() - t0)
 

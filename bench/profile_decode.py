@@ -3,7 +3,8 @@
 against the wall time, and the share of GPU time per class of kernel (the fused Triton kernels,
 torch's elementwise ops, reductions, copies, cuBLAS, attention), from torch.profiler over a few
 decode steps after a warm-up. Prints a table, then one JSON line.
-  python3 bench/profile_decode.py MODEL.gguf [--steps 8] [--prompt 32] [--eager]
+  python3 bench/profile_decode.py MODEL.gguf [--steps 8] [--prompt 32] [--eager] [--prefill N]
+With --prefill N it profiles `--steps` prompts of N tokens each (a fresh KV cache per prompt) instead.
 (synthesize one with `expertpack synth --preset qwen3-30b-a3b --layers 12 -o MODEL.gguf`)."""
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from torch.profiler import ProfilerActivity, profile
 from expertpack.worker.engine import Engine
 
 CLASSES = [  # (class, substrings of kernel names), first match wins
+    ("grouped expert products (prefill)", ("_grouped_gate_up_kernel", "_grouped_down_kernel")),
     ("fused expert gate+up", ("_gate_up_kernel",)),
     ("fused expert down", ("_down_kernel",)),
     ("fused matvec (trunk)", ("_matvec_kernel",)),
     ("dequantize (prefill, rows)", ("_dequant_kernel",)),
+    ("dequantize (prefill, experts)", ("_dequant_blocks_kernel",)),
     ("fused attention", ("_partial_kernel", "_merge_kernel")),
     ("fused norms / rope", ("_rms_norm_kernel", "_add_rms_norm_kernel", "_rope_kernel")),
     ("cuBLAS / matmul", ("gemm", "gemv", "sgemm", "cublas", "cutlass", "xmma")),
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
     p.add_argument("--eager", action="store_true",
                    help="launch every kernel from Python instead of replaying the step's CUDA graph")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="profile prompts of N tokens (a fresh cache each) instead of decode steps")
     args = p.parse_args(argv)
     engine = Engine.load(args.model, device="cuda", resident_experts=True)
     engine.graphs = not args.eager
@@ -64,12 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):  # warm-up: compilation, allocator
         engine.forward([rng.randrange(n_vocab)], cache)
     torch.cuda.synchronize()
+    prompts = [rng.choices(range(n_vocab), k=args.prefill) for _ in range(args.steps)] if args.prefill else []
+    if prompts:
+        engine.forward(prompts[0], engine.new_cache())  # warm-up of the prefill kernels
+        torch.cuda.synchronize()
     feed = rng.choices(range(n_vocab), k=args.steps)
     argmax = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        for token in feed:
-            argmax.append(int(engine.forward([token], cache)[-1].argmax()))
+        for i, token in enumerate(feed):
+            if prompts:
+                argmax.append(int(engine.forward(prompts[i], engine.new_cache(), last=True)[-1].argmax()))
+            else:
+                argmax.append(int(engine.forward([token], cache)[-1].argmax()))
         torch.cuda.synchronize()
         wall_s = (time.perf_counter() - t0) / args.steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -79,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         by_class[classify(e.name)] += e.device_time
         launches[classify(e.name)] += 1
     busy_us = sum(by_class.values()) / args.steps
-    print(f"model {args.model.name} ({'eager' if args.eager else 'CUDA graph'}): "
-          f"{len(kernels) / args.steps:.0f} kernels per decode step, "
-          f"GPU busy {busy_us / 1000:.2f} ms of a {wall_s * 1000:.2f} ms step ({1 / wall_s:.1f} tok/s)")
+    what = f"prefill of {args.prefill} tokens" if args.prefill else "decode step"
+    print(f"model {args.model.name} ({'eager' if args.eager or args.prefill else 'CUDA graph'}): "
+          f"{len(kernels) / args.steps:.0f} kernels per {what}, GPU busy {busy_us / 1000:.2f} ms of a "
+          f"{wall_s * 1000:.2f} ms {what} ({max(1, args.prefill) / wall_s:.1f} tok/s)")
     print(f"{'class':32s} {'launches/step':>14s} {'GPU ms/step':>12s} {'share':>7s}")
     for label, us in by_class.most_common():
         print(f"{label:32s} {launches[label] / args.steps:14.0f} {us / args.steps / 1000:12.3f} "
@@ -96,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"bench": "profile_decode", "date": date.today().isoformat(), "commit": commit,
                       "model": args.model.name, "trunk_types": types,
                       "argmax_sha256": hashlib.sha256(str(argmax).encode()).hexdigest()[:16],
-                      "steps": args.steps, "eager": args.eager,
+                      "steps": args.steps, "eager": args.eager, "prefill": args.prefill,
                       "launches_per_step": len(kernels) / args.steps, "gpu_busy_ms": busy_us / 1000,
                       "wall_ms": wall_s * 1000, "gpu": torch.cuda.get_device_name(),
                       "classes": {k: {"launches": launches[k] / args.steps, "ms": v / args.steps / 1000}

@@ -114,13 +114,14 @@ class Engine:
         return KVCache()
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
-        """Logits [len(tokens), n_vocab] (float32) after each token, continuing the cache."""
+    def forward(self, tokens: list[int], cache: KVCache, last: bool = False) -> torch.Tensor:
+        """Logits [len(tokens), n_vocab] (float32) after each token, continuing the cache; with
+        `last`, [1, n_vocab] after the last token only (what a generation's prefill needs)."""
         with self.place.running():
             if len(tokens) == 1 and cache.length and use_kernels(self.device) and self.model.static_decode:
                 return self._static_step(tokens[0], cache)
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            return self.model.forward(ids, cache).to(torch.float32)
+            return self.model.forward(ids, cache, last).to(torch.float32)
 
     def _static_step(self, token: int, cache: KVCache) -> torch.Tensor:
         """A decode step on the GPU with the same shapes at every position: the KV cache reserved

@@ -128,7 +128,7 @@ class Generator:
         text_before = 0  # characters decoded before the next token (logprobs' text_offset)
         if cancelled():  # the client left while this request waited its turn
             return Completion("", ids, "cancelled", usage, logprobs)
-        logits = self.engine.forward(req.prompt_ids, kv)[-1]
+        logits = self.engine.forward(req.prompt_ids, kv, last=True)[-1]
         counts = torch.zeros(logits.numel(), dtype=torch.float32) if req.sampler.penalizes else None
         while len(ids) < req.max_tokens and not cancelled():
             token = req.sampler(logits, counts)

@@ -326,3 +326,10 @@ def _fused_gqa(w: dict, p: str, h: torch.Tensor, fused: tuple[QTensor, QTensor |
     if parts and f"{p}attn_output.bias" not in w:
         return linear_parts(o, w[f"{p}attn_output.weight"])
     return linear(o, w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))
+
+
+def output_logits(h: torch.Tensor, head: QTensor, last: bool) -> torch.Tensor:
+    """The output head over every position, or over the last one only where nothing else reads
+    the prompt's logits (a generation's prefill): the head is a step's largest matrix, and a long
+    prompt's logits are its largest product."""
+    return linear(h[-1:] if last else h, head)

@@ -207,9 +207,14 @@ def rows_from_blocks(source: ExpertSource, layer: int, ids: torch.Tensor) -> Ite
     yield ExpertRows(host.to(ids.device), table.to(ids.device)[ids.reshape(-1)])
 
 
+def expert_count(files: "ModelFiles") -> int:
+    """Routed experts per MoE layer, from the metadata."""
+    return int(files.metadata[f"{files.arch}.expert_count"])
+
+
 def expert_layers(files: "ModelFiles") -> dict[int, int]:
     """MoE layer -> expert count, from the metadata and whatever the expert source serves."""
-    n_expert = int(files.metadata[f"{files.arch}.expert_count"])
+    n_expert = expert_count(files)
     if isinstance(files.experts, PackExperts):
         return {l: n_expert for l in files.experts.manifest.model.moe_layers}
     if isinstance(files.experts, GGUFExperts):

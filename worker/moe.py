@@ -31,22 +31,24 @@ def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Te
     return linear(act(gate, up), w["down"], w.get("down.bias"))
 
 
-DENSE_MIN_TOKENS = 16  # below, a step is decode-like: no host sync to count its experts
-DENSE_MIN_PAIRS_PER_EXPERT = 16  # from this many tokens per selected expert, dequantize once and multiply (bench/moe_prefill.py)
+DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequantize once and multiply (bench/moe_prefill.py)
 
 
-def dense_pays(ids: torch.Tensor) -> bool:
-    """Whether a step's experts run as dense products (moe_dense) rather than per pair (moe_tl):
-    when its selected experts have, on average, enough tokens each to repay dequantizing them."""
-    if ids.shape[0] < DENSE_MIN_TOKENS:
-        return False
-    return ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * torch.unique(ids).numel()
+def dense_pays(ids: torch.Tensor, n_expert: int) -> bool:
+    """Whether a step's experts run as grouped products (moe_dense) rather than per pair (moe_tl):
+    when the step has enough (token, expert) pairs per expert of the layer to repay dequantizing
+    the experts it selects. A function of the step's shape alone: no host sync, and every wave of
+    a cache decides alike."""
+    return ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * n_expert
 
 
 class ExpertFFN:
-    def __init__(self, source: ExpertSource, activation: Activation | Sequence[Activation] = SWIGLU) -> None:
-        """`activation`: one for every layer, or one per layer (DeepSeek-V4's clamp varies)."""
+    def __init__(self, source: ExpertSource, n_expert: int,
+                 activation: Activation | Sequence[Activation] = SWIGLU) -> None:
+        """`n_expert`: routed experts per layer; `activation`: one for every layer, or one per layer
+        (DeepSeek-V4's clamp varies)."""
         self.source = source
+        self.n_expert = n_expert
         self.activation = activation
         self.routing_log: dict[int, list[torch.Tensor]] | None = None  # layer -> ids per call, when set
         # Layers whose experts follow from the token ids alone (DeepSeek-V4's hash layers): layer ->
@@ -86,7 +88,7 @@ class ExpertFFN:
             roles = self._roles[layer]
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
-        run = experts_dense if dense_pays(ids) else experts_per_pair  # by the whole step: every wave alike
+        run = experts_dense if dense_pays(ids, self.n_expert) else experts_per_pair  # by the whole step: every wave alike
         y = None
         for rows in self.source.expert_rows(layer, ids):
             y = run(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)

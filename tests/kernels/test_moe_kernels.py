@@ -132,16 +132,17 @@ def test_gate_up_split_over_k_equals_the_reference(monkeypatch: pytest.MonkeyPat
 def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act: Activation, types: tuple[T, T],
                                             fused: bool, biases: bool, device: torch.device) -> None:
     """A prefill's experts dequantized once each and multiplied by all their tokens, in groups of
-    experts (two here); a wave (the pairs of some experts, the blocks elsewhere) gives those pairs
-    the very bits of the whole step."""
+    experts (two here) and tiles of 16 pairs (several per expert here); a wave (the pairs of some
+    experts, the blocks elsewhere) gives those pairs the very bits of the whole step."""
     from expertpack.worker.kernels import moe_dense
 
     lay = layout(*types, fused, biases)
     roles = expert_roles(lay)
     monkeypatch.setattr(moe_dense, "GROUP_VALUES", 2 * (2 * F * D + D * F))
+    monkeypatch.setattr(moe_dense, "BM", 16)
     pool = pool_of(lay, seed=7)
     g = torch.Generator().manual_seed(8)
-    n_tokens = 24
+    n_tokens = 40
     x = torch.randn(n_tokens, D, generator=g)
     ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
     w = torch.rand(n_tokens, K_TOP, generator=g)
@@ -153,3 +154,19 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert rel < 1e-5, f"relative error {rel:.2e}"
     wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)  # the pairs of experts 1 and 3
     assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)
+
+
+def test_expert_tiles_cover_each_experts_rows_in_tiles_of_one_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device-built tile table: every sorted row in exactly one tile, a tile holding at most
+    BM rows of a single expert, the experts' ranks and blocks in sorted order."""
+    from expertpack.worker.kernels import moe_dense
+
+    monkeypatch.setattr(moe_dense, "BM", 4)
+    sorted_blocks = torch.tensor([0, 0, 0, 0, 0, 0, 4096, 8192, 8192, 8192, 8192, 12288])
+    blocks, n, tiles = moe_dense._expert_tiles(sorted_blocks, max_experts=6)
+    assert n.tolist() == [4]
+    assert blocks[:4].tolist() == [0, 4096, 8192, 12288]
+    used = [t for t in tiles.tolist() if t[2] > t[1]]
+    assert used == [[0, 0, 4], [0, 4, 6], [1, 6, 7], [2, 7, 11], [3, 11, 12]]
+    assert all(t == [0, 0, 0] for t in tiles.tolist()[len(used):])
+    assert tiles.shape[0] == -(-12 // 4) + 6

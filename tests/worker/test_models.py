@@ -89,6 +89,9 @@ def test_decode_through_the_cache_equals_one_pass(full: tuple[str, Engine]) -> N
     cache = engine.new_cache()
     parts = [engine.forward(prompt[:7], cache), engine.forward(prompt[7:8], cache), engine.forward(prompt[8:], cache)]
     torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=2e-5)
+    last = engine.forward(prompt, engine.new_cache(), last=True)  # a generation's prefill: the head on one row
+    assert last.shape == (1, whole.shape[1])
+    torch.testing.assert_close(last[0], whole[-1], rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("model,variant,gguf,max_flips", QUANTIZED, ids=lambda v: str(v))

@@ -1,15 +1,19 @@
-"""A prefill's experts as dense matrix products: the step's pairs sorted by expert block, each
-selected expert dequantized once (many experts per launch, straight from the pool's bytes) and met
-by all of its tokens in one cuBLAS float32 product per matrix, where the per-pair kernels of
-moe_tl decode an expert's bytes again for every pair. Pays when an expert has many tokens (a long
-prompt); the caller chooses by the whole step's routing.
+"""A prefill's experts as grouped matrix products: the step's pairs sorted by expert block, each
+selected expert dequantized once (many experts per launch, straight from the pool's bytes), then
+one launch per matrix for all of them: a program takes a tile of up to BM pairs of one expert and
+meets them with that expert's rows on tensor cores, where the per-pair kernels of moe_tl decode an
+expert's bytes again for every pair. Pays when an expert has many tokens (a long prompt); the
+caller chooses by the whole step's routing.
 
-An expert's result depends on its bytes, its tokens and their number only: one product of the
-same shape per expert, whatever else runs (cuBLAS is deterministic for a given shape, and float32
-products never use TF32 here), so a cache that loads a step's experts in waves, each wave holding
-every pair of its experts, gives the very bits of the resident table. Dequantized experts are
-held in groups of at most GROUP_VALUES floats, so a model with large experts stays within a
-bounded scratch."""
+Precision: float32 inputs on TF32 tensor cores in three passes (`tf32x3`: each operand split into a
+TF32 head and tail, head*head + head*tail + tail*head), fp32 accumulation: float32's precision
+within a few ulps per product, at tensor-core speed (IEEE float32 `tl.dot` measured 25x slower).
+
+An expert's result depends on its bytes and its tokens only: a pair's row is computed by a tile of
+fixed shape over K in a fixed order, whichever other pairs share the tile or the launch, so a cache
+that loads a step's experts in waves gives the very bits of the resident table. Dequantized
+experts are held in groups of at most GROUP_VALUES floats, so a model with large experts stays
+within a bounded scratch."""
 
 from __future__ import annotations
 
@@ -20,37 +24,141 @@ import triton.language as tl
 from ..activation import Activation
 from ..expert_roles import ExpertRoles, MatrixRole
 from .dequant_tl import CHUNK, chunk
+from .moe_tl import _act
 
-BN = 16  # rows of an expert's matrix per dequantizing program
+BN_DEQUANT = 16  # rows of an expert's matrix per dequantizing program
 GROUP_VALUES = 1 << 28  # float32 values of dequantized experts held at once (1 GiB)
+BM, BN, BK = 64, 128, 32  # a product's tile: pairs of one expert x rows of its matrix x the K step
+WARPS, STAGES = 4, 3
+PRECISION = "tf32x3"
 
 
 @triton.jit
-def _dequant_blocks_kernel(pool_ptr, base_ptr, out_ptr, role_off, N, K, row_bytes, expert_stride,
+def _dequant_blocks_kernel(pool_ptr, block_ptr, n_ptr, first, out_ptr, role_off, N, K, row_bytes, expert_stride,
                            QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
-    """out[e, n, k] (expert e at out_ptr + e * expert_stride, rows of K floats) = the role's matrix
-    in the block at pool + base[e]; grid (N/BN, K/CH, experts)."""
+    """out[e, n, k] (at out_ptr + e * expert_stride, rows of K floats) = the role's matrix in the
+    block of expert rank first + e (at pool + block[first + e]), for the ranks below n[0] (the
+    step's distinct experts, counted on the device); grid (N/BN, K/CH, experts of the group)."""
     pid_n, c, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if first + e >= tl.load(n_ptr):
+        return
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
     k = c * CH + j
     m = (n < N)[:, None] & (k < K)[None, :]
-    base = pool_ptr + tl.multiple_of(tl.load(base_ptr + e), 16) + role_off
+    base = pool_ptr + tl.multiple_of(tl.load(block_ptr + first + e), 16) + role_off
     w = chunk(QT, base + n.to(tl.int64)[:, None] * row_bytes, c, j[None, :], m)
     tl.store(out_ptr + e.to(tl.int64) * expert_stride + n.to(tl.int64)[:, None] * K + k[None, :], w, mask=m)
 
 
-def _dequantize_into(out: torch.Tensor, pool: torch.Tensor, bases: torch.Tensor, role: MatrixRole) -> None:
-    """out [E, >=N rows, K] (rows contiguous, any expert stride) <- the role's matrix of each block."""
-    grid = (triton.cdiv(role.n, BN), triton.cdiv(role.k, CHUNK), bases.shape[0])
-    _dequant_blocks_kernel[grid](pool, bases, out, role.offset, role.n, role.k, role.row_bytes, out.stride(0),
-                                 QT=role.ggml_type, BN=BN, CH=CHUNK, num_warps=4)
+@triton.jit
+def _tile(tiles_ptr, t, first, experts, BM: tl.constexpr):
+    """Tile t of the table: its expert's rank, that rank's place in the group's scratch, its sorted
+    pair rows and their mask, and whether the tile is not this launch's (an unused tile, or one of
+    an expert outside the group, ranks first .. first+experts-1)."""
+    rank = tl.load(tiles_ptr + 3 * t)
+    r0 = tl.load(tiles_ptr + 3 * t + 1)
+    r1 = tl.load(tiles_ptr + 3 * t + 2)
+    r = r0 + tl.arange(0, BM)
+    elsewhere = (rank < first) | (rank >= first + experts) | (r1 <= r0)
+    return rank, rank - first, r, r < r1, elsewhere
 
 
-def _biases(pool: torch.Tensor, bases: torch.Tensor, offset: int, n: int, sizes: list[int]) -> torch.Tensor:
-    """[sum(sizes), n] float32: the bias vector at offset in each block, once per pair of its expert."""
-    at = bases[:, None] + offset + torch.arange(4 * n, device=pool.device)
-    return pool[at].view(torch.float32).repeat_interleave(torch.tensor(sizes, device=pool.device), dim=0)
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, tok_ptr, w_ptr, tiles_ptr, first, experts, gu_ptr, N, K, w_stride,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """gu[r, n] = W_e[n] . x[tok[r]] for the sorted pair rows r of a tile of expert e (W_e: gate's
+    rows, then up's, N = 2F), for the tiles of the group's experts; grid (tiles, N/BN)."""
+    _, e, r, rm, elsewhere = _tile(tiles_ptr, tl.program_id(0), first, experts, BM)
+    if elsewhere:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    tok = tl.load(tok_ptr + r, mask=rm, other=0).to(tl.int64)
+    w = w_ptr + e.to(tl.int64) * w_stride + n.to(tl.int64)[None, :] * K
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        a = tl.load(x_ptr + tok[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        b = tl.load(w + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    tl.store(gu_ptr + r.to(tl.int64)[:, None] * N + n[None, :], acc, mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(gu_ptr, w_ptr, tiles_ptr, first, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr, block_ptr,
+                         gate_b, up_b, down_b, D, F, w_stride, limit, alpha, beta, linear_beta, ACT: tl.constexpr,
+                         GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, PRECISION: tl.constexpr):
+    """out[pair[r], n] = weight[pair[r]] * (W_e[n] . act(gate[r] + bg, up[r] + bu) + bd[n]), the
+    activation applied as each K tile of gu is read, the biases read from expert e's block;
+    grid (tiles, D/BN)."""
+    rank, e, r, rm, elsewhere = _tile(tiles_ptr, tl.program_id(0), first, experts, BM)
+    if elsewhere:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < D
+    block = pool_ptr + tl.multiple_of(tl.load(block_ptr + rank), 16)
+    w = w_ptr + e.to(tl.int64) * w_stride + n.to(tl.int64)[None, :] * F
+    g_row = gu_ptr + r.to(tl.int64)[:, None] * (2 * F)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, F, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < F
+        am = rm[:, None] & km[None, :]
+        g = tl.load(g_row + k[None, :], mask=am, other=0.0)
+        u = tl.load(g_row + F + k[None, :], mask=am, other=0.0)
+        if GU_BIAS:
+            g += tl.load((block + gate_b).to(tl.pointer_type(tl.float32)) + k, mask=km, other=0.0)[None, :]
+            u += tl.load((block + up_b).to(tl.pointer_type(tl.float32)) + k, mask=km, other=0.0)[None, :]
+        a = tl.where(am, _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
+        b = tl.load(w + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if DOWN_BIAS:
+        acc += tl.load((block + down_b).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)[None, :]
+    pair = tl.load(pair_ptr + r, mask=rm, other=0)
+    acc = acc * tl.load(wt_ptr + pair, mask=rm, other=0.0)[:, None]
+    tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc, mask=rm[:, None] & nm[None, :])
+
+
+def _dequantize_into(out: torch.Tensor, pool: torch.Tensor, blocks: torch.Tensor, n_experts: torch.Tensor,
+                     first: int, role: MatrixRole) -> None:
+    """out [E, >=N rows, K] (rows contiguous, any expert stride) <- the role's matrix of the
+    experts of ranks first .. first+E-1 (those below n_experts[0])."""
+    grid = (triton.cdiv(role.n, BN_DEQUANT), triton.cdiv(role.k, CHUNK), out.shape[0])
+    _dequant_blocks_kernel[grid](pool, blocks, n_experts, first, out, role.offset, role.n, role.k, role.row_bytes,
+                                 out.stride(0), QT=role.ggml_type, BN=BN_DEQUANT, CH=CHUNK, num_warps=4)
+
+
+def _block_extent(roles: ExpertRoles) -> int:
+    """Bytes of a block its matrices reach: blocks do not overlap, so a pool of B bytes holds at
+    most B // extent distinct experts."""
+    return max(r.offset + r.n * r.row_bytes for r in (roles.gate, roles.up, roles.down))
+
+
+def _expert_tiles(sorted_blocks: torch.Tensor, max_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the pairs' blocks in sorted order, on the device and without a host sync: each distinct
+    expert's rank and block ([max_experts + 1], the last entry a sink), their number [1], and the
+    tile table [ceil(P/BM) + max_experts, 3] int32 of (rank, first row, end row), a tile holding
+    up to BM rows of one expert; unused tiles are (0, 0, 0)."""
+    p = sorted_blocks.shape[0]
+    dev = sorted_blocks.device
+    row = torch.arange(p, device=dev)
+    new = torch.ones(p, dtype=torch.bool, device=dev)
+    new[1:] = sorted_blocks[1:] != sorted_blocks[:-1]
+    rank = torch.cumsum(new, 0) - 1
+    sink = torch.where(new, rank, max_experts)
+    blocks = torch.zeros(max_experts + 1, dtype=torch.int64, device=dev).index_put_((sink,), sorted_blocks)
+    start = torch.zeros(max_experts + 1, dtype=torch.int64, device=dev).index_put_((sink,), row)
+    count = torch.zeros(max_experts, dtype=torch.int64, device=dev).index_add_(0, rank, torch.ones_like(rank))
+    offset = row - start[rank]  # the row's place among its expert's rows
+    is_first = offset % BM == 0
+    max_tiles = -(-p // BM) + max_experts
+    tile = torch.where(is_first, torch.cumsum(is_first, 0) - 1, max_tiles)
+    entry = torch.stack([rank, row, torch.minimum(row + BM, start[rank] + count[rank])], dim=1)
+    tiles = torch.zeros((max_tiles + 1, 3), dtype=torch.int64, device=dev).index_put_((tile,), entry)
+    return blocks, rank[-1:] + 1, tiles[:max_tiles].to(torch.int32).contiguous()
 
 
 def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
@@ -58,43 +166,37 @@ def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, we
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """As moe_tl.experts_per_pair: x [T, K] float32, offsets [T*k] int64 (bytes into pool, multiples
     of 16), weights [T*k] float32 -> out [T*k, D], each pair's expert output times its routing
-    weight; rows of pairs outside `pairs` are left as they were. One host sync: the experts and
-    their pair counts."""
+    weight; rows of pairs outside `pairs` are left as they were. No host sync: the launches are
+    sized by the bound on distinct experts (the pairs, the blocks the pool can hold), and programs
+    past the step's true count return at once."""
     total = offsets.shape[0]
     k_top = total // x.shape[0]
     f, d, k = roles.gate.n, roles.down.n, roles.gate.k
+    dev = x.device
     if out is None:
-        out = torch.empty((total, d), dtype=torch.float32, device=x.device)
-    idx = pairs.to(torch.int64) if pairs is not None else torch.arange(total, device=x.device)
+        out = torch.empty((total, d), dtype=torch.float32, device=dev)
+    idx = pairs.to(torch.int64) if pairs is not None else torch.arange(total, device=dev)
     sorted_off, perm = torch.sort(offsets[idx], stable=True)
-    order = idx[perm]
-    blocks, counts = torch.unique_consecutive(sorted_off, return_counts=True)
-    counts_host = counts.tolist()
-    xs = x[order // k_top]  # the pairs' tokens, sorted by expert
-    gu = torch.empty((order.shape[0], 2 * f), dtype=torch.float32, device=x.device)
-    y = torch.empty((order.shape[0], d), dtype=torch.float32, device=x.device)
-    per_group = max(1, GROUP_VALUES // (2 * f * k + d * f))
-    first = 0  # the group's first pair in sorted order
-    for g0 in range(0, len(counts_host), per_group):
-        sizes = counts_host[g0:g0 + per_group]
-        rows = slice(first, first + sum(sizes))
-        first = rows.stop
-        bases = blocks[g0:g0 + len(sizes)].contiguous()
-        w_gu = torch.empty((len(sizes), 2 * f, k), dtype=torch.float32, device=x.device)
-        w_down = torch.empty((len(sizes), d, f), dtype=torch.float32, device=x.device)
-        _dequantize_into(w_gu, pool, bases, roles.gate)
-        _dequantize_into(w_gu[:, f:], pool, bases, roles.up)
-        _dequantize_into(w_down, pool, bases, roles.down)
-        for e, (xe, gue) in enumerate(zip(xs[rows].split(sizes), gu[rows].split(sizes))):
-            torch.mm(xe, w_gu[e].T, out=gue)
-        g, u = gu[rows, :f], gu[rows, f:]
-        if roles.gate_bias is not None:
-            g = g + _biases(pool, bases, roles.gate_bias, f, sizes)
-            u = u + _biases(pool, bases, roles.up_bias, f, sizes)
-        a = act(g, u).contiguous()
-        for e, (ae, ye) in enumerate(zip(a.split(sizes), y[rows].split(sizes))):
-            torch.mm(ae, w_down[e].T, out=ye)
-        if roles.down_bias is not None:
-            y[rows] += _biases(pool, bases, roles.down_bias, d, sizes)
-    out[order] = y * weights[order, None]
+    order = idx[perm].to(torch.int32).contiguous()  # sorted row r -> its pair
+    tokens = (order // k_top).contiguous()
+    max_experts = min(idx.shape[0], pool.numel() // _block_extent(roles))
+    blocks, n_experts, tiles = _expert_tiles(sorted_off, max_experts)
+    gu = torch.empty((order.shape[0], 2 * f), dtype=torch.float32, device=dev)
+    per_group = max(1, min(max_experts, GROUP_VALUES // (2 * f * k + d * f)))
+    w_gu = torch.empty((per_group, 2 * f, k), dtype=torch.float32, device=dev)
+    w_down = torch.empty((per_group, d, f), dtype=torch.float32, device=dev)
+    n_tiles = tiles.shape[0]
+    for first in range(0, max_experts, per_group):
+        _dequantize_into(w_gu, pool, blocks, n_experts, first, roles.gate)
+        _dequantize_into(w_gu[:, f:], pool, blocks, n_experts, first, roles.up)
+        _dequantize_into(w_down, pool, blocks, n_experts, first, roles.down)
+        _grouped_gate_up_kernel[(n_tiles, triton.cdiv(2 * f, BN))](
+            x, tokens, w_gu, tiles, first, per_group, gu, 2 * f, k, w_gu.stride(0),
+            BM=BM, BN=BN, BK=BK, PRECISION=PRECISION, num_warps=WARPS, num_stages=STAGES)
+        _grouped_down_kernel[(n_tiles, triton.cdiv(d, BN))](
+            gu, w_down, tiles, first, per_group, order, weights, out, pool, blocks, roles.gate_bias or 0,
+            roles.up_bias or 0, roles.down_bias or 0, d, f, w_down.stride(0), act.limit, act.alpha, act.beta,
+            act.linear_beta, ACT=int(act.kind), GU_BIAS=roles.gate_bias is not None,
+            DOWN_BIAS=roles.down_bias is not None, BM=BM, BN=BN, BK=BK, PRECISION=PRECISION, num_warps=WARPS,
+            num_stages=STAGES)
     return out

@@ -29,8 +29,9 @@ class Model(Protocol):
     moe: ExpertFFN  # the one MoE entry point, and through it the expert source
     static_decode: bool  # a one-token step has the same shapes at every position (CUDA graphs)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens [T] (on the device) -> logits [T, n_vocab]; continues the cache."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
+        """tokens [T] (on the device) -> logits [T, n_vocab] ([1, n_vocab], the last position's,
+        with `last`); continues the cache."""
         ...
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..layers import KVCache, Rope, RopeStyle, attention, output_logits, rms_norm
 from ..mla import absorbed_attention, mla_keys_values, mla_query
-from ..model_files import ModelFiles
+from ..model_files import ModelFiles, expert_count
 from ..moe import ExpertFFN
 from ..placement import Placement
 from ..routing import sigmoid_group_topk, softmax_topk
@@ -85,7 +85,7 @@ class Model:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.nope = a.key_mla - a.rope_dim
         self.w = place.weights(files.trunk)
-        self.moe = ExpertFFN(files.experts)
+        self.moe = ExpertFFN(files.experts, expert_count(files))
         # DeepSeek's YaRN scales attention by mscale^2 through the softmax scale, and leaves cos/sin
         # alone (its mscale equals mscale_all_dim). The GGUF stores 0.1 * mscale_all_dim.
         mscale = a.yarn_log_multiplier * math.log(a.rope_factor) + 1.0 if a.rope_factor > 1 else 1.0
@@ -127,7 +127,7 @@ class Model:
                                w[p + "ffn_down_shexp.weight"])
         return out
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         a, w, t = self.args, self.w, len(tokens)
         x = w["token_embd.weight"].rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
@@ -137,4 +137,4 @@ class Model:
             x = x + self.attention(i, rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps), cos, sin, cache)
             x = x + self.ffn(i, rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps))
         cache.length += t
-        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])
+        return output_logits(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"], last)

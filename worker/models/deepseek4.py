@@ -18,8 +18,8 @@ from ..activation import Activation
 from ..compressed_attention import AttentionShape, LayerState, attention
 from ..config import Key, read_args
 from ..hyper_connections import HyperConnection
-from ..layers import KVCache, Rope, RopeStyle, rms_norm
-from ..model_files import ModelFiles
+from ..layers import KVCache, Rope, RopeStyle, output_logits, rms_norm
+from ..model_files import ModelFiles, expert_count
 from ..moe import ExpertFFN
 from ..placement import Placement
 from ..routing import sqrtsoftplus_hashed, sqrtsoftplus_topk
@@ -106,11 +106,11 @@ class Model:
         self.hc_attn = [hc(f"blk.{i}.hc_attn") for i in range(a.n_layer)]
         self.hc_ffn = [hc(f"blk.{i}.hc_ffn") for i in range(a.n_layer)]
         self.hc_head = hc("output_hc")
-        self.moe = ExpertFFN(files.experts, [Activation(limit=float(c)) for c in a.clamp_exp])
+        self.moe = ExpertFFN(files.experts, expert_count(files), [Activation(limit=float(c)) for c in a.clamp_exp])
         self.tables = {i: w[f"blk.{i}.ffn_gate_tid2eid.weight"].ints() for i in range(a.n_hash)}
         self.moe.static_routes.update(self.tables)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
         a, w = self.args, self.w
         x = w["token_embd.weight"].rows(tokens)  # [T, D]
@@ -130,7 +130,7 @@ class Model:
             streams = HyperConnection.expand(streams, self._moe(i, h, tokens), post, comb)
         cache.length += len(tokens)
         x = rms_norm(self.hc_head.head(streams), w["output_norm.weight"].dequant(), a.eps)
-        return linear(x, w["output.weight"])
+        return output_logits(x, w["output.weight"], last)
 
     def _moe(self, i: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         a, w, p = self.args, self.w, f"blk.{i}."

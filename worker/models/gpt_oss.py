@@ -12,8 +12,8 @@ import torch
 
 from ..activation import Activation, ActKind
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, rms_norm
-from ..model_files import ModelFiles
+from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, output_logits, rms_norm
+from ..model_files import ModelFiles, expert_count
 from ..moe import ExpertFFN
 from ..placement import Placement
 from ..routing import topk_softmax
@@ -63,7 +63,7 @@ class Model:
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.w = place.weights(files.trunk)
-        self.moe = ExpertFFN(files.experts, Activation(ActKind.SWIGLU_OAI, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA))
+        self.moe = ExpertFFN(files.experts, expert_count(files), Activation(ActKind.SWIGLU_OAI, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA))
         self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
         self.place, self.device = place, place.first
@@ -71,7 +71,7 @@ class Model:
         self.norm_after = [place.on_layer(i, self.w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < self.args.n_layer
                                                  else "output_norm.weight"]) for i in range(self.args.n_layer)]
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         a, w, hd, t = self.args, self.w, self.args.head_dim, len(tokens)
         x = w["token_embd.weight"].rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
@@ -87,4 +87,4 @@ class Model:
             ids, weights = topk_softmax(logits, a.n_expert_used)
             x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), self.norm_after[i].dequant(), a.eps)
         cache.length += t
-        return linear(h, w["output.weight"])
+        return output_logits(h, w["output.weight"], last)

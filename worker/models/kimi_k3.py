@@ -17,9 +17,9 @@ import torch
 from ..activation import Activation, ActKind
 from ..config import Key, read_args
 from ..kda import kda
-from ..layers import KVCache, attention, rms_norm
+from ..layers import KVCache, attention, output_logits, rms_norm
 from ..mla import absorbed_attention, mla_keys_values, mla_query
-from ..model_files import ModelFiles
+from ..model_files import ModelFiles, expert_count
 from ..moe import ExpertFFN
 from ..placement import Placement
 from ..routing import sigmoid_group_topk
@@ -77,7 +77,7 @@ class Model:
             raise ValueError("kimi-k3: a KDA gate without kda.gate_lower_bound (Kimi-Linear's form) is not supported")
         self.w = place.weights(files.trunk)
         self.situ = Activation(ActKind.SITU, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
-        self.moe = ExpertFFN(files.experts, self.situ)
+        self.moe = ExpertFFN(files.experts, expert_count(files), self.situ)
         self.place, self.device = place, place.first
 
     # ---- the residual stream -------------------------------------------------------------------
@@ -123,7 +123,7 @@ class Model:
                                w[p + "ffn_down_shexp.weight"])
         return out
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; continues the KV caches and the KDA states."""
         a, w = self.args, self.w
         x = w["token_embd.weight"].rows(tokens)
@@ -150,4 +150,4 @@ class Model:
             x = x + self._ffn(i, h)
         cache.length += len(tokens)
         x = self._mix(x, bank, w["output_res_score.weight"].dequant())
-        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])
+        return output_logits(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"], last)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, rms_norm
-from ..model_files import ModelFiles
+from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, output_logits, rms_norm
+from ..model_files import ModelFiles, expert_count
 from ..moe import ExpertFFN
 from ..placement import Placement
 from ..routing import softmax_topk
@@ -48,14 +48,14 @@ class Model:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.head_dim = a.n_embd // a.n_head
         self.w = place.weights(files.trunk)
-        self.moe = ExpertFFN(files.experts)
+        self.moe = ExpertFFN(files.experts, expert_count(files))
         self.rope = Rope(a.rope_dim or self.head_dim, a.rope_base, RopeStyle.NORM)
         self.place, self.device = place, place.first
         # the next block's input norm (or the output norm), fused into this block's residual add: on this block's device
         self.norm_after = [place.on_layer(i, self.w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < self.args.n_layer
                                                  else "output_norm.weight"]) for i in range(self.args.n_layer)]
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         a, w, hd, t = self.args, self.w, self.head_dim, len(tokens)
         x = w["token_embd.weight"].rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
@@ -69,4 +69,4 @@ class Model:
             ids, weights = softmax_topk(linear_parts(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=True)
             x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), self.norm_after[i].dequant(), a.eps)
         cache.length += t
-        return linear(h, w["output.weight"])
+        return output_logits(h, w["output.weight"], last)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, gqa_attention, rms_norm
-from ..model_files import ModelFiles
+from ..layers import KVCache, Rope, RopeStyle, gqa_attention, output_logits, rms_norm
+from ..model_files import ModelFiles, expert_count
 from ..moe import ExpertFFN
 from ..placement import Placement
 from ..routing import softmax_topk
@@ -47,7 +47,7 @@ class Model:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.head_dim = a.n_embd // a.n_head
         self.w = place.weights(files.trunk)
-        self.moe = ExpertFFN(files.experts)
+        self.moe = ExpertFFN(files.experts, expert_count(files))
         self.rope = Rope(self.head_dim, a.rope_base, RopeStyle.NEOX)
         self.place, self.device = place, place.first
 
@@ -58,7 +58,7 @@ class Model:
         gate = h @ w[p + "ffn_gate_inp_shexp.weight"].dequant().reshape(-1, 1)  # [T, 1]
         return torch.sigmoid(gate) * y
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         a, w, hd, t = self.args, self.w, self.head_dim, len(tokens)
         x = w["token_embd.weight"].rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
@@ -71,4 +71,4 @@ class Model:
             ids, weights = softmax_topk(linear(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=False)
             x = x + self.moe(i, h, ids, weights) + self.shared_expert(p, h)
         cache.length += t
-        return linear(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"])
+        return output_logits(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"], last)
