@@ -29,7 +29,9 @@ answered at once with READY naming its RAM slot (a hold, ended by RELEASE like a
 being read into it waits for that read; a miss the policy admits is read into a RAM slot instead of
 the client's staging slot, and is resident for everyone once its crc32 check passed. A client
 holds at most as many RAM blocks as it leases staging slots, and has at most that many reads into
-the RAM tier in flight, so one client cannot pin the tier nor take every reader."""
+the RAM tier in flight, so one client cannot pin the tier nor take every reader.
+Several workers (one per GPU) share one daemon as so many clients: STATS reports each one's pid
+(SO_PEERCRED of its ipc connection), what it holds and waits for, and its counters since HELLO."""
 
 from __future__ import annotations
 
@@ -796,7 +798,8 @@ class ExpertDaemon:
 def _peer_pid(fd: int) -> int | None:
     """The process at the other end of an ipc connection (SO_PEERCRED), so that `expertctl stats`
     tells apart workers that gave the same name; None for tcp peers, or when the connection is gone
-    by now (libzmq's I/O thread owns the fd: this reads a duplicate of it and never closes it)."""
+    by now. libzmq's I/O thread owns the fd: this asks through a duplicate (closed here) and never
+    touches the original."""
     if fd < 0:
         return None
     try:
