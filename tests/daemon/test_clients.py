@@ -3,7 +3,7 @@
 read for it and what the RAM tier answered; a block one client had read is a RAM hit for the next
 (no read of its own); and a client flooding the daemon with keys does not starve another one's
 demand fetch (each is served from its own leased slots, so the reader queue never holds more of
-one client's reads than its share)."""
+one client's reads than its share), and two equally busy clients get the reads in turn."""
 
 from __future__ import annotations
 
@@ -109,3 +109,42 @@ def test_a_flooding_client_does_not_starve_another(tiny_pack: Path, tmp_path: Pa
     by = clients_by_name(stats)
     assert by["modest"]["ready"] == 8 and by["modest"]["ram_misses"] == 8
     assert by["flooder"]["keys"] == len(flood) and by["flooder"]["queued"] > 0
+
+
+def test_two_busy_clients_share_the_reads(tiny_pack: Path, tmp_path: Path) -> None:
+    """Two clients with two slots each, both asking for 512 keys at once, one reader thread, no RAM
+    tier: when the first is through, the second has had a fair share of the reads too (each has at
+    most its two slots' reads queued, so the reader alternates between them)."""
+    m = Manifest.load(tiny_pack)
+    keys = (all_keys(m) * 8)[:512]
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "4", "--client-slots", "2", "--read-threads", "1")
+    d.wait_for("READY=1")
+    try:
+        with ExpertClient(d.endpoint, name="one") as one, ExpertClient(d.endpoint, name="two") as two:
+            served = {"one": 0, "two": 0}
+            at_first_done: list[dict[str, int]] = []
+            errors: list[BaseException] = []
+            start = threading.Barrier(2)
+
+            def consume(name: str, client: ExpertClient) -> None:
+                try:
+                    start.wait()
+                    for expert in client.fetch(keys, timeout_s=60):
+                        expert.release()
+                        served[name] += 1
+                    if not at_first_done:
+                        at_first_done.append(dict(served))
+                except BaseException as exc:  # noqa: BLE001 - reported by the test
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=consume, args=(n, c)) for n, c in (("one", one), ("two", two))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not errors and not any(t.is_alive() for t in threads), errors
+    finally:
+        code, log = d.stop()
+        assert code == 0, log
+    assert served == {"one": 512, "two": 512}
+    assert min(at_first_done[0].values()) >= 512 // 2, at_first_done  # seen here: 508..511 of 512
