@@ -42,8 +42,9 @@ def sync(device: str) -> None:
             torch.cuda.synchronize(i)
 
 
-def run(engine, prompt: list[int], n_decode: int, device: str, on_phase) -> dict:
-    """Prefill then greedy decode; `on_phase(name)` is called at each phase boundary (counters)."""
+def run(engine, prompt: list[int], n_decode: int, device: str, on_phase, seed: int = 0) -> dict:
+    """Prefill then decode of a pseudo-random token stream drawn with `seed`, the argmax of every
+    step recorded; `on_phase(name)` is called at each phase boundary (counters)."""
     engine.forward(prompt[:4], engine.new_cache())  # warm-up: kernels, allocator
     sync(device)
     on_phase("start")
@@ -54,7 +55,7 @@ def run(engine, prompt: list[int], n_decode: int, device: str, on_phase) -> dict
     prefill_s = time.perf_counter() - t0
     on_phase("prefill")
     tokens = [int(logits[-1].argmax())]  # the argmax after each step: what the runs compare
-    feed = random.Random(0).choices(range(logits.shape[-1]), k=n_decode - 1)
+    feed = random.Random(seed).choices(range(logits.shape[-1]), k=n_decode - 1)
     t0 = time.perf_counter()
     for token in feed:
         tokens.append(int(engine.forward([token], cache)[-1].argmax()))
@@ -62,6 +63,24 @@ def run(engine, prompt: list[int], n_decode: int, device: str, on_phase) -> dict
     decode_s = time.perf_counter() - t0
     on_phase("decode")
     return {"prefill_tps": len(prompt) / prefill_s, "decode_tps": (n_decode - 1) / decode_s, "tokens": tokens}
+
+
+def prepare_pack(preset: str, layers: int | None, workdir: Path) -> tuple[str, Path]:
+    """(name, pack directory) of the synthetic preset (cut to `layers`), synthesized and packed
+    into `workdir` unless there already; shared with decode_workers.py."""
+    from expertpack.packtools.build import BuildOptions, build_pack
+    from expertpack.packtools.synth.writer import SynthOptions, write_synth
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    stem = f"{preset}{f'-{layers}L' if layers else ''}"
+    src, pack = workdir / f"{stem}.gguf", workdir / f"{stem}.pack"
+    if not (pack / "manifest.json").exists():  # written last: an interrupted build resumes
+        if not src.exists():
+            print(f"synthesizing {src} ...", file=sys.stderr)
+            write_synth(src, SynthOptions(preset=preset, n_layer=layers, progress=False))
+        print(f"packing {pack} ...", file=sys.stderr)
+        build_pack(src, pack, BuildOptions(progress=False))
+    return stem, pack
 
 
 def disk_bandwidth(pack: Path, workdir: Path) -> tuple[float, str]:
@@ -95,20 +114,10 @@ def main() -> int:
     args = p.parse_args()
 
     from expertpack.client import bench_io
-    from expertpack.packtools.build import BuildOptions, build_pack
     from expertpack.packtools.layout import Manifest
-    from expertpack.packtools.synth.writer import SynthOptions, write_synth
     from expertpack.worker.engine import Engine
 
-    args.dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.preset}{f'-{args.layers}L' if args.layers else ''}"
-    src, pack = args.dir / f"{stem}.gguf", args.dir / f"{stem}.pack"
-    if not (pack / "manifest.json").exists():  # written last: an interrupted build resumes
-        if not src.exists():
-            print(f"synthesizing {src} ...", file=sys.stderr)
-            write_synth(src, SynthOptions(preset=args.preset, n_layer=args.layers, progress=False))
-        print(f"packing {pack} ...", file=sys.stderr)
-        build_pack(src, pack, BuildOptions(progress=False))
+    stem, pack = prepare_pack(args.preset, args.layers, args.dir)
     m = Manifest.load(pack)
     expert_bytes = sum(l.payload_bytes * m.model.n_expert for l in m.layers)
     workdir = Path(tempfile.mkdtemp(prefix="decode-streaming-"))

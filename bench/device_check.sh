@@ -8,11 +8,20 @@
 #   .venv/bin/python bench/peer_llamacpp.py fetch --dest .peer/llama.cpp
 #   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 26 MiB) or b (41 MiB)
 # and on the device: COMMIT=<hash> bash bench/device_check.sh run
+# `bash bench/device_check.sh workers [FLAGS]` (needs .whl only) measures N worker processes, one per
+# visible GPU, on one expertd against one worker alone (bench/decode_workers.py FLAGS): the SSD path
+# (no RAM tier), then expertd's default RAM tier; `workers-test` runs tests/gpu/test_two_workers.py
+# (two GPUs, tiny model, argmax and shared reads); each fits one call.
 # Set a holds what tests/kernels and most of tests/gpu read; set b the architectures the rest read
 # (mixtral-a, deepseek3-a at BF16, DeepSeek-V4 and Kimi-K3): `tests` with it, carried without .peer.
 # Outputs (profiles, llama-bench JSON, chart) go to $OUT.
 set -uo pipefail
 fixtures=${EXPERTPACK_SHARED:-../shared}/fixtures
+install() {  # the project and the carried wheels, on a machine that reaches no registry
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+}
 case "${1:-}" in
 fixtures)
     set -e
@@ -37,11 +46,26 @@ fixtures)
     fi
     du -sh .gpufix
     ;;
+workers)
+    install
+    shift
+    n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    out=${OUT:-/tmp}
+    common=(--workers "$n" --layers 12 --cache-gib 1 --prompt 16 --decode 24 "$@")
+    echo "== $n workers, no RAM tier (every miss of a worker's cache read from the SSD)"
+    timeout 330 python3 bench/decode_workers.py "${common[@]}" --ram-cache-gib 0 2>&1 | grep -v Warn \
+        | tee "$out/workers-ssd.txt" | tail -12
+    echo "== $n workers, expertd's default RAM tier (shared)"
+    timeout 220 python3 bench/decode_workers.py "${common[@]}" 2>&1 | grep -v Warn | tee "$out/workers-ram.txt" | tail -12
+    ;;
+workers-test)
+    install
+    timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_two_workers.py 2>&1 | tail -6
+    ;;
 run | tests)
     [ "$1" = run ] && bash bench/peer_on_device.sh start-build
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 EXPERTPACK_FIXTURES=$PWD/.gpufix
+    install
+    export EXPERTPACK_FIXTURES=$PWD/.gpufix
     echo "== tests (those whose fixtures are in .gpufix)"
     have() { [ -e ".gpufix/$1" ]; }
     skip=()
@@ -58,6 +82,7 @@ run | tests)
     have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py
         --deselect tests/gpu/test_cuda_worker.py::test_resident_experts_equal_read_per_use_on_cuda
         --deselect tests/gpu/test_multi_gpu.py::test_two_gpus_through_expertd_share_one_connection)
+    skip+=(--deselect tests/gpu/test_two_workers.py)  # workers-test runs it (several processes; minutes)
     if [ "$1" = tests ]; then timeout 500 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
     timeout 240 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
     out=${OUT:-/tmp}
@@ -69,7 +94,7 @@ run | tests)
     echo "== peer"; bash bench/peer_on_device.sh run qwen3-30b-a3b 12 64 2 2>&1 | tail -12
     ;;
 *)
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

@@ -111,7 +111,8 @@ class DaemonProcess:
     memory."""
 
     def __init__(self, pack: Path, workdir: Path, threads: int, splits: int, slots: int,
-                 ram_cache_gib: float = 0.0) -> None:
+                 ram_cache_gib: float | None = 0.0, client_slots: int | None = None) -> None:
+        """ram_cache_gib None: expertd's own default tier; client_slots None: every slot to one client."""
         workdir = Path(tempfile.mkdtemp(dir=workdir))  # one per daemon: socket paths are not reused
         self.endpoint = f"ipc://{workdir}/bench.sock"
         notify_path = workdir / "notify.sock"
@@ -122,8 +123,8 @@ class DaemonProcess:
         self.log = open(workdir / "expertd.log", "w")
         self.proc = subprocess.Popen(
             [str(expertd), "--pack", str(pack), "--endpoint", self.endpoint, "--read-threads", str(threads),
-             "--read-splits", str(splits), "--stage-slots", str(slots), "--client-slots", str(slots),
-             "--ram-cache-gib", repr(ram_cache_gib)],
+             "--read-splits", str(splits), "--stage-slots", str(slots), "--client-slots", str(client_slots or slots),
+             *(() if ram_cache_gib is None else ("--ram-cache-gib", repr(ram_cache_gib)))],
             stdout=self.log, stderr=self.log, env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
         try:
             while b"READY=1" not in self.notify.recv(4096):

@@ -93,10 +93,43 @@ def render(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: f
                      f"{ram['held']} held   hits {ram['hits']:,}  misses {ram['misses']:,}  "
                      f"evictions {ram['evictions']:,}  hit rate {ram['hits'] / asked if asked else 0:.1%}")
     lines.append(f"clients  {len(stats['clients'])}")
-    for cl in stats["clients"]:
-        lines.append(f"  {cl['name']:<24} slots {cl['slots']:>4}  free {cl['free']:>4}  queued {cl['queued']:>6}  "
-                     f"requests {cl['requests']}")
+    lines.extend(client_lines(stats["clients"], previous["clients"] if previous else None, interval_s))
     return "\n".join(lines)
+
+
+def client_lines(clients: list[dict[str, Any]], previous: list[dict[str, Any]] | None,
+                 interval_s: float | None) -> list[str]:
+    """Two lines per client: who and what it holds now; then its counters since HELLO (with
+    --watch, its experts/s since the last print). An expertd from before per-client counters gets
+    the first line only."""
+    before = {(c["name"], c.get("pid")): c for c in previous or []}
+    width = max([24, *(len(c["name"]) for c in clients)])
+    out = []
+    for cl in clients:
+        pid = cl.get("pid")
+        out.append(f"  {cl['name']:<{width}} pid {pid if pid is not None else '?'!s:<7}  slots {cl['slots']:>4}  "
+                   f"free {cl['free']:>4}  queued {cl['queued']:>6}"
+                   + (f" ({cl['queued_demand']} demand, {cl['queued_prefetch']} prefetch)  ram held "
+                      f"{cl['ram_held']}" if "queued_demand" in cl else "")
+                   + f"  requests {cl['requests']}")
+        if "keys" not in cl:
+            continue
+        asked = cl["ram_hits"] + cl["ram_misses"]
+        lat = cl["demand_latency_us"]
+        rate = ""
+        old = before.get((cl["name"], pid))
+        if old is not None and interval_s:
+            rate = f"  now {(cl['ready'] - old['ready']) / interval_s:,.0f} experts/s"
+        out.append(f"  {'':<{width}} keys {cl['keys']:,}  ready {cl['ready']:,}  failed {cl['failed']:,}  "
+                   f"served {size(cl['served_bytes'])}  read {size(cl['read_bytes'])}  "
+                   f"ram hits {cl['ram_hits']:,} ({cl['ram_hits'] / asked if asked else 0:.1%})  "
+                   f"demand p50 <= {lat['p50']:,.0f} us  p99 <= {lat['p99']:,.0f} us{rate}")
+    return out
+
+
+def size(n_bytes: int) -> str:
+    """Bytes for people: MB below a GB (a worker's first minutes), GB above."""
+    return f"{n_bytes / 1e9:,.2f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:,.1f} MB"
 
 
 def health(stats: dict[str, Any]) -> tuple[int, str]:

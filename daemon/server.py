@@ -29,7 +29,9 @@ answered at once with READY naming its RAM slot (a hold, ended by RELEASE like a
 being read into it waits for that read; a miss the policy admits is read into a RAM slot instead of
 the client's staging slot, and is resident for everyone once its crc32 check passed. A client
 holds at most as many RAM blocks as it leases staging slots, and has at most that many reads into
-the RAM tier in flight, so one client cannot pin the tier nor take every reader."""
+the RAM tier in flight, so one client cannot pin the tier nor take every reader.
+Several workers (one per GPU) share one daemon as so many clients: STATS reports each one's pid
+(SO_PEERCRED of its ipc connection), what it holds and waits for, and its counters since HELLO."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ import queue
 import signal
 import socket
 import stat
+import struct
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -58,7 +61,7 @@ from .notify import notify, watchdog_interval_s
 from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, open_pack
 from .ram_tier import RamSlot, RamState, RamTier, ram_slot_count
 from .staging import SlotState, StagingSegment, lockable_bytes, remove_orphans
-from .stats import Counters, Histogram
+from .stats import ClientCounters, Counters, Histogram
 
 log = logging.getLogger("expertd")
 
@@ -106,6 +109,9 @@ class Session:
     closed: bool = False
     ram_holds: Counter[int] = field(default_factory=Counter)  # RAM slot -> READYs naming it not yet released
     ram_reads: int = 0  # reads into the RAM tier this client started that are in flight
+    pid: int | None = None  # the peer process (SO_PEERCRED of an ipc connection); None over tcp or when unknown
+    connected: float = field(default_factory=time.monotonic)
+    counters: ClientCounters = field(default_factory=ClientCounters)
 
 
 class ExpertDaemon:
@@ -325,9 +331,11 @@ class ExpertDaemon:
                         f"slots unleased ({len(self.sessions)} clients hold the rest); ask for fewer, or raise "
                         "stage_slots or lower client_slots")
             return
-        self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots))
+        pid = _peer_pid(fd)
+        self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots), pid=pid)
         self.counters.clients_total += 1
-        log.info("client %r connected: %d slots%s", msg.client, len(slots),
+        log.info("client %r (pid %s) connected: %d slots%s", msg.client, pid if pid is not None else "unknown",
+                 len(slots),
                  f" ({asked} asked, at most {self.config.client_slot_cap} a client)" if asked > n_slots else "")
         m = self.manifest
         self._send(identity, p.Welcome(
@@ -362,6 +370,8 @@ class ExpertDaemon:
         session.queued += len(works)
         self.counters.fetches += 1
         self.counters.keys += len(works)
+        session.counters.fetches += 1
+        session.counters.keys += len(works)
         self.ram.touch(msg.keys)
         self._dispatch(session)
 
@@ -436,6 +446,7 @@ class ExpertDaemon:
             if holds >= share:
                 return False
             self.counters.ram_hits += 1
+            session.counters.ram_hits += 1
             work.slot, work.ram = resident.index, True
             if resident.state is RamState.RESIDENT:
                 self._ready_ram(work, resident)
@@ -453,6 +464,7 @@ class ExpertDaemon:
             claim = self.ram.claim(work.key, self.layers[work.key.layer].payload_bytes)
             if claim is not None:
                 self.counters.ram_misses += 1
+                session.counters.ram_misses += 1
                 self.counters.ram_evictions += claim.evicted is not None
                 session.ram_reads += 1
                 work.slot, work.ram = claim.slot.index, True
@@ -462,6 +474,7 @@ class ExpertDaemon:
         if not session.free:
             return False
         self.counters.ram_misses += 1
+        session.counters.ram_misses += 1
         slot = session.free.popleft()
         self.staging.pool.slots[slot].move(SlotState.READING)
         work.slot = slot
@@ -516,6 +529,7 @@ class ExpertDaemon:
                 self.counters.fallback_count += 1
             if error is None:
                 self.counters.pack_read_bytes += nbytes
+                work.session.counters.read_bytes += nbytes
             else:
                 work.error = error
                 self.counters.io_errors += 1
@@ -619,9 +633,14 @@ class ExpertDaemon:
         session.queued -= 1
         if ready is not None:
             self.counters.ready += 1
+            session.counters.ready += 1
+            session.counters.served_bytes += ready.nbytes
+            if work.prio == p.Priority.DEMAND:
+                session.counters.demand_latency.add_ns(time.monotonic_ns() - work.submitted_ns)
             self._send(session.identity, ready)
         else:
             self.counters.failed += 1
+            session.counters.failed += 1
             self.counters.cancelled += fail is p.FailCode.CANCELLED
             self._send(session.identity, p.Fail(work.request_id, work.key, fail, message[:p.MAX_TEXT]))
         request = session.requests.get(work.request_id)
@@ -668,7 +687,8 @@ class ExpertDaemon:
         held = sum(session.ram_holds.values())
         for i, n in list(session.ram_holds.items()):
             self._unhold(session, i, n)
-        log.info("client %r %s: %d slots back, %d RAM tier holds ended", session.name, why, len(session.slots), held)
+        log.info("client %r (pid %s) %s: %d slots back, %d RAM tier holds ended", session.name,
+                 session.pid if session.pid is not None else "unknown", why, len(session.slots), held)
 
     def _send(self, identity: bytes, msg: p.Message) -> None:
         try:
@@ -709,10 +729,19 @@ class ExpertDaemon:
                     "hits": self.counters.ram_hits, "misses": self.counters.ram_misses,
                     "evictions": self.counters.ram_evictions,
                     **{state.value: self.ram.count(state) for state in RamState}},
-            "clients": [{"name": s.name, "slots": len(s.slots), "free": len(s.free), "queued": s.queued,
-                         "queue_entries": len(s.pending[0]) + len(s.pending[1]), "requests": len(s.requests)}
-                        for s in self.sessions.values()],
+            "clients": [self._client_stats(s) for s in self.sessions.values()],
         }
+
+    def _client_stats(self, s: Session) -> dict:
+        """One client's line of STATS: who it is, what it holds and waits for now, and its counters
+        since HELLO (README, "Several workers on one expertd")."""
+        return {"name": s.name, "pid": s.pid, "connected_s": time.monotonic() - s.connected,
+                "slots": len(s.slots), "free": len(s.free), "queued": s.queued,
+                "queue_entries": len(s.pending[0]) + len(s.pending[1]),
+                "queued_demand": sum(not w.done for w in s.pending[0]),
+                "queued_prefetch": sum(not w.done for w in s.pending[1]),
+                "requests": len(s.requests), "ram_held": sum(s.ram_holds.values()), "ram_reads": s.ram_reads,
+                **s.counters.to_dict()}
 
     def _shutdown(self) -> None:
         notify("STOPPING=1")
@@ -764,6 +793,24 @@ class ExpertDaemon:
         if getattr(self, "_wake", None) is not None:
             os.close(self._wake)
         self.pack.close()
+
+
+def _peer_pid(fd: int) -> int | None:
+    """The process at the other end of an ipc connection (SO_PEERCRED), so that `expertctl stats`
+    tells apart workers that gave the same name; None for tcp peers, or when the connection is gone
+    by now. libzmq's I/O thread owns the fd: this asks through a duplicate (closed here) and never
+    touches the original."""
+    if fd < 0:
+        return None
+    try:
+        with socket.fromfd(fd, socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN) != socket.AF_UNIX:
+                return None
+            pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   struct.calcsize("3i")))
+    except OSError:
+        return None
+    return pid if pid > 0 else None
 
 
 def _same_file(fd: int, path: Path) -> bool:

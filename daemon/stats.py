@@ -64,3 +64,25 @@ class Counters:
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+@dataclass
+class ClientCounters:
+    """One session's share of the work, so that an operator running several workers against one
+    expertd sees which of them asks, reads and waits: the daemon-wide Counters sum over every
+    client, these do not. Kept for the life of the session (a reconnect starts a new one)."""
+
+    fetches: int = 0  # FETCH messages accepted
+    keys: int = 0  # keys asked for
+    ready: int = 0  # READY sent
+    failed: int = 0  # FAIL sent (errors, cancels, shutdown)
+    served_bytes: int = 0  # payload bytes the READYs named (RAM tier or staging): what the client copied
+    read_bytes: int = 0  # pack bytes read for keys this client asked first (a read others joined counts here)
+    ram_hits: int = 0  # keys answered from the RAM tier without a read of their own (resident or joined)
+    ram_misses: int = 0  # keys read from the pack for this client
+    demand_latency: Histogram = field(default_factory=Histogram)  # FETCH to READY of demand keys: the stall
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "demand_latency"}
+        out["demand_latency_us"] = self.demand_latency.to_dict()  # buckets too: percentiles of any interval
+        return out

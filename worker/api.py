@@ -288,6 +288,11 @@ class WorkerService:
         cache = self.generator.engine.expert_cache
         return None if cache is None else cache.link.stats()
 
+    def daemon_client(self) -> dict | None:
+        """expertd's counters for this worker's own session (several workers may share the daemon)."""
+        cache = self.generator.engine.expert_cache
+        return None if cache is None else cache.link.own_client(cache.link.stats())
+
 
 def create_app(service: WorkerService) -> FastAPI:
     app = FastAPI(title="expert-worker", description="OpenAI-compatible API of an expertpack worker")
@@ -541,8 +546,10 @@ def create_app(service: WorkerService) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         cache = service.generator.engine.expert_cache
         stats = None if cache is None else await asyncio.to_thread(cache.stats)
+        mine = None if cache is None else await asyncio.to_thread(service.daemon_client)
         return PlainTextResponse(render(service.counters, stats and stats["cache"], stats and stats["daemon"],
-                                        stats and stats.get("daemon_ram")), media_type="text/plain; version=0.0.4")
+                                        stats and stats.get("daemon_ram"), mine),
+                                 media_type="text/plain; version=0.0.4")
 
     return app
 

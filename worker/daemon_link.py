@@ -20,6 +20,7 @@ that died during a generation reads as gone within the probe's timeout."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Iterator, Sequence
@@ -162,6 +163,16 @@ class DaemonLink:
             return None
         finally:
             self._probe_lock.release()
+
+    def own_client(self, stats: dict | None) -> dict | None:
+        """This worker's own line of a STATS reply's `clients` (its session's counters), found by
+        its name and, where expertd knows it, its pid: None when the daemon did not answer or this
+        worker holds no session now (between a daemon restart and its next request)."""
+        if stats is None:
+            return None
+        pid = os.getpid()
+        return next((c for c in stats.get("clients", ())
+                     if c.get("name") == self.name and c.get("pid") in (pid, None)), None)
 
     # ---- fetching -----------------------------------------------------------------------------
     def fetch(self, keys: list[ExpertKey]) -> Iterator[Expert]:

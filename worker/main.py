@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -144,6 +145,17 @@ def pick_device(requested: str | None) -> str:
         raise SettingsError(str(exc)) from None
 
 
+def client_name(model: str, device: str, pid: int) -> str:
+    """The name this worker gives expertd at HELLO: `expert-worker[PID] MODEL@DEVICE`, as its log
+    lines start, so that several workers on one daemon (one per GPU, same model) are told apart in
+    `expertctl stats` and in expertd's log. Cut to the protocol's limit (a long model name would
+    otherwise be refused at HELLO), the pid first so that it survives."""
+    from expertpack.client.protocol import MAX_CLIENT_NAME
+
+    printable = "".join(c if c.isprintable() else "?" for c in model)
+    return f"expert-worker[{pid}] {printable}@{device}"[:MAX_CLIENT_NAME]
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = settings(argv)
@@ -204,7 +216,8 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     start = time.perf_counter()
     try:
         engine = Engine.load(pack, device, daemon=args.daemon, cache_bytes=int(args.cache_vram_mib) << 20,
-                             reserve_bytes=int(args.cache_reserve_mib) << 20, name=f"expert-worker:{name}",
+                             reserve_bytes=int(args.cache_reserve_mib) << 20,
+                             name=client_name(name, device, os.getpid()),
                              daemon_timeout_s=float(args.daemon_timeout_s),
                              down_timeout_s=float(args.daemon_down_timeout_s))
         tokenizer = load_tokenizer(engine.files.metadata, args.tokenizer)
@@ -232,11 +245,12 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
         cache = engine.expert_cache
         m = cache.manifest
         log.info("serving %s (%s, %d layers, %d experts top-%d) on %s: %d cache slots of %.2f MiB, %.0f MiB "
-                 "resident, staging pinned: %s, context %d; loaded in %.1f s; http://%s:%d/v1",
+                 "resident, staging pinned: %s, %d staging slots of expertd as client %r, context %d; loaded in "
+                 "%.1f s; http://%s:%d/v1",
                  name, engine.files.arch, m.model.n_layer, m.model.n_expert, m.model.n_expert_used, device,
                  cache.n_slots, cache.slot_bytes / 2**20, cache.resident_bytes / 2**20,
-                 "yes" if cache.link.pinned else "no", generator.n_ctx, time.perf_counter() - start,
-                 args.host, args.port)
+                 "yes" if cache.link.pinned else "no", cache.link.n_staging_slots, cache.link.name, generator.n_ctx,
+                 time.perf_counter() - start, args.host, args.port)
         limits = Limits.for_context(generator.n_ctx, int(args.max_prompt_chars), int(args.max_body_mib) << 20)
         service = WorkerService(generator, name, limits)
         app = create_app(service)

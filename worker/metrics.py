@@ -29,9 +29,26 @@ def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:
     return f"{name} {value}"
 
 
-def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon_ram: dict | None = None) -> str:
+# expertd's counters for this worker's own session (STATS "clients"), beside the daemon-wide ones
+# that sum over every worker sharing it: (key, metric name, help).
+CLIENT_COUNTERS = (
+    ("keys", "expertpack_daemon_client_keys", "Experts this worker asked expertd for (this session)."),
+    ("ram_hits", "expertpack_daemon_client_ram_hits",
+     "This worker's keys expertd answered from its RAM tier without a read of their own (this session)."),
+    ("ram_misses", "expertpack_daemon_client_ram_misses",
+     "This worker's keys expertd read from the pack (this session)."),
+    ("read_bytes", "expertpack_daemon_client_read_bytes", "Pack bytes expertd read for this worker (this session)."),
+    ("served_bytes", "expertpack_daemon_client_served_bytes",
+     "Expert bytes expertd handed this worker, from staging or its RAM tier (this session)."),
+)
+
+
+def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon_ram: dict | None = None,
+           daemon_client: dict | None = None) -> str:
     """cache: ExpertCache.stats()["cache"] (None without one); daemon: its counters (None when down);
-    daemon_ram: its STATS "ram" section (None when down, or from an expertd without a RAM tier)."""
+    daemon_ram: its STATS "ram" section (None when down, or from an expertd without a RAM tier);
+    daemon_client: this worker's entry of its STATS "clients" (None when down, between sessions, or
+    from an expertd without per-client counters)."""
     out: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[float, dict[str, str] | None]],
@@ -78,6 +95,14 @@ def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon
                                ("ram_evictions", "Blocks expertd evicted from its RAM tier to admit another.")):
             if key in daemon:
                 metric(f"expertpack_daemon_{key}", "counter", help_text, [(daemon[key], None)], "_total")
+    if daemon_client is not None and "keys" in daemon_client:
+        for key, name, help_text in CLIENT_COUNTERS:
+            metric(name, "counter", help_text, [(daemon_client[key], None)], "_total")
+        latency = daemon_client["demand_latency_us"]
+        metric("expertpack_daemon_client_demand_latency_seconds", "gauge",
+               "FETCH to READY of this worker's demand keys in expertd, by quantile (upper edge of a "
+               "power-of-two bucket; this session).",
+               [(latency["p50"] / 1e6, {"quantile": "0.5"}), (latency["p99"] / 1e6, {"quantile": "0.99"})])
     if daemon_ram is not None:
         metric("expertpack_daemon_ram_resident_bytes", "gauge", "Expert bytes resident in expertd's RAM tier.",
                [(daemon_ram["resident_bytes"], None)])

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from expertpack.worker.main import client_name
+
 from ..conftest import start_daemon
 from ..daemon.test_faults import wait_stats
 from ..worker.test_expert_worker import PACK, start_worker
 
 PROMPT = "A long story begins"
 N_TOKENS = 24
-WORKER = "expert-worker:fixture"  # the name its HELLO gives: the program and --model-name
 
 
 def stream_text(worker, max_tokens: int) -> str:
@@ -35,6 +36,7 @@ def test_a_worker_killed_mid_generation_gives_its_leases_back(fixture_packs, tmp
     daemon = start_daemon(pack, tmp_path, "--stage-slots", "24", "--client-slots", "4")
     daemon.wait_for("READY=1")
     workers = [start_worker(pack, daemon.endpoint, tmp_path / "first")]
+    name = client_name("fixture", "cpu", workers[0].proc.pid)  # what its HELLO says: program, pid, model, device
     try:
         clean = stream_text(workers[0], N_TOKENS)
         assert clean
@@ -43,8 +45,8 @@ def test_a_worker_killed_mid_generation_gives_its_leases_back(fixture_packs, tmp
         chunks = iter(stream)
         for _ in range(3):
             next(chunks)
-        held = wait_stats(daemon.endpoint, lambda s: any(c["name"] == WORKER for c in s["clients"]))
-        assert any(c["name"] == WORKER for c in held["clients"]), held["clients"]  # its lease, mid-generation
+        held = wait_stats(daemon.endpoint, lambda s: any(c["name"] == name for c in s["clients"]))
+        assert any(c["name"] == name for c in held["clients"]), held["clients"]  # its lease, mid-generation
         workers[0].proc.send_signal(signal.SIGKILL)  # mid-generation: fetches in flight, slots leased
         workers[0].proc.wait()
         start = time.monotonic()
@@ -66,4 +68,4 @@ def test_a_worker_killed_mid_generation_gives_its_leases_back(fixture_packs, tmp
                 assert worker.stop() == 0, worker.log
         code, log = daemon.stop()
     assert code == 0 and "Traceback" not in log, log
-    assert f"client '{WORKER}' disconnected" in log
+    assert f"client '{name}' (pid {workers[0].proc.pid}) disconnected" in log
