@@ -41,7 +41,7 @@ def oracle(local, prompt_ids: list[int], n: int, choose=None) -> list[tuple[int,
     engine, _ = local
     choose = choose or (lambda logits, _: int(torch.argmax(logits)))
     kv = engine.new_cache()
-    logits = engine.forward(prompt_ids, kv)[-1]
+    logits = engine.forward(prompt_ids, kv, last=True)[-1]  # as a generation: the head on the last row
     steps: list[tuple[int, torch.Tensor]] = []
     for _ in range(n):
         token = choose(logits, [t for t, _ in steps])
