@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""One MoE layer of a prefill, both ways the worker can run it, by prompt length: per (token,
-expert) pair (moe_tl, an expert's bytes decoded for every pair) and dense (moe_dense, each selected
-expert dequantized once and multiplied by all its tokens). Routing is uniform at random over the
-layer's experts; each case is timed with triton.testing.do_bench, the two results are compared,
-and the worker's own choice (moe.dense_pays) is shown beside the faster one, to set its threshold
+"""One MoE layer of a prefill, every way the worker can run it, by prompt length: per (token,
+expert) pair (moe_tl, an expert's bytes decoded for every pair), in tiles (moe_tiles, decoded once
+per tile of up to 4 pairs of one expert) and dense (moe_dense, each selected expert dequantized
+once and multiplied by all its tokens). Routing is uniform at random over the layer's experts;
+each case is timed with triton.testing.do_bench, the results are compared with the per-pair one,
+and the worker's own choice (moe.fused_path) is shown beside the fastest, to set its thresholds
 from measurements.
-  python3 bench/moe_prefill.py MODEL.gguf [--tokens 16,32,64,128,256,512]
+  python3 bench/moe_prefill.py MODEL.gguf [--tokens 2,4,8,16,32,64,128,256,512]
 Prints a table, then one JSON line."""
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from pathlib import Path
 import torch
 
 from expertpack.worker.engine import Engine
-from expertpack.worker.kernels import moe_dense, moe_tl
-from expertpack.worker.moe import dense_pays
+from expertpack.worker.kernels import moe_dense, moe_tiles, moe_tl
+from expertpack.worker.moe import fused_path
 from kernel_bandwidth import bench_ms  # bench/ is on the path when this script runs
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path, help="a GGUF (or pack directory)")
-    p.add_argument("--tokens", default="16,32,64,128,256,512", help="prompt lengths, comma-separated")
+    p.add_argument("--tokens", default="2,4,8,16,32,64,128,256,512", help="prompt lengths, comma-separated")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -46,20 +47,24 @@ def main(argv: list[str] | None = None) -> int:
         offsets = (ids.flatten() * layout.stride).contiguous()
         x = torch.randn(t, roles.gate.k, device=dev, generator=g)
         w = torch.rand(t * k_top, device=dev, generator=g)
-        per_pair = moe_tl.experts_per_pair(x, table, offsets, w, roles, act)
-        dense = moe_dense.experts_dense(x, table, offsets, w, roles, act)
-        rel = ((dense - per_pair).norm() / per_pair.norm()).item()
-        ms_pair = bench_ms(lambda: moe_tl.experts_per_pair(x, table, offsets, w, roles, act))
-        ms_dense = bench_ms(lambda: moe_dense.experts_dense(x, table, offsets, w, roles, act))
-        rows.append({"tokens": t, "experts": int(torch.unique(ids).numel()), "per_pair_ms": ms_pair,
-                     "dense_ms": ms_dense, "rel_diff": rel, "chosen": "dense" if dense_pays(ids, n_expert) else "per_pair"})
+        runs = {"per_pair": moe_tl.experts_per_pair, "tiles": moe_tiles.experts_in_tiles,
+                "dense": moe_dense.experts_dense}
+        want = moe_tl.experts_per_pair(x, table, offsets, w, roles, act)
+        row = {"tokens": t, "experts": int(torch.unique(ids).numel()), "chosen": fused_path(ids, n_expert)}
+        for name, run in runs.items():
+            got = run(x, table, offsets, w, roles, act)
+            row[f"{name}_rel_diff"] = ((got - want).norm() / want.norm()).item()
+            row[f"{name}_ms"] = bench_ms(lambda: run(x, table, offsets, w, roles, act))
+        rows.append(row)
     print(f"model {args.model.name}, layer {layer}: {n_expert} experts, top-{k_top}, "
           f"{layout.stride} B per expert, {torch.cuda.get_device_name()}")
-    print(f"{'tokens':>6} {'experts':>7} {'per pair ms':>11} {'dense ms':>9} {'faster':>9} {'chosen':>9} {'rel diff':>9}")
+    print(f"{'tokens':>6} {'experts':>7} {'per pair ms':>11} {'tiles ms':>9} {'dense ms':>9} {'fastest':>9} "
+          f"{'chosen':>9} {'max rel diff':>12}")
     for r in rows:
-        faster = "dense" if r["dense_ms"] < r["per_pair_ms"] else "per_pair"
-        print(f"{r['tokens']:>6} {r['experts']:>7} {r['per_pair_ms']:>11.3f} {r['dense_ms']:>9.3f} {faster:>9} "
-              f"{r['chosen']:>9} {r['rel_diff']:>9.1e}")
+        fastest = min(runs, key=lambda name: r[f"{name}_ms"])
+        diff = max(r[f"{name}_rel_diff"] for name in runs)
+        print(f"{r['tokens']:>6} {r['experts']:>7} {r['per_pair_ms']:>11.3f} {r['tiles_ms']:>9.3f} {r['dense_ms']:>9.3f} "
+              f"{fastest:>9} {r['chosen']:>9} {diff:>12.1e}")
     print(json.dumps({"bench": "moe_prefill", "date": date.today().isoformat(), "model": args.model.name,
                       "gpu": torch.cuda.get_device_name(), "rows": rows}))
     return 0

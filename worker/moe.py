@@ -7,7 +7,8 @@ the architecture's `Activation`, as data.
 Two paths, one result within rounding: on CUDA (and on the CPU under Triton's interpreter, for
 tests) the source hands the fused kernels a byte-offset map into its memory and every selected
 expert runs in two launches (a long prefill: each expert dequantized once and multiplied by all its
-tokens, kernels/moe_dense.py); elsewhere each expert runs through `linear`, a torch loop kept as
+tokens, kernels/moe_dense.py; a short one, each expert decoded once for a tile of its pairs,
+kernels/moe_tiles.py); elsewhere each expert runs through `linear`, a torch loop kept as
 the CPU path and the reference."""
 
 from __future__ import annotations
@@ -32,14 +33,20 @@ def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Te
 
 
 DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequantize once and multiply (bench/moe_prefill.py)
+TILES_MIN_PAIRS_PER_EXPERT = 1  # from this many, decode each expert once per tile of its pairs (moe_tiles)
 
 
-def dense_pays(ids: torch.Tensor, n_expert: int) -> bool:
-    """Whether a step's experts run as grouped products (moe_dense) rather than per pair (moe_tl):
-    when the step has enough (token, expert) pairs per expert of the layer to repay dequantizing
-    the experts it selects. A function of the step's shape alone: no host sync, and every wave of
-    a cache decides alike."""
-    return ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * n_expert
+def fused_path(ids: torch.Tensor, n_expert: int) -> str:
+    """Which kernels run a step's experts: "dense" (moe_dense: dequantized once, grouped products)
+    once the step has enough (token, expert) pairs per expert of the layer to repay that; "tiles"
+    (moe_tiles: an expert's bytes decoded once per tile of its pairs) where experts are shared by
+    a few pairs; else "per_pair" (moe_tl, a decode step). A function of the step's shape alone: no
+    host sync, and every wave of a cache decides alike."""
+    if ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * n_expert:
+        return "dense"
+    if ids.shape[0] > 1 and ids.numel() >= TILES_MIN_PAIRS_PER_EXPERT * n_expert:
+        return "tiles"
+    return "per_pair"
 
 
 class ExpertFFN:
@@ -79,6 +86,7 @@ class ExpertFFN:
 
     def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from .kernels.moe_dense import experts_dense
+        from .kernels.moe_tiles import experts_in_tiles
         from .kernels.moe_tl import experts_per_pair
 
         t, k = ids.shape
@@ -88,7 +96,8 @@ class ExpertFFN:
             roles = self._roles[layer]
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
-        run = experts_dense if dense_pays(ids, self.n_expert) else experts_per_pair  # by the whole step: every wave alike
+        run = {"dense": experts_dense, "tiles": experts_in_tiles,
+               "per_pair": experts_per_pair}[fused_path(ids, self.n_expert)]  # by the whole step: every wave alike
         y = None
         for rows in self.source.expert_rows(layer, ids):
             y = run(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)

@@ -94,6 +94,31 @@ def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused:
                                       torch.arange(0, ids.numel(), 2, dtype=torch.int32, device=device))
 
 
+@pytest.mark.parametrize("act,types,fused,biases", [CASES[0], CASES[2]], ids=["swiglu-q4k-q6k", "oai-mxfp4-biases"])
+def test_expert_tiles_equal_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
+                                          device: torch.device) -> None:
+    """A short prompt's pairs in tiles of one expert (several tiles for an expert with more pairs
+    than a tile holds); a wave of any pairs gives them the whole step's bits."""
+    from expertpack.worker.kernels.moe_tiles import G, experts_in_tiles
+
+    lay = layout(*types, fused, biases)
+    pool = pool_of(lay, seed=4)
+    g = torch.Generator().manual_seed(5)
+    n_tokens = 10
+    x = torch.randn(n_tokens, D, generator=g)
+    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
+    assert torch.bincount(ids.flatten()).max() > G  # an expert needs two tiles
+    w = torch.rand(n_tokens, K_TOP, generator=g)
+    want = reference(lay, pool, x, ids, w, act)
+    args = (x.to(device), pool.to(device), (ids.flatten() * lay.stride).to(device), w.flatten().to(device),
+            expert_roles(lay), act)
+    got = experts_in_tiles(*args).cpu().double()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-5, f"relative error {rel:.2e}"
+    assert_a_wave_gives_the_same_bits(experts_in_tiles, args, lay.stride,
+                                      torch.arange(1, ids.numel(), 3, dtype=torch.int32, device=device))
+
+
 def assert_a_wave_gives_the_same_bits(run, args: tuple, stride: int, wave: torch.Tensor) -> None:
     """`run` over only the pairs `wave`, the blocks moved elsewhere in another pool (as a cache's
     slots): those rows are the whole step's bits, the others untouched."""
@@ -156,14 +181,13 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)
 
 
-def test_expert_tiles_cover_each_experts_rows_in_tiles_of_one_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_expert_tiles_cover_each_experts_rows_in_tiles_of_one_expert() -> None:
     """The device-built tile table: every sorted row in exactly one tile, a tile holding at most
-    BM rows of a single expert, the experts' ranks and blocks in sorted order."""
-    from expertpack.worker.kernels import moe_dense
+    `rows` rows of a single expert, the experts' ranks and blocks in sorted order."""
+    from expertpack.worker.kernels.expert_tiles import tile_table
 
-    monkeypatch.setattr(moe_dense, "BM", 4)
     sorted_blocks = torch.tensor([0, 0, 0, 0, 0, 0, 4096, 8192, 8192, 8192, 8192, 12288])
-    blocks, n, tiles = moe_dense._expert_tiles(sorted_blocks, max_experts=6)
+    blocks, n, tiles = tile_table(sorted_blocks, max_experts=6, rows=4)
     assert n.tolist() == [4]
     assert blocks[:4].tolist() == [0, 4096, 8192, 12288]
     used = [t for t in tiles.tolist() if t[2] > t[1]]

@@ -24,6 +24,7 @@ import triton.language as tl
 from ..activation import Activation
 from ..expert_roles import ExpertRoles, MatrixRole
 from .dequant_tl import CHUNK, chunk
+from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act
 
 BN_DEQUANT = 16  # rows of an expert's matrix per dequantizing program
@@ -52,24 +53,11 @@ def _dequant_blocks_kernel(pool_ptr, block_ptr, n_ptr, first, out_ptr, role_off,
 
 
 @triton.jit
-def _tile(tiles_ptr, t, first, experts, BM: tl.constexpr):
-    """Tile t of the table: its expert's rank, that rank's place in the group's scratch, its sorted
-    pair rows and their mask, and whether the tile is not this launch's (an unused tile, or one of
-    an expert outside the group, ranks first .. first+experts-1)."""
-    rank = tl.load(tiles_ptr + 3 * t)
-    r0 = tl.load(tiles_ptr + 3 * t + 1)
-    r1 = tl.load(tiles_ptr + 3 * t + 2)
-    r = r0 + tl.arange(0, BM)
-    elsewhere = (rank < first) | (rank >= first + experts) | (r1 <= r0)
-    return rank, rank - first, r, r < r1, elsewhere
-
-
-@triton.jit
 def _grouped_gate_up_kernel(x_ptr, tok_ptr, w_ptr, tiles_ptr, first, experts, gu_ptr, N, K, w_stride,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     """gu[r, n] = W_e[n] . x[tok[r]] for the sorted pair rows r of a tile of expert e (W_e: gate's
     rows, then up's, N = 2F), for the tiles of the group's experts; grid (tiles, N/BN)."""
-    _, e, r, rm, elsewhere = _tile(tiles_ptr, tl.program_id(0), first, experts, BM)
+    _, e, r, rm, elsewhere = tile_at(tiles_ptr, tl.program_id(0), first, experts, BM)
     if elsewhere:
         return
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -94,7 +82,7 @@ def _grouped_down_kernel(gu_ptr, w_ptr, tiles_ptr, first, experts, pair_ptr, wt_
     """out[pair[r], n] = weight[pair[r]] * (W_e[n] . act(gate[r] + bg, up[r] + bu) + bd[n]), the
     activation applied as each K tile of gu is read, the biases read from expert e's block;
     grid (tiles, D/BN)."""
-    rank, e, r, rm, elsewhere = _tile(tiles_ptr, tl.program_id(0), first, experts, BM)
+    rank, e, r, rm, elsewhere = tile_at(tiles_ptr, tl.program_id(0), first, experts, BM)
     if elsewhere:
         return
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -131,36 +119,6 @@ def _dequantize_into(out: torch.Tensor, pool: torch.Tensor, blocks: torch.Tensor
                                  out.stride(0), QT=role.ggml_type, BN=BN_DEQUANT, CH=CHUNK, num_warps=4)
 
 
-def _block_extent(roles: ExpertRoles) -> int:
-    """Bytes of a block its matrices reach: blocks do not overlap, so a pool of B bytes holds at
-    most B // extent distinct experts."""
-    return max(r.offset + r.n * r.row_bytes for r in (roles.gate, roles.up, roles.down))
-
-
-def _expert_tiles(sorted_blocks: torch.Tensor, max_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the pairs' blocks in sorted order, on the device and without a host sync: each distinct
-    expert's rank and block ([max_experts + 1], the last entry a sink), their number [1], and the
-    tile table [ceil(P/BM) + max_experts, 3] int32 of (rank, first row, end row), a tile holding
-    up to BM rows of one expert; unused tiles are (0, 0, 0)."""
-    p = sorted_blocks.shape[0]
-    dev = sorted_blocks.device
-    row = torch.arange(p, device=dev)
-    new = torch.ones(p, dtype=torch.bool, device=dev)
-    new[1:] = sorted_blocks[1:] != sorted_blocks[:-1]
-    rank = torch.cumsum(new, 0) - 1
-    sink = torch.where(new, rank, max_experts)
-    blocks = torch.zeros(max_experts + 1, dtype=torch.int64, device=dev).index_put_((sink,), sorted_blocks)
-    start = torch.zeros(max_experts + 1, dtype=torch.int64, device=dev).index_put_((sink,), row)
-    count = torch.zeros(max_experts, dtype=torch.int64, device=dev).index_add_(0, rank, torch.ones_like(rank))
-    offset = row - start[rank]  # the row's place among its expert's rows
-    is_first = offset % BM == 0
-    max_tiles = -(-p // BM) + max_experts
-    tile = torch.where(is_first, torch.cumsum(is_first, 0) - 1, max_tiles)
-    entry = torch.stack([rank, row, torch.minimum(row + BM, start[rank] + count[rank])], dim=1)
-    tiles = torch.zeros((max_tiles + 1, 3), dtype=torch.int64, device=dev).index_put_((tile,), entry)
-    return blocks, rank[-1:] + 1, tiles[:max_tiles].to(torch.int32).contiguous()
-
-
 def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                   roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,17 +128,12 @@ def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, we
     sized by the bound on distinct experts (the pairs, the blocks the pool can hold), and programs
     past the step's true count return at once."""
     total = offsets.shape[0]
-    k_top = total // x.shape[0]
     f, d, k = roles.gate.n, roles.down.n, roles.gate.k
     dev = x.device
     if out is None:
         out = torch.empty((total, d), dtype=torch.float32, device=dev)
-    idx = pairs.to(torch.int64) if pairs is not None else torch.arange(total, device=dev)
-    sorted_off, perm = torch.sort(offsets[idx], stable=True)
-    order = idx[perm].to(torch.int32).contiguous()  # sorted row r -> its pair
-    tokens = (order // k_top).contiguous()
-    max_experts = min(idx.shape[0], pool.numel() // _block_extent(roles))
-    blocks, n_experts, tiles = _expert_tiles(sorted_off, max_experts)
+    t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, BM)
+    order, tokens, blocks, n_experts, tiles, max_experts = t.order, t.tokens, t.blocks, t.n_experts, t.table, t.max_experts
     gu = torch.empty((order.shape[0], 2 * f), dtype=torch.float32, device=dev)
     per_group = max(1, min(max_experts, GROUP_VALUES // (2 * f * k + d * f)))
     w_gu = torch.empty((per_group, 2 * f, k), dtype=torch.float32, device=dev)

@@ -1,0 +1,78 @@
+"""A step's (token, expert) pairs grouped by expert for the kernels that read an expert's bytes once
+for several of its pairs (moe_dense's products, moe_tiles' decoding): the pairs sorted by their
+block, each distinct expert ranked, and a table of tiles of up to `rows` pairs of one expert, all
+built on the device without a host sync. The launches are sized by bounds (the pairs, the blocks
+the pool can hold) and a kernel program whose tile is unused returns at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..expert_roles import ExpertRoles
+
+
+@dataclass
+class ExpertTiles:
+    order: torch.Tensor  # [P] int32: sorted row -> its pair
+    tokens: torch.Tensor  # [P] int32: sorted row -> its token
+    blocks: torch.Tensor  # [max_experts + 1] int64: rank -> block offset in the pool (the last a sink)
+    n_experts: torch.Tensor  # [1]: the step's distinct experts
+    table: torch.Tensor  # [max_tiles, 3] int32: (rank, first row, end row); unused tiles (0, 0, 0)
+    max_experts: int
+
+
+def block_extent(roles: ExpertRoles) -> int:
+    """Bytes of a block its matrices reach: blocks do not overlap, so a pool of B bytes holds at
+    most B // extent distinct experts."""
+    return max(r.offset + r.n * r.row_bytes for r in (roles.gate, roles.up, roles.down))
+
+
+def expert_tiles(offsets: torch.Tensor, pairs: torch.Tensor | None, k_top: int, pool_bytes: int,
+                 roles: ExpertRoles, rows: int) -> ExpertTiles:
+    """The pairs to run (all, or `pairs`), sorted by block, in tiles of at most `rows` pairs."""
+    dev = offsets.device
+    idx = pairs.to(torch.int64) if pairs is not None else torch.arange(offsets.shape[0], device=dev)
+    sorted_blocks, perm = torch.sort(offsets[idx], stable=True)
+    order = idx[perm].to(torch.int32).contiguous()
+    max_experts = min(idx.shape[0], pool_bytes // block_extent(roles))
+    blocks, n_experts, table = tile_table(sorted_blocks, max_experts, rows)
+    return ExpertTiles(order, (order // k_top).contiguous(), blocks, n_experts, table, max_experts)
+
+
+def tile_table(sorted_blocks: torch.Tensor, max_experts: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the pairs' blocks in sorted order: each distinct expert's block by rank ([max_experts +
+    1], the last entry a sink), their number [1], and the tile table [ceil(P/rows) + max_experts, 3]
+    int32 of (rank, first row, end row), a tile holding up to `rows` rows of one expert."""
+    p = sorted_blocks.shape[0]
+    dev = sorted_blocks.device
+    row = torch.arange(p, device=dev)
+    new = torch.ones(p, dtype=torch.bool, device=dev)
+    new[1:] = sorted_blocks[1:] != sorted_blocks[:-1]
+    rank = torch.cumsum(new, 0) - 1
+    sink = torch.where(new, rank, max_experts)
+    blocks = torch.zeros(max_experts + 1, dtype=torch.int64, device=dev).index_put_((sink,), sorted_blocks)
+    start = torch.zeros(max_experts + 1, dtype=torch.int64, device=dev).index_put_((sink,), row)
+    count = torch.zeros(max_experts, dtype=torch.int64, device=dev).index_add_(0, rank, torch.ones_like(rank))
+    is_first = (row - start[rank]) % rows == 0  # the row starts a tile of its expert
+    max_tiles = triton.cdiv(p, rows) + max_experts
+    tile = torch.where(is_first, torch.cumsum(is_first, 0) - 1, max_tiles)
+    entry = torch.stack([rank, row, torch.minimum(row + rows, start[rank] + count[rank])], dim=1)
+    table = torch.zeros((max_tiles + 1, 3), dtype=torch.int64, device=dev).index_put_((tile,), entry)
+    return blocks, rank[-1:] + 1, table[:max_tiles].to(torch.int32).contiguous()
+
+
+@triton.jit
+def tile_at(table_ptr, t, first, experts, ROWS: tl.constexpr):
+    """Tile t of the table: its expert's rank, that rank's place among ranks first ..
+    first+experts-1 (a group's scratch), its rows and their mask, and whether the tile is not this
+    launch's (unused, or of an expert outside those ranks)."""
+    rank = tl.load(table_ptr + 3 * t)
+    r0 = tl.load(table_ptr + 3 * t + 1)
+    r1 = tl.load(table_ptr + 3 * t + 2)
+    r = r0 + tl.arange(0, ROWS)
+    elsewhere = (rank < first) | (rank >= first + experts) | (r1 <= r0)
+    return rank, rank - first, r, r < r1, elsewhere
