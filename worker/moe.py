@@ -33,7 +33,7 @@ def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Te
 
 
 DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequantize once and multiply (bench/moe_prefill.py)
-TILES_MIN_PAIRS_PER_EXPERT = 1  # from this many, decode each expert once per tile of its pairs (moe_tiles)
+TILES_MIN_PAIRS_PER_EXPERT = 2  # from this many, decode each expert once per tile of its pairs (moe_tiles)
 
 
 def fused_path(ids: torch.Tensor, n_expert: int) -> str:

@@ -22,7 +22,7 @@ from .dequant_tl import CHUNK, chunk
 
 BN = 16  # rows of an expert's matrix per program
 WARPS = 4
-PROGRAMS_PER_SM = 8  # split gate/up's K until a decode step's pairs give this many programs per multiprocessor
+PROGRAMS_PER_SM = 32  # split gate/up's K until a decode step's pairs give this many programs per multiprocessor
 
 
 @triton.jit
