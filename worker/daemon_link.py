@@ -31,6 +31,8 @@ from expertpack.client import ClientError, DaemonUnavailable, Expert, ExpertClie
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
+from .prefetch import Prefetches
+
 log = logging.getLogger("expert-worker")
 
 PROBE_TIMEOUT_S = 2.0  # how long /health and /metrics wait for the daemon's STATS
@@ -74,6 +76,7 @@ class DaemonLink:
         self._lock = threading.RLock()
         self._probe: zmq.Socket | None = None  # STATS only, no HELLO: never holds slots
         self._probe_lock = threading.Lock()
+        self.ahead = Prefetches(self)  # experts fetched ahead of their layer, on this link's session
         self._connect()
 
     # ---- connection ---------------------------------------------------------------------------
@@ -118,6 +121,9 @@ class DaemonLink:
 
     def close(self) -> None:
         with self._lock:
+            if self.client is not None:  # cancelled prefetches' answers are in before the session ends
+                self.ahead.cancel_all()
+                self.ahead.settle()
             self._disconnect()
         with self._probe_lock:
             if self._probe is not None:
