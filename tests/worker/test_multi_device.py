@@ -176,7 +176,7 @@ def test_split_expert_caches_share_one_daemon_and_are_bit_identical(arch: str, p
         # each miss asked once, on demand or ahead; stale prefetches were cancelled (or read, then released)
         assert daemon["keys"] == c["misses"] - c["prefetch_used"] + c["prefetch_issued"]
         assert daemon["ready"] + daemon["cancelled"] == daemon["keys"] and daemon["failed"] == daemon["cancelled"]
-        assert c["prefetch_issued"] == c["prefetch_used"] + c["prefetch_stale"] > 0  # each device's own layers ahead
+        assert c["prefetch_issued"] == c["prefetch_used"] + c["prefetch_stale"]  # within each device's own layers
         unique = sum(len(set(ids.flatten().tolist())) for calls in engine.model.moe.routing_log.values() for ids in calls)
         assert c["hits"] + c["misses"] == unique
         assert all(isinstance(k, ExpertKey) for cache in group.caches for k in cache.policy.slot_of)
