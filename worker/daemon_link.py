@@ -130,6 +130,20 @@ class DaemonLink:
                 self._probe.close(linger=0)
                 self._probe = None
 
+    def settle(self) -> None:
+        """Waits until expertd has answered every cancelled prefetch and handled everything this
+        worker sent (a PING's answer on the session's own connection comes after them), so that
+        STATS, asked on another socket, counts all of it: for tools and tests that read the
+        counters after a run."""
+        with self._lock:
+            if self.client is None:
+                return
+            self.ahead.settle()
+            try:
+                self.client.ping()
+            except ClientError as exc:
+                log.debug("settle: %s", exc)
+
     @property
     def slot_bytes(self) -> int:
         assert self.client is not None

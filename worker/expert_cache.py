@@ -144,6 +144,9 @@ class ExpertCache:
         expert -> slot map per wave."""
         chosen = ids.reshape(-1).tolist()
         unique = sorted(set(chosen))
+        # The layer's routing is known: what was prefetched for it and not chosen is stale now, and its
+        # reads not yet started never compete with this step's.
+        self.counters.prefetch_stale += self.link.ahead.cancel(layer, keep=unique)
         for start in range(0, len(unique), self.n_slots):
             wave = unique[start:start + self.n_slots]
             slot_of = dict(zip(wave, self._acquire(layer, wave)))
@@ -184,8 +187,8 @@ class ExpertCache:
         return tuple(self.served[at:at + depth])
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Sends the keys of `experts` that are not resident ahead of `layer`'s step (within the
-        staging the prefetches may hold)."""
+        """Sends the keys of `experts` (most wanted first) that are not resident ahead of `layer`'s
+        step, as far as the staging the prefetches may hold allows."""
         keys = [ExpertKey(layer, e) for e in experts]
         self.counters.prefetch_issued += self.link.ahead.submit(k for k in keys if k not in self.policy.slot_of)
 
@@ -196,6 +199,9 @@ class ExpertCache:
     # ---- misses --------------------------------------------------------------------------------
     def _fetch(self, misses: list[ExpertKey], protected: set[ExpertKey]) -> None:
         start = time.perf_counter()
+        # Prefetches sent since the last fetch may hold slots: before waiting for expertd, copies
+        # still in flight leave it one for each key it must still answer (see _release_finished).
+        self._release_finished(keep_free=1)
         victims = self.policy.victims(len(misses), protected)
         self.counters.misses += len(misses)
         self._fetches += 1

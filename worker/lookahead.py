@@ -20,7 +20,8 @@ Router = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 def look_ahead(source: PrefetchingSource, layer: int, x: torch.Tensor, router: Router | None,
                static_routes: Mapping[int, torch.Tensor], tokens: torch.Tensor | None) -> None:
     """Sends the prefetches for the layers after `layer`: static ones exactly (a layer or two
-    ahead), the next one by its router on `x` (one host copy of the predicted ids per layer)."""
+    ahead), the next one by its router on `x` (one host copy of the predicted ids per layer),
+    each layer's experts in order of how many tokens chose them."""
     for depth, target in enumerate(source.ahead(layer)):
         table = static_routes.get(target)
         if table is not None and tokens is not None:
@@ -29,4 +30,6 @@ def look_ahead(source: PrefetchingSource, layer: int, x: torch.Tensor, router: R
             ids = router(target, x)[0]  # [T, k]
         else:
             continue
-        source.prefetch(target, sorted(set(ids.reshape(-1).tolist())))
+        experts, counts = ids.reshape(-1).unique(return_counts=True)
+        # the experts most tokens chose first: a prefill's prefetch budget goes to those
+        source.prefetch(target, experts[counts.argsort(descending=True, stable=True)].tolist())

@@ -15,7 +15,7 @@ died with the old session) and demand fetches whatever they would have brought."
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Collection, Iterable, Iterator
 
 from expertpack.client import ClientError, Expert, ExpertClient, Pending
 from expertpack.packtools.layout import ExpertKey
@@ -81,13 +81,13 @@ class Prefetches:
                 log.debug("prefetch not sent: %s", exc)
             return sent
 
-    def cancel(self, layer: int) -> int:
-        """Cancels the prefetches of `layer` still held (its step has run: they are stale);
-        returns how many."""
+    def cancel(self, layer: int, keep: Collection[int] = ()) -> int:
+        """Cancels the prefetches of `layer` still held but for the experts in `keep` (its routing
+        is known, or its step has run: they are stale); returns how many."""
         with self.link._lock:
             if self._live() is None:
                 return 0
-            stale = [key for key in self.entries if key.layer == layer]
+            stale = [key for key in self.entries if key.layer == layer and key.expert not in keep]
             for key in stale:
                 self.entries.pop(key).cancel()
             self._pump()
