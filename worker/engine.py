@@ -96,7 +96,7 @@ class Engine:
                 raise
             files.experts.close()  # the daemon reads the pack from now on
             files.experts = model.moe.source = cache
-        model.moe.prefetch = prefetch
+            model.moe.prefetch = prefetch
         return cls(model, files, dev, place)
 
     @property

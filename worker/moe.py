@@ -59,7 +59,8 @@ class ExpertFFN:
         # The model's routing of a layer, which the lookahead applies to a layer's router input to
         # predict the next layer's experts; set by models, used only when the source prefetches.
         self.router: Router | None = None
-        self.prefetch = True  # look ahead where the source can prefetch (Engine.load(prefetch=...))
+        # Look ahead: set by Engine.load (prefetch=...) where the source is the expertd-fed cache.
+        self.prefetch = False
         self.tokens: torch.Tensor | None = None  # this pass's token ids, for static routes (begin)
         self._roles: dict[int, ExpertRoles] = {}
 
