@@ -117,6 +117,7 @@ def test_prefetch_on_cuda_is_bit_exact_and_leaves_nothing_held(ram_gib: str, tmp
             link.settle()
             stats = engine.expert_cache.stats()
             in_flight = len(engine.expert_cache._pending)  # copies not seen done yet keep their slot or hold
+            prefetches_left = (len(link.ahead.entries), link.ahead.held)
             daemon_now = link.stats()
             (client,) = daemon_now["clients"]
             print(f"{model} with prefetch (RAM tier {ram_gib} GiB): {stats['cache']}")
@@ -128,7 +129,7 @@ def test_prefetch_on_cuda_is_bit_exact_and_leaves_nothing_held(ram_gib: str, tmp
         c = stats["cache"]
         assert c["prefetch_used"] > 0 and c["prefetch_issued"] == c["prefetch_used"] + c["prefetch_stale"]
         assert stats["daemon"]["keys"] == c["misses"] - c["prefetch_used"] + c["prefetch_issued"]
-        assert not link.ahead.entries and link.ahead.held == 0
+        assert prefetches_left == (0, 0)
         assert client["slots"] - client["free"] + daemon_now["ram"]["held"] <= in_flight and client["requests"] == 0
     finally:
         assert d.stop()[0] == 0
