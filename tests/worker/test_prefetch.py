@@ -296,3 +296,17 @@ def test_prefetch_over_the_ram_tier_is_bit_exact_and_reads_only_for_mispredictio
     finally:
         engine.close()
         assert d.stop()[0] == 0
+
+
+def test_the_worker_prefetches_unless_told_not_to(tmp_path: Path) -> None:
+    from expertpack.worker.main import SettingsError, settings
+
+    assert settings(["--pack", "p"]).prefetch is True
+    assert settings(["--pack", "p", "--no-prefetch"]).prefetch is False
+    config = tmp_path / "worker.toml"
+    config.write_text('pack = "p"\nprefetch = false\n')
+    assert settings(["--config", str(config)]).prefetch is False
+    assert settings(["--config", str(config), "--prefetch"]).prefetch is True  # flags over the file
+    config.write_text('pack = "p"\nprefetch = "yes"\n')
+    with pytest.raises(SettingsError, match="prefetch: expected true or false"):
+        settings(["--config", str(config)])
