@@ -145,7 +145,6 @@ def main() -> int:
                    help="stream with the worker's prefetch off, on, or both side by side (default)")
     args = p.parse_args()
 
-    from expertpack.client import bench_io
     from expertpack.packtools.build import BuildOptions, build_pack
     from expertpack.packtools.layout import Manifest
     from expertpack.packtools.synth.writer import SynthOptions, write_synth
