@@ -15,6 +15,7 @@ the CPU path and the reference."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -118,8 +119,9 @@ class ExpertFFN:
             roles = self._roles[layer]
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
-        run = {"dense": experts_dense, "tiles": experts_in_tiles,
-               "per_pair": experts_per_pair}[fused_path(ids, self.n_expert)]  # by the whole step: every wave alike
+        path = fused_path(ids, self.n_expert)  # by the whole step: every wave alike
+        run = {"dense": partial(experts_dense, n_expert=self.n_expert),
+               "tiles": partial(experts_in_tiles, n_expert=self.n_expert), "per_pair": experts_per_pair}[path]
         y = None
         for rows in self.source.expert_rows(layer, ids):
             y = run(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)

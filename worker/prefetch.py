@@ -29,7 +29,7 @@ SETTLE_TIMEOUT_S = 5.0  # at close, how long the answers of cancelled prefetches
 
 
 def prefetch_budget(n_staging_slots: int) -> int:
-    """How many of the link's staging slots prefetches may hold: half, rounded down, so that demand
+    """How many of the link's staging slots prefetches may hold: half, rounded up, so that demand
     keeps at least one (and on a GPU, room for copies still in flight)."""
     return n_staging_slots - max(1, n_staging_slots // 2)
 

@@ -194,3 +194,18 @@ def test_expert_tiles_cover_each_experts_rows_in_tiles_of_one_expert() -> None:
     assert used == [[0, 0, 4], [0, 4, 6], [1, 6, 7], [2, 7, 11], [3, 11, 12]]
     assert all(t == [0, 0, 0] for t in tiles.tolist()[len(used):])
     assert tiles.shape[0] == -(-12 // 4) + 6
+
+
+def test_the_layers_expert_count_bounds_the_tiles_of_a_cache_pool() -> None:
+    """A cache's pool holds every layer's slots: the layer's routed experts bound the launches."""
+    from expertpack.worker.kernels.expert_tiles import block_extent, expert_tiles
+
+    lay = layout(T.Q4_K, T.Q6_K, False, False)
+    roles = expert_roles(lay)
+    offsets = torch.tensor([0, 1, 2, 1, 0, 2] * 20) * lay.stride
+    pool_bytes = 1000 * lay.stride  # room for 1,000 blocks
+    loose = expert_tiles(offsets, None, 2, pool_bytes, roles, rows=16)
+    tight = expert_tiles(offsets, None, 2, pool_bytes, roles, rows=16, n_expert=N_EXPERT)
+    assert loose.max_experts == min(120, pool_bytes // block_extent(roles)) == 120
+    assert tight.max_experts == N_EXPERT and tight.table.shape[0] == -(-120 // 16) + N_EXPERT
+    assert tight.n_experts.tolist() == [3] and torch.equal(tight.order, loose.order)

@@ -32,13 +32,15 @@ def block_extent(roles: ExpertRoles) -> int:
 
 
 def expert_tiles(offsets: torch.Tensor, pairs: torch.Tensor | None, k_top: int, pool_bytes: int,
-                 roles: ExpertRoles, rows: int) -> ExpertTiles:
-    """The pairs to run (all, or `pairs`), sorted by block, in tiles of at most `rows` pairs."""
+                 roles: ExpertRoles, rows: int, n_expert: int | None = None) -> ExpertTiles:
+    """The pairs to run (all, or `pairs`), sorted by block, in tiles of at most `rows` pairs.
+    `n_expert`, the layer's routed experts where known, bounds the distinct experts best: a
+    cache's pool holds every layer's slots."""
     dev = offsets.device
     idx = pairs.to(torch.int64) if pairs is not None else torch.arange(offsets.shape[0], device=dev)
     sorted_blocks, perm = torch.sort(offsets[idx], stable=True)
     order = idx[perm].to(torch.int32).contiguous()
-    max_experts = min(idx.shape[0], pool_bytes // block_extent(roles))
+    max_experts = min(idx.shape[0], pool_bytes // block_extent(roles), n_expert or idx.shape[0])
     blocks, n_experts, table = tile_table(sorted_blocks, max_experts, rows)
     return ExpertTiles(order, (order // k_top).contiguous(), blocks, n_experts, table, max_experts)
 

@@ -121,10 +121,11 @@ def _dequantize_into(out: torch.Tensor, pool: torch.Tensor, blocks: torch.Tensor
 
 def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                   roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, n_expert: int | None = None) -> torch.Tensor:
     """As moe_tl.experts_per_pair: x [T, K] float32, offsets [T*k] int64 (bytes into pool, multiples
     of 16), weights [T*k] float32 -> out [T*k, D], each pair's expert output times its routing
-    weight; rows of pairs outside `pairs` are left as they were. No host sync: the launches are
+    weight; rows of pairs outside `pairs` are left as they were; `n_expert`, the layer's routed
+    experts, bounds the launches (else the pairs and the pool do). No host sync: the launches are
     sized by the bound on distinct experts (the pairs, the blocks the pool can hold), and programs
     past the step's true count return at once."""
     total = offsets.shape[0]
@@ -132,7 +133,7 @@ def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, we
     dev = x.device
     if out is None:
         out = torch.empty((total, d), dtype=torch.float32, device=dev)
-    t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, BM)
+    t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, BM, n_expert)
     order, tokens, blocks, n_experts, tiles, max_experts = t.order, t.tokens, t.blocks, t.n_experts, t.table, t.max_experts
     gu = torch.empty((order.shape[0], 2 * f), dtype=torch.float32, device=dev)
     per_group = max(1, min(max_experts, GROUP_VALUES // (2 * f * k + d * f)))

@@ -108,15 +108,16 @@ def _down_kernel(gu_ptr, pool_ptr, block_ptr, table_ptr, order_ptr, w_ptr, y_ptr
 
 def experts_in_tiles(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                      roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, n_expert: int | None = None) -> torch.Tensor:
     """As moe_tl.experts_per_pair: x [T, K] float32, offsets [T*k] int64 (bytes into pool, multiples
     of 16), weights [T*k] float32 -> out [T*k, D], each pair's expert output times its routing
-    weight; rows of pairs outside `pairs` are left as they were. No host sync."""
+    weight; rows of pairs outside `pairs` are left as they were; `n_expert`, the layer's routed
+    experts, bounds the launches (else the pairs and the pool do). No host sync."""
     total = offsets.shape[0]
     f, d, k = roles.gate.n, roles.down.n, roles.gate.k
     if out is None:
         out = torch.empty((total, d), dtype=torch.float32, device=x.device)
-    t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, G)
+    t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, G, n_expert)
     n_tiles = t.table.shape[0]
     gu = torch.empty((t.order.shape[0], 2, f), dtype=torch.float32, device=x.device)
     _gate_up_kernel[(n_tiles, triton.cdiv(f, BN))](
