@@ -7,8 +7,10 @@ slot: a block that fails the check is FAILed CORRUPT, counted and logged by (lay
 the daemon serves every other key on.
 A client that disconnects loses its leases: a session keeps the fd (ZMQ_SRCFD) of the connection
 that said HELLO, the socket monitor reports a closed connection's fd, and that ends the sessions on
-it. A frozen client's connection is closed by libzmq once the TTL of the client's own ZMTP PINGs
-passes without traffic (ExpertClient: 10 s). The daemon sends no ZMTP heartbeats and never stops
+it. A client that stays connected but sends nothing (frozen: SIGSTOP, a hung host) loses them once
+heartbeat_timeout_s passes since its last message (protocol v4: clients send HEARTBEAT at least
+every heartbeat_interval_s, which WELCOME names); it is told so by an unasked ERROR NO_SESSION,
+read when it runs again. The daemon sends no ZMTP heartbeats and never stops
 reading a connection (RCVHWM 0): libzmq 4.3.5 aborts (issue 4841, `!_io_error` in
 stream_engine_base.cpp) when it writes, on a heartbeat timer or answering a peer's PING, to a
 connection whose peer closed while its receive pipe was stopped. The cost: messages a peer sends
@@ -17,10 +19,11 @@ disconnect that came first is seen first. A message that fails validation gets E
 A session belongs to the connection that said HELLO. A peer that connects with a routing id
 already in use takes it over (ROUTER_HANDOVER: libzmq otherwise keeps every such ignored
 connection's pipes, ~20 kB each, for the life of the socket); the session of the connection it
-took over ends then, so it never inherits that session's slots, and must say HELLO itself. (The
-connection taken over has no pipe left: if it sends more and then closes, libzmq keeps it, an fd
-and some kB, until the daemon exits. Only peers that choose their routing id do this; ExpertClient
-does not.)
+took over ends then, so it never inherits that session's slots, and must say HELLO itself; a
+connection that takes a routing id over and stays silent leaves the old session nothing to say
+either, and it ends heartbeat_timeout_s later. (The connection taken over has no pipe left: if it
+sends more and then closes, libzmq keeps it, an fd and some kB, until the daemon exits. Only peers
+that choose their routing id do this; ExpertClient does not.)
 A client is leased the slots its HELLO asks for (client_slots when it asks for none), never more
 than the per-client cap (max_client_slots), so that one client cannot take the staging from the
 others.
@@ -53,7 +56,6 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from expertpack.client import protocol as p
-from expertpack.client.client import HEARTBEAT_TTL_MS
 from expertpack.packtools.layout import ExpertKey
 
 from .config import DaemonConfig
@@ -111,6 +113,7 @@ class Session:
     ram_reads: int = 0  # reads into the RAM tier this client started that are in flight
     pid: int | None = None  # the peer process (SO_PEERCRED of an ipc connection); None over tcp or when unknown
     connected: float = field(default_factory=time.monotonic)
+    heard: float = field(default_factory=time.monotonic)  # its connection's last message (liveness)
     counters: ClientCounters = field(default_factory=ClientCounters)
 
 
@@ -137,7 +140,8 @@ class ExpertDaemon:
         self._waiting: dict[int, list[Work]] = {}  # RAM slot being read -> the keys answered when it is in
         # Clients whose connection closed: a RELEASE or CANCEL they sent just before closing is read
         # after the disconnect and is the tail of a clean close, not a protocol error. Bounded.
-        self._gone: OrderedDict[bytes, None] = OrderedDict()
+        self._gone: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why its session ended
+        self._next_sweep = time.monotonic()  # when silent sessions are next looked for
         self.stopping = False
         self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         try:
@@ -223,23 +227,18 @@ class ExpertDaemon:
                  f"{self.ram.n_slots * self.staging.slot_bytes:,}", self.ram_why,
                  "locked" if self.staging.ram_locked or not self.ram.n_slots else "NOT locked",
                  self.config.read_threads, "O_DIRECT" if self.pack.direct else "buffered")
-        defaults = DaemonConfig()
-        if (self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s) != (
-                defaults.heartbeat_interval_s, defaults.heartbeat_timeout_s):
-            log.warning("heartbeat_interval_s and heartbeat_timeout_s have no effect: expertd sends no ZMTP "
-                        "heartbeats (libzmq issue 4841); a client's own PINGs carry the TTL after which a frozen "
-                        "client loses its leases (%g s with ExpertClient)", HEARTBEAT_TTL_MS / 1000)
         notify("READY=1", f"STATUS=serving {self.config.pack} on {self.config.endpoint}")
         try:
             while not caught:
-                timeout_ms = 1000 if watchdog is None else max(1, int(min(1.0, watchdog) * 1000))
-                events = dict(poller.poll(timeout_ms))
+                wait_s = min(1.0, self.config.heartbeat_interval_s, watchdog or 1.0)
+                events = dict(poller.poll(max(1, int(wait_s * 1000))))
                 if self._wake in events:
                     self._drain_completions()
                 if self.monitor in events:
                     self._drain_monitor()
                 if self.router in events:
                     self._drain_router()
+                self._end_silent_sessions()
                 if sig_r in events:
                     while True:
                         try:
@@ -274,6 +273,8 @@ class ExpertDaemon:
             session = self.sessions.get(identity)
             if session is not None and session.fd != fd:
                 self._drop(identity, "lost its routing id to another connection")
+            elif session is not None:
+                session.heard = time.monotonic()
             if len(frames) != 2:
                 self._error(identity, p.ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames) - 1}")
                 continue
@@ -291,11 +292,15 @@ class ExpertDaemon:
             self._send(identity, p.StatsReply(self.stats()))
         elif isinstance(msg, p.Hello):
             self._hello(identity, msg, fd)
+        elif isinstance(msg, p.Heartbeat):
+            return  # its arrival was the point (_drain_router); a late one of an ended session says nothing
         elif identity not in self.sessions:
             if identity in self._gone and isinstance(msg, (p.Release, p.Cancel)):
-                log.debug("%s from %r after its connection closed: nothing to do", msg.op.name, identity)
+                log.debug("%s from %r after its session ended: nothing to do", msg.op.name, identity)
                 return
-            self._error(identity, p.ErrorCode.NO_SESSION, f"{msg.op.name} before HELLO")
+            why = self._gone.get(identity)
+            self._error(identity, p.ErrorCode.NO_SESSION, f"{msg.op.name} before HELLO" if why is None else
+                        f"{msg.op.name} from a client whose session ended ({why}); say HELLO again")
         elif isinstance(msg, p.Fetch):
             self._fetch(self.sessions[identity], msg)
         elif isinstance(msg, p.Release):
@@ -343,7 +348,9 @@ class ExpertDaemon:
             model={"arch": m.model.arch, "n_layer": m.model.n_layer, "n_expert": m.model.n_expert,
                    "n_expert_used": m.model.n_expert_used, "moe_layers": list(m.model.moe_layers)},
             shm=self.staging.name, shm_bytes=self.staging.size_bytes, slot_bytes=self.staging.slot_bytes,
-            slots=tuple(slots), ram_first_slot=self.ram.first_slot, ram_slots=self.ram.n_slots))
+            slots=tuple(slots), ram_first_slot=self.ram.first_slot, ram_slots=self.ram.n_slots,
+            heartbeat_interval_ms=round(self.config.heartbeat_interval_s * 1000),
+            heartbeat_timeout_ms=round(self.config.heartbeat_timeout_s * 1000)))
 
     def _fetch(self, session: Session, msg: p.Fetch) -> None:
         if self.stopping:
@@ -663,6 +670,23 @@ class ExpertDaemon:
                 for identity in [i for i, s in self.sessions.items() if s.fd == fd]:
                     self._drop(identity, "disconnected")
 
+    def _end_silent_sessions(self) -> None:
+        """Liveness (protocol v4): a session whose connection has sent nothing, not even HEARTBEAT,
+        for heartbeat_timeout_s ends, and its slots go to the clients that are alive. The client
+        is told why by an unasked ERROR NO_SESSION, which it reads if it ever runs again."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, self.config.heartbeat_interval_s)
+        timeout_s = self.config.heartbeat_timeout_s
+        for identity, session in [(i, s) for i, s in self.sessions.items() if now - s.heard > timeout_s]:
+            why = (f"silent for {now - session.heard:.1f} s, more than heartbeat_timeout_s = {timeout_s:g} s: "
+                   "its slots went to other clients")
+            self.counters.clients_silent += 1
+            self._drop(identity, why)
+            message = f"expertd ended this client's session: {why}; say HELLO again"
+            self._send(identity, p.Error(p.ErrorCode.NO_SESSION, message[:p.MAX_TEXT]))
+
     def _drop(self, identity: bytes, why: str) -> None:
         """Ends a session: queued keys vanish, leased slots return (a slot being read returns when
         its read completes)."""
@@ -670,7 +694,7 @@ class ExpertDaemon:
         if session is None:
             return
         if why != "said HELLO again":
-            self._gone[identity] = None
+            self._gone[identity] = why
             if len(self._gone) > MAX_GONE:
                 self._gone.popitem(last=False)
         session.closed = True
