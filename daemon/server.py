@@ -14,7 +14,10 @@ read when it runs again. The daemon sends no ZMTP heartbeats and never stops
 reading a connection (RCVHWM 0): libzmq 4.3.5 aborts (issue 4841, `!_io_error` in
 stream_engine_base.cpp) when it writes, on a heartbeat timer or answering a peer's PING, to a
 connection whose peer closed while its receive pipe was stopped. The cost: messages a peer sends
-faster than the main loop reads them queue without a bound (about 55 MB per million small ones). The monitor is drained before each message is handled, so a
+faster than the main loop reads them queue inside libzmq, about 80 MB per million small ones; so a
+peer that keeps the loop saturated while the heap grows is cut (flood.py: shutdown() of its connections, its leftovers
+dropped unread, its process's new connections cut on accept for FLOOD_BAN_S), and STATS, the one
+large answer, is answered MAX_STATS_PER_S times a second per connection. The monitor is drained before each message is handled, so a
 disconnect that came first is seen first. A message that fails validation gets ERROR and changes nothing.
 A session belongs to the connection that said HELLO. A peer that connects with a routing id
 already in use takes it over (ROUTER_HANDOVER: libzmq otherwise keeps every such ignored
@@ -59,6 +62,7 @@ from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
 from .config import DaemonConfig
+from .flood import FLOOD_BAN_S, Flooder, FloodGuard, StatsBudget, anon_bytes
 from .notify import notify, watchdog_interval_s
 from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, open_pack
 from .ram_tier import RamSlot, RamState, RamTier, ram_slot_count
@@ -142,6 +146,13 @@ class ExpertDaemon:
         # after the disconnect and is the tail of a clean close, not a protocol error. Bounded.
         self._gone: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why its session ended
         self._next_sweep = time.monotonic()  # when silent sessions are next looked for
+        self.flood = FloodGuard()
+        self.stats_budget = StatsBudget()
+        self._open_fds: dict[int, int | None] = {}  # connections open now (monitor) -> the peer pid at accept
+        # Connections cut for flooding, by fd, until the fd is another connection's: what they left
+        # queued is read and dropped unread.
+        self._cut: set[int] = set()
+        self._banned: dict[int, float] = {}  # pid cut for flooding -> until when its new connections are cut
         self.stopping = False
         self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         try:
@@ -266,10 +277,15 @@ class ExpertDaemon:
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._after_batch(False)
                 return
             self._drain_monitor()  # disconnects that happened before this message come first
             identity = frames[0].bytes
             fd = frames[-1].get(zmq.SRCFD)
+            if fd in self._cut:
+                continue  # left queued by a connection cut for flooding: dropped unread
+            pid = self._open_fds.get(fd)
+            self.flood.seen(pid if pid is not None else ("connection", fd))
             session = self.sessions.get(identity)
             if session is not None and session.fd != fd:
                 self._drop(identity, "lost its routing id to another connection")
@@ -284,12 +300,70 @@ class ExpertDaemon:
                 self._error(identity, exc.code, exc.message)
                 continue
             self._handle(identity, msg, fd)
+        self._after_batch(bool(self.router.get(zmq.EVENTS) & zmq.POLLIN))
+
+    def _after_batch(self, backlogged: bool) -> None:
+        flooder = self.flood.after_batch(anon_bytes() if backlogged else None)
+        if flooder is not None:
+            self._cut_peer(flooder)
+
+    def _cut_peer(self, flooder: Flooder) -> None:
+        """Closes the connections of a peer that outruns the main loop (flood.py), so that what it
+        sends stops queueing in memory: shutdown() on a duplicate of each fd, which libzmq sees as
+        the peer closing (a disconnect, ending any session on it). Only connections the monitor
+        says are open now, and over ipc only those whose peer is still the process that opened
+        them (an fd may be another connection's by now)."""
+        peer = flooder.peer
+        if isinstance(peer, int):
+            fds = [fd for fd, pid in self._open_fds.items() if pid == peer and _peer_pid(fd) == peer]
+        else:
+            fds = [peer[1]] if peer[1] in self._open_fds else []
+        if not fds:
+            return  # closed already: what it left drains
+        log.warning("cutting %d connection(s) of %s: it sent %d messages, faster than expertd reads them, while "
+                    "expertd's memory grew %d MiB with what waits to be read; what it left queued is dropped",
+                    len(fds), f"pid {peer}" if isinstance(peer, int) else "a tcp peer", flooder.messages,
+                    self.flood.growth_bytes >> 20)
+        self.counters.floods_cut += 1
+        if isinstance(peer, int):
+            self._banned[peer] = time.monotonic() + FLOOD_BAN_S
+        for fd in fds:
+            self._cut_fd(fd)
+
+    def _cut_fd(self, fd: int) -> None:
+        self._cut.add(fd)
+        for identity in [i for i, s in self.sessions.items() if s.fd == fd]:
+            self._drop(identity, "cut for flooding")
+        try:
+            with socket.socket(fileno=os.dup(fd)) as conn:
+                conn.shutdown(socket.SHUT_RDWR)
+        except OSError as exc:
+            log.debug("shutdown of fd %d: %s", fd, exc)
+
+    def _accepted(self, fd: int) -> None:
+        """A new connection: its peer's pid noted; one of a process cut for flooding is cut at once."""
+        pid = _peer_pid(fd)
+        self._open_fds[fd] = pid
+        now = time.monotonic()
+        for banned in [b for b, until in self._banned.items() if until <= now]:
+            del self._banned[banned]
+        if pid is not None and pid in self._banned:
+            self.counters.floods_cut += 1
+            log.debug("cutting a new connection of pid %d, cut for flooding %.0f s ago", pid,
+                      FLOOD_BAN_S - (self._banned[pid] - now))
+            self._cut_fd(fd)
+        else:
+            self._cut.discard(fd)  # another connection's now; a cut one's leftovers are served as usual
 
     def _handle(self, identity: bytes, msg: p.Message, fd: int = -1) -> None:
         if isinstance(msg, p.Ping):
             self._send(identity, p.Pong())
         elif isinstance(msg, p.Stats):
-            self._send(identity, p.StatsReply(self.stats()))
+            if self.stats_budget.take(identity, time.monotonic()):
+                self._send(identity, p.StatsReply(self.stats()))
+            else:
+                self._error(identity, p.ErrorCode.BUSY, f"at most {self.stats_budget.per_s} STATS a second per "
+                            "connection: ask less often")
         elif isinstance(msg, p.Hello):
             self._hello(identity, msg, fd)
         elif isinstance(msg, p.Heartbeat):
@@ -666,7 +740,10 @@ class ExpertDaemon:
             # routing id to another one closes after that one has taken it). Found by the session's
             # own fd, not by who sent last on that fd: a closed connection's messages still queued
             # carry its fd, which a new connection may have by the time they are read.
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accepted(fd)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._open_fds.pop(fd, None)
                 for identity in [i for i, s in self.sessions.items() if s.fd == fd]:
                     self._drop(identity, "disconnected")
 
