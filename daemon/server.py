@@ -24,9 +24,10 @@ already in use takes it over (ROUTER_HANDOVER: libzmq otherwise keeps every such
 connection's pipes, ~20 kB each, for the life of the socket); the session of the connection it
 took over ends then, so it never inherits that session's slots, and must say HELLO itself; a
 connection that takes a routing id over and stays silent leaves the old session nothing to say
-either, and it ends heartbeat_timeout_s later. (The connection taken over has no pipe left: if it
-sends more and then closes, libzmq keeps it, an fd and some kB, until the daemon exits. Only peers
-that choose their routing id do this; ExpertClient does not.)
+either, and it ends heartbeat_timeout_s later. The connection taken over has no pipe left: if it
+sent more and then closed, libzmq would keep it, an fd and some kB, until the daemon exits, so the
+daemon shuts it down (shutdown() of a duplicate of its fd) at the first message that shows the
+takeover. Only peers that choose their routing id do this; ExpertClient does not.
 A client is leased the slots its HELLO asks for (client_slots when it asks for none), never more
 than the per-client cap (max_client_slots), so that one client cannot take the staging from the
 others.
@@ -153,6 +154,10 @@ class ExpertDaemon:
         # queued is read and dropped unread.
         self._cut: set[int] = set()
         self._banned: dict[int, float] = {}  # pid cut for flooding -> until when its new connections are cut
+        # Which connection each routing id last came from, and back: a message under an id from
+        # another fd is a takeover (ROUTER_HANDOVER), and the connection it took the id from is closed.
+        self._fd_of: dict[bytes, int] = {}
+        self._id_on: dict[int, bytes] = {}
         self.stopping = False
         self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         try:
@@ -286,6 +291,7 @@ class ExpertDaemon:
                 continue  # left queued by a connection cut for flooding: dropped unread
             pid = self._open_fds.get(fd)
             self.flood.seen(pid if pid is not None else ("connection", fd))
+            self._note_connection(identity, fd)
             session = self.sessions.get(identity)
             if session is not None and session.fd != fd:
                 self._drop(identity, "lost its routing id to another connection")
@@ -301,6 +307,31 @@ class ExpertDaemon:
                 continue
             self._handle(identity, msg, fd)
         self._after_batch(bool(self.router.get(zmq.EVENTS) & zmq.POLLIN))
+
+    def _note_connection(self, identity: bytes, fd: int) -> None:
+        """Remembers which connection `identity` speaks on. One that took the id over from another
+        open connection (ROUTER_HANDOVER) gets the old one closed: libzmq leaves it without a pipe,
+        open until the daemon exits if it sends on, so the daemon shuts it down itself."""
+        if fd < 0 or fd not in self._open_fds:
+            return  # a closed connection's late message: it says nothing about who holds the id now
+        previous = self._fd_of.get(identity)
+        if previous == fd:
+            return
+        if previous is not None and self._id_on.get(previous) == identity:
+            log.debug("routing id %r taken over by another connection: closing the old one (fd %d)", identity, previous)
+            self._shutdown_fd(previous)
+            del self._id_on[previous]
+        old_id = self._id_on.get(fd)
+        if old_id is not None and self._fd_of.get(old_id) == fd:
+            del self._fd_of[old_id]
+        self._fd_of[identity] = fd
+        self._id_on[fd] = identity
+
+    def _forget_fd(self, fd: int) -> None:
+        """A connection accepted or closed on `fd`: what was noted of the fd's previous connection goes."""
+        identity = self._id_on.pop(fd, None)
+        if identity is not None and self._fd_of.get(identity) == fd:
+            del self._fd_of[identity]
 
     def _after_batch(self, backlogged: bool) -> None:
         flooder = self.flood.after_batch(anon_bytes() if backlogged else None)
@@ -334,6 +365,12 @@ class ExpertDaemon:
         self._cut.add(fd)
         for identity in [i for i, s in self.sessions.items() if s.fd == fd]:
             self._drop(identity, "cut for flooding")
+        self._shutdown_fd(fd)
+
+    @staticmethod
+    def _shutdown_fd(fd: int) -> None:
+        """Closes a connection under libzmq: shutdown() of a duplicate of its fd (libzmq's I/O thread
+        owns the fd and closes it), seen by libzmq as the peer closing."""
         try:
             with socket.socket(fileno=os.dup(fd)) as conn:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -741,8 +778,10 @@ class ExpertDaemon:
             # own fd, not by who sent last on that fd: a closed connection's messages still queued
             # carry its fd, which a new connection may have by the time they are read.
             if event["event"] == zmq.EVENT_ACCEPTED:
+                self._forget_fd(fd)
                 self._accepted(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._forget_fd(fd)
                 self._open_fds.pop(fd, None)
                 for identity in [i for i, s in self.sessions.items() if s.fd == fd]:
                     self._drop(identity, "disconnected")
