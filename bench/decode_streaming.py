@@ -6,13 +6,16 @@ measures it on the same pack (the expertd path instead when fio is not installed
 
 Synthesizes the preset (Qwen3-30B-A3B shapes, Q4_K experts, Q8_0 trunk by default) and packs it
 unless present; starts a real expertd; runs the same prompt and decode (a) streaming with
---cache-gib of cache and (b) fully resident; checks that both runs produce the same argmax at every
-step; prints a table, then one JSON line.
+--cache-gib of cache, with the worker's prefetch off and on (--prefetch both, the default; each
+against a fresh expertd), and (b) fully resident; checks that every run produces the same argmax at
+every step; prints a table (with prefetch precision and recall, and the seconds per token the
+model stalled waiting for experts), then one JSON line.
 
 Decode feeds a fixed pseudo-random token stream, one token at a time through the KV cache, rather
 than the model's own greedy output: a random-weight model's greedy output soon repeats one token,
 whose experts are then always cached, which would flatter the cache far beyond real text.
-  python3 bench/decode_streaming.py [--preset qwen3-30b-a3b] [--cache-gib 4] [--device cuda|cuda:0,cuda:1] [--dir bench-out]
+  python3 bench/decode_streaming.py [--preset qwen3-30b-a3b] [--cache-gib 4] [--device cuda|cuda:0,cuda:1]
+                                    [--prefetch both|on|off] [--dir bench-out]
 """
 
 from __future__ import annotations
@@ -83,6 +86,52 @@ def prepare_pack(preset: str, layers: int | None, workdir: Path) -> tuple[str, P
     return stem, pack
 
 
+MODES = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}  # --prefetch -> the streaming runs, in order
+
+
+def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.Namespace, prefetch: bool) -> dict:
+    """One streaming run against a fresh expertd (nothing warm from another run): its speeds and
+    tokens, and per phase the cache's counters (hit rate, stall, prefetch precision and recall)
+    and the SSD bytes expertd read."""
+    from expertpack.client import bench_io
+    from expertpack.worker.engine import Engine
+    from expertpack.worker.expert_cache import prefetch_rates
+
+    daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64)
+    try:
+        t0 = time.perf_counter()
+        engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
+                             name="bench-decode", prefetch=prefetch)
+        sync(args.device)
+        load_s = time.perf_counter() - t0
+        cache = engine.expert_cache
+        marks: dict[str, tuple[dict, int]] = {}
+
+        def mark(phase: str) -> None:
+            marks[phase] = (cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"])
+
+        out = run(engine, prompt, args.decode, args.device, mark)
+        out.update(slots=cache.n_slots, slot_bytes=cache.slot_bytes, pinned=cache.link.pinned, load_s=load_s)
+        engine.close()
+        engine = cache = None  # the device memory goes back before the next run
+    finally:
+        daemon.stop()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    def phase(name: str, before: str) -> dict:
+        (c1, r1), (c0, r0) = marks[name], marks[before]
+        d = {k: c1[k] - c0[k] for k in c1}
+        looked = d["hits"] + d["misses"]
+        return {"hit_rate": d["hits"] / looked if looked else 0.0, "ssd_bytes": r1 - r0, "stall_s": d["stall_s"],
+                "h2d_bytes": d["h2d_bytes"], "prefetch_issued": d["prefetch_issued"],
+                "prefetch_used": d["prefetch_used"], "prefetch_stale": d["prefetch_stale"],
+                **prefetch_rates(d)}
+
+    out.update(prefill=phase("prefill", "start"), decode=phase("decode", "prefill"))
+    return out
+
+
 def disk_bandwidth(pack: Path, workdir: Path) -> tuple[float, str]:
     """GB/s of O_DIRECT random whole-expert reads on this pack: fio, else expertd."""
     from expertpack.client import bench_io
@@ -111,9 +160,10 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     p.add_argument("--decode", type=int, default=32, help="tokens decoded one at a time")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit on the device")
+    p.add_argument("--prefetch", choices=sorted(MODES), default="both",
+                   help="stream with the worker's prefetch off, on, or both side by side (default)")
     args = p.parse_args()
 
-    from expertpack.client import bench_io
     from expertpack.packtools.layout import Manifest
     from expertpack.worker.engine import Engine
 
@@ -124,46 +174,22 @@ def main() -> int:
     bandwidth, bandwidth_how = disk_bandwidth(pack, workdir)
     prompt = list(range(100, 100 + args.prompt))
 
-    daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64)
-    try:
-        t0 = time.perf_counter()
-        engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
-                             name="bench-decode")
-        sync(args.device)
-        load_s = time.perf_counter() - t0
-        cache = engine.expert_cache
-        marks: dict[str, tuple[dict, int]] = {}
-
-        def mark(phase: str) -> None:
-            marks[phase] = (cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"])
-
-        streaming = run(engine, prompt, args.decode, args.device, mark)
-        n_slots, slot_bytes, pinned = cache.n_slots, cache.slot_bytes, cache.link.pinned
-        engine.close()
-        engine = cache = None  # the device memory goes back before the resident run
-    finally:
-        daemon.stop()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-    def phase(name: str, before: str) -> dict:
-        (c1, r1), (c0, r0) = marks[name], marks[before]
-        looked = (c1["hits"] - c0["hits"]) + (c1["misses"] - c0["misses"])
-        return {"hit_rate": (c1["hits"] - c0["hits"]) / looked if looked else 0.0, "ssd_bytes": r1 - r0,
-                "stall_s": c1["stall_s"] - c0["stall_s"], "h2d_bytes": c1["h2d_bytes"] - c0["h2d_bytes"]}
-
-    pre, dec = phase("prefill", "start"), phase("decode", "prefill")
+    runs = {mode: streaming_run(pack, workdir, prompt, args, mode == "on") for mode in MODES[args.prefetch]}
+    n_slots, slot_bytes, pinned, load_s = (runs[MODES[args.prefetch][0]][k] for k in ("slots", "slot_bytes", "pinned", "load_s"))
     decode_tokens = args.decode - 1
-    ssd_per_token = dec["ssd_bytes"] / decode_tokens
-    io_bound_tps = bandwidth * 1e9 / ssd_per_token if ssd_per_token else float("inf")
+    for run_ in runs.values():
+        run_["ssd_per_token"] = run_["decode"]["ssd_bytes"] / decode_tokens
+        run_["io_bound_tps"] = bandwidth * 1e9 / run_["ssd_per_token"] if run_["ssd_per_token"] else float("inf")
+    first = runs[MODES[args.prefetch][0]]
 
     resident = None
     if not args.skip_resident:
         engine = Engine.load(pack, args.device, resident_experts=True)
         resident = run(engine, prompt, args.decode, args.device, lambda phase: None)
         del engine
-    same = resident is None or resident["tokens"] == streaming["tokens"]
-    digest = hashlib.sha256(json.dumps(streaming["tokens"]).encode()).hexdigest()[:16]
+    reference = resident["tokens"] if resident is not None else first["tokens"]
+    same = all(r["tokens"] == reference for r in runs.values())
+    digest = hashlib.sha256(json.dumps(first["tokens"]).encode()).hexdigest()[:16]
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "none"
 
     print(f"model     {stem} ({expert_bytes / 1e9:.2f} GB of experts, {m.model.n_expert} x {len(m.layers)} layers, "
@@ -171,13 +197,19 @@ def main() -> int:
     print(f"cache     {args.cache_gib:g} GiB = {n_slots} slots of {slot_bytes / 2**20:.2f} MiB "
           f"({n_slots * slot_bytes / expert_bytes:.0%} of the experts), staging pinned: {pinned}; load {load_s:.1f} s")
     print(f"disk      {bandwidth:.2f} GB/s ({bandwidth_how})")
-    print(f"{'':26}{'prefill tok/s':>14}{'decode tok/s':>14}{'hit rate':>10}{'SSD MB/token':>14}{'stall s/token':>15}")
-    print(f"{'streaming (expertd+cache)':26}{streaming['prefill_tps']:14.2f}{streaming['decode_tps']:14.2f}"
-          f"{dec['hit_rate']:10.1%}{ssd_per_token / 1e6:14.1f}{dec['stall_s'] / decode_tokens:15.3f}")
+    print(f"{'':26}{'prefill tok/s':>14}{'decode tok/s':>14}{'hit rate':>10}{'SSD MB/token':>14}{'stall s/token':>15}"
+          f"{'precision':>11}{'recall':>8}")
+    for mode, r in runs.items():
+        dec = r["decode"]
+        print(f"{'streaming, prefetch ' + mode:26}{r['prefill_tps']:14.2f}{r['decode_tps']:14.2f}"
+              f"{dec['hit_rate']:10.1%}{r['ssd_per_token'] / 1e6:14.1f}{dec['stall_s'] / decode_tokens:15.3f}"
+              f"{dec['prefetch_precision']:11.1%}{dec['prefetch_recall']:8.1%}")
     if resident:
         print(f"{'every expert resident':26}{resident['prefill_tps']:14.2f}{resident['decode_tps']:14.2f}")
-    print(f"{'I/O bound (disk / SSD B per token)':40}{io_bound_tps:14.2f}")
-    print(f"argmax at every step identical to the resident run: {same if resident else 'not run'} (sha256 {digest})")
+    for mode, r in runs.items():
+        print(f"{'I/O bound (disk / SSD B per token), prefetch ' + mode:52}{r['io_bound_tps']:14.2f}")
+    print(f"argmax at every step identical across {', '.join(f'prefetch {m}' for m in runs)}"
+          f"{' and the resident run' if resident else ''}: {same} (sha256 {digest})")
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(json.dumps({
@@ -186,11 +218,14 @@ def main() -> int:
         "torch": torch.__version__, "model": f"synth {args.preset}" + (f" --layers {args.layers}" if args.layers else ""),
         "expert_bytes": expert_bytes, "cache_bytes": n_slots * slot_bytes, "slots": n_slots, "staging_pinned": pinned,
         "disk_gb_per_s": round(bandwidth, 3), "disk_measured_by": bandwidth_how,
-        "streaming": {"prefill_tokens_per_s": round(streaming["prefill_tps"], 3),
-                      "decode_tokens_per_s": round(streaming["decode_tps"], 3), "prefill": pre, "decode": dec},
+        "streaming": {f"prefetch_{mode}": {"prefill_tokens_per_s": round(r["prefill_tps"], 3),
+                                           "decode_tokens_per_s": round(r["decode_tps"], 3), "prefill": r["prefill"],
+                                           "decode": r["decode"], "stall_s_per_token": r["decode"]["stall_s"] / decode_tokens,
+                                           "io_bound_decode_tokens_per_s": round(r["io_bound_tps"], 3),
+                                           "ssd_bytes_per_decoded_token": r["ssd_per_token"]}
+                      for mode, r in runs.items()},
         "resident": None if resident is None else {"prefill_tokens_per_s": round(resident["prefill_tps"], 3),
                                                    "decode_tokens_per_s": round(resident["decode_tps"], 3)},
-        "io_bound_decode_tokens_per_s": round(io_bound_tps, 3), "ssd_bytes_per_decoded_token": ssd_per_token,
         "argmax_identical": same, "argmax_sha256": digest,
     }))
     return 0 if same else 1

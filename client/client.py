@@ -9,6 +9,12 @@ Experts arrive in completion order, not request order. `data` is valid until `re
 holds a fixed set of staging slots (leased at HELLO); a fetch of more keys than that proceeds as
 experts are released. No GPU needed: the worker adds CUDA registration on top.
 
+`submit(key)` sends a one-key FETCH (a prefetch, by default) without waiting: its answer is kept
+for the returned Pending whenever the client reads its socket (during another fetch, or `pump()`),
+and taken with `Pending.result()`. `Pending.cancel()` gives its slot back: at once when the answer
+is in, otherwise with a CANCEL, and the late answer (a READY whose read had started) is released
+as it arrives; `abandoned` counts those still unanswered, which may each still hold a slot.
+
 A daemon that goes away is noticed at once, not after `timeout_s`: a BYE (it is shutting down), or
 the connection closing under the session (it exited, was killed or restarted: a ZeroMQ socket
 monitor reports the disconnect) raise DaemonUnavailable from the call waiting on it. The session
@@ -120,6 +126,55 @@ class Expert:
         return f"Expert(key={tuple(self.key)}, slot={self.slot}, nbytes={self.nbytes})"
 
 
+class Pending:
+    """One key's FETCH, sent by ExpertClient.submit without waiting for its answer. Exactly one of
+    result() (the caller then owns the Expert) or cancel() ends it."""
+
+    __slots__ = ("client", "key", "request_id", "prio")
+
+    def __init__(self, client: "ExpertClient", key: ExpertKey, request_id: int, prio: p.Priority) -> None:
+        self.client = client
+        self.key = key
+        self.request_id = request_id
+        self.prio = prio
+
+    @property
+    def answered(self) -> bool:
+        """Whether its READY or FAIL has been read (by any read of the socket so far)."""
+        inbox = self.client._inbox.get(self.request_id)
+        return inbox is not None and bool(inbox)
+
+    def result(self, timeout_s: float | None = None) -> Expert:
+        """The expert, waiting for it if need be; FetchFailed when expertd answered FAIL."""
+        if self.request_id not in self.client._inbox:
+            raise ClientError(f"{self!r} was already taken or cancelled")
+        msg = self.client._next_for(self.request_id, timeout_s)  # on a timeout it stays pending: cancel() it
+        del self.client._inbox[self.request_id]
+        if isinstance(msg, p.Fail):
+            raise FetchFailed(msg.key, msg.code, msg.message)
+        assert isinstance(msg, p.Ready)
+        return self.client._expert(msg)
+
+    def cancel(self) -> None:
+        """Gives up the key: an answer already in is released now; otherwise expertd is asked to
+        cancel, and its answer (FAIL CANCELLED, or the READY of a read already started) is
+        released when it arrives. Idempotent."""
+        client = self.client
+        inbox = client._inbox.pop(self.request_id, None)
+        if inbox is None:
+            return
+        if inbox:
+            msg = inbox.popleft()
+            if isinstance(msg, p.Ready):
+                client._release([msg.slot])
+            return
+        client._abandoned.add(self.request_id)
+        client._send_if_alive(p.Cancel(self.request_id))
+
+    def __repr__(self) -> str:
+        return f"Pending(key={tuple(self.key)}, id={self.request_id}, prio={self.prio.name})"
+
+
 class ExpertClient:
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, name: str | None = None, timeout_s: float = 30.0,
                  expect_fingerprint: str | None = None, curve_server_key: bytes | None = None) -> None:
@@ -158,6 +213,7 @@ class ExpertClient:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._inbox: dict[int, deque[p.Message]] = {}
+        self._abandoned: set[int] = set()  # cancelled submits whose answer has not arrived
         self._map: mmap.mmap | None = None
         try:
             self._send(p.Hello(p.PROTOCOL_VERSION, name or f"pid-{os.getpid()}", expect_fingerprint or ""))
@@ -217,8 +273,7 @@ class ExpertClient:
                 if isinstance(msg, p.Fail):
                     raise FetchFailed(msg.key, msg.code, msg.message)
                 assert isinstance(msg, p.Ready)
-                view = memoryview(self.staging)[msg.slot * self.welcome.slot_bytes:][:msg.nbytes]
-                yield Expert(self, msg.key, msg.slot, msg.nbytes, view)
+                yield self._expert(msg)
         finally:
             # Experts that arrived for this fetch but were never handed out go straight back.
             unclaimed = [m.slot for m in self._inbox.pop(request_id) if isinstance(m, p.Ready)]
@@ -226,6 +281,37 @@ class ExpertClient:
                 self._release(unclaimed)
             if remaining > len(unclaimed):
                 self._send_if_alive(p.Cancel(request_id))
+
+    def submit(self, key: tuple[int, int], prio: p.Priority = p.Priority.PREFETCH) -> Pending:
+        """Sends a FETCH of one key and returns at once (see Pending)."""
+        request_id = next(self._ids)
+        self._inbox[request_id] = deque()
+        pending = Pending(self, ExpertKey(int(key[0]), int(key[1])), request_id, prio)
+        self._send(p.Fetch(request_id, (pending.key,), prio))
+        return pending
+
+    def pump(self) -> None:
+        """Reads whatever expertd has sent by now, without waiting: answers go to their requests
+        (a submit's, a cancelled one's: released)."""
+        while self._sock.poll(0):
+            msg = self._recv(0)
+            if isinstance(msg, p.Error):
+                raise DaemonError(msg.code, msg.message)
+            self._route(msg)
+
+    @property
+    def abandoned(self) -> int:
+        """Cancelled submits not answered yet: each may still hold one of the client's slots."""
+        return len(self._abandoned)
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Waits until every cancelled submit has its answer (and its slot is back)."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while self._abandoned:
+            msg = self._recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(msg, p.Error):
+                raise DaemonError(msg.code, msg.message)
+            self._route(msg)
 
     def stats(self) -> dict[str, Any]:
         self._send(p.Stats())
@@ -263,6 +349,10 @@ class ExpertClient:
         self.close()
 
     # ---- plumbing ----------------------------------------------------------------------------
+    def _expert(self, msg: p.Ready) -> Expert:
+        view = memoryview(self.staging)[msg.slot * self.welcome.slot_bytes:][:msg.nbytes]
+        return Expert(self, msg.key, msg.slot, msg.nbytes, view)
+
     def _release(self, slots: list[int]) -> None:
         self._send_if_alive(p.Release(tuple(slots)))
 
@@ -387,7 +477,9 @@ class ExpertClient:
         request_id = getattr(msg, "id", None)
         if request_id in self._inbox:
             self._inbox[request_id].append(msg)
-        elif isinstance(msg, p.Ready):  # for a fetch the caller abandoned: hand the slot straight back
+            return
+        self._abandoned.discard(request_id)  # a one-key submit has exactly one answer
+        if isinstance(msg, p.Ready):  # for a fetch the caller abandoned: hand the slot straight back
             self._release([msg.slot])
 
 

@@ -32,6 +32,8 @@ from expertpack.client import ClientError, DaemonUnavailable, Expert, ExpertClie
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
+from .prefetch import Prefetches
+
 log = logging.getLogger("expert-worker")
 
 PROBE_TIMEOUT_S = 2.0  # how long /health and /metrics wait for the daemon's STATS
@@ -75,6 +77,7 @@ class DaemonLink:
         self._lock = threading.RLock()
         self._probe: zmq.Socket | None = None  # STATS only, no HELLO: never holds slots
         self._probe_lock = threading.Lock()
+        self.ahead = Prefetches(self)  # experts fetched ahead of their layer, on this link's session
         self._connect()
 
     # ---- connection ---------------------------------------------------------------------------
@@ -119,11 +122,28 @@ class DaemonLink:
 
     def close(self) -> None:
         with self._lock:
+            if self.client is not None:  # cancelled prefetches' answers are in before the session ends
+                self.ahead.cancel_all()
+                self.ahead.settle()
             self._disconnect()
         with self._probe_lock:
             if self._probe is not None:
                 self._probe.close(linger=0)
                 self._probe = None
+
+    def settle(self) -> None:
+        """Waits until expertd has answered every cancelled prefetch and handled everything this
+        worker sent (a PING's answer on the session's own connection comes after them), so that
+        STATS, asked on another socket, counts all of it: for tools and tests that read the
+        counters after a run."""
+        with self._lock:
+            if self.client is None:
+                return
+            self.ahead.settle()
+            try:
+                self.client.ping()
+            except ClientError as exc:
+                log.debug("settle: %s", exc)
 
     @property
     def slot_bytes(self) -> int:

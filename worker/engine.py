@@ -42,7 +42,8 @@ class Engine:
     @classmethod
     def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False,
              daemon: str | None = None, cache_bytes: int = 0, reserve_bytes: int = 0,
-             name: str = "expert-worker", daemon_timeout_s: float = 30.0, down_timeout_s: float = 60.0) -> "Engine":
+             name: str = "expert-worker", daemon_timeout_s: float = 30.0, down_timeout_s: float = 60.0,
+             prefetch: bool = True) -> "Engine":
         """Experts come from: the pack or GGUF directly (default), every expert on the device
         (resident_experts), or a device cache of `cache_bytes` fed by expertd at `daemon` (path
         must then be the pack the daemon serves: the fingerprints are checked at HELLO). A request
@@ -52,7 +53,10 @@ class Engine:
         `device`: one device, or a list (`cuda:0,cuda:1`; `cpu,cpu` in tests) over which the
         layers are split in contiguous ranges (placement.py); each device then holds its layers'
         experts: their resident tables, or an expert cache of its own. A GPU's cache takes
-        min(cache_bytes, its free memory - reserve_bytes); CPU devices share cache_bytes evenly."""
+        min(cache_bytes, its free memory - reserve_bytes); CPU devices share cache_bytes evenly.
+
+        `prefetch`: with a daemon, each MoE layer first sends the experts the next layers will
+        likely miss (lookahead.py, prefetch.py); the logits are the same bits either way."""
         files = open_model(path)
         place = plan(files, parse_devices(device, torch.cuda.device_count()))
         dev = place.first
@@ -92,6 +96,7 @@ class Engine:
                 raise
             files.experts.close()  # the daemon reads the pack from now on
             files.experts = model.moe.source = cache
+            model.moe.prefetch = prefetch
         return cls(model, files, dev, place)
 
     @property

@@ -82,6 +82,7 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
         ranges = engine.layer_ranges
         result["layers"] = [[str(d), r.start, r.stop - 1] for d, r in zip(engine.place.devices, ranges)]
     if engine.expert_cache is not None:
+        engine.expert_cache.link.settle()  # expertd's counters include the last cancelled prefetches
         result["expert_cache"] = engine.expert_cache.stats()
     if args.json:
         print(json.dumps(result))

@@ -5,7 +5,12 @@ the daemon in one request, and as each arrives its bytes are copied from the sha
 cache slot on a copy stream; the compute stream waits on each slot's event, and each staging slot is
 released once its copy is done (polled, not waited for, unless the client runs out of staging).
 On the CPU the same code runs with plain copies, so CI tests the policy and the protocol.
-Read-only: eviction never writes back."""
+Read-only: eviction never writes back.
+Prefetch (prefetch.py): `prefetch(layer, experts)` sends the keys a later layer is predicted to
+miss ahead of it, `ahead(layer)` says which later layers this cache may prefetch for, and
+`layer_done(layer)` cancels what a layer was predicted but did not use. A miss that a prefetch
+brought is copied in from where it waits, with no second read; the policy and the slots are the
+same either way, so prefetch changes when bytes arrive, never which."""
 
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ class CacheCounters:
     h2d_bytes: int = 0
     stall_s: float = 0.0  # time load() spent waiting for misses
     steps: int = 0
+    prefetch_issued: int = 0  # keys sent ahead of their layer
+    prefetch_used: int = 0  # misses a prefetch brought (recall: of misses; precision: of issued)
+    prefetch_stale: int = 0  # prefetches cancelled because their layer ran without them
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -49,6 +57,14 @@ class CacheCounters:
     def since(self, before: dict[str, float]) -> dict[str, float]:
         """What happened after `before` (a snapshot): the per-request view of cumulative counters."""
         return {k: v - before[k] for k, v in self.snapshot().items()}
+
+
+def prefetch_rates(counters: dict[str, float]) -> dict[str, float]:
+    """Prefetch precision (of the keys sent ahead, the share their layer used) and recall (of the
+    misses, the share a prefetch had brought), from CacheCounters values (a snapshot, or a
+    difference of two); 0 where nothing was sent or missed."""
+    issued, used, misses = counters["prefetch_issued"], counters["prefetch_used"], counters["misses"]
+    return {"prefetch_precision": used / issued if issued else 0.0, "prefetch_recall": used / misses if misses else 0.0}
 
 
 @dataclass
@@ -92,8 +108,8 @@ class ExpertCache:
         self.layers = {l.layer: l for l in manifest.layers}
         self.slot_bytes = slot_bytes(manifest)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else cache_bytes + reserve_bytes
-        served = len(manifest.layers) if layers is None else len(layers)
-        every_expert = served * manifest.model.n_expert  # no use for more slots than that
+        self.served = sorted(self.layers if layers is None else layers)
+        every_expert = len(self.served) * manifest.model.n_expert  # no use for more slots than that
         self.n_slots = min(every_expert, slot_count(cache_bytes, free, reserve_bytes, self.slot_bytes,
                                                     manifest.model.n_expert_used))
         self.memory = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8, device=device)
@@ -128,6 +144,9 @@ class ExpertCache:
         expert -> slot map per wave."""
         chosen = ids.reshape(-1).tolist()
         unique = sorted(set(chosen))
+        # The layer's routing is known: what was prefetched for it and not chosen is stale now, and its
+        # reads not yet started never compete with this step's.
+        self.counters.prefetch_stale += self.link.ahead.cancel(layer, keep=unique)
         for start in range(0, len(unique), self.n_slots):
             wave = unique[start:start + self.n_slots]
             slot_of = dict(zip(wave, self._acquire(layer, wave)))
@@ -158,9 +177,31 @@ class ExpertCache:
                     compute.wait_event(self.ready[slot])
         return slots
 
+    # ---- prefetch ------------------------------------------------------------------------------
+    def ahead(self, layer: int, depth: int = 2) -> tuple[int, ...]:
+        """The next `depth` MoE layers after `layer` that this cache serves, in order: what may be
+        prefetched while `layer` runs (none past this cache's range: another device's cache)."""
+        if layer not in self.served:
+            return ()
+        at = self.served.index(layer) + 1
+        return tuple(self.served[at:at + depth])
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Sends the keys of `experts` (most wanted first) that are not resident ahead of `layer`'s
+        step, as far as the staging the prefetches may hold allows."""
+        keys = [ExpertKey(layer, e) for e in experts]
+        self.counters.prefetch_issued += self.link.ahead.submit(k for k in keys if k not in self.policy.slot_of)
+
+    def layer_done(self, layer: int) -> None:
+        """`layer`'s step has run: its prefetches it did not take are stale, cancelled now."""
+        self.counters.prefetch_stale += self.link.ahead.cancel(layer)
+
     # ---- misses --------------------------------------------------------------------------------
     def _fetch(self, misses: list[ExpertKey], protected: set[ExpertKey]) -> None:
         start = time.perf_counter()
+        # Prefetches sent since the last fetch may hold slots: before waiting for expertd, copies
+        # still in flight leave it one for each key it must still answer (see _release_finished).
+        self._release_finished(keep_free=1)
         victims = self.policy.victims(len(misses), protected)
         self.counters.misses += len(misses)
         self._fetches += 1
@@ -171,7 +212,8 @@ class ExpertCache:
             self._ref = (ref, time.perf_counter())
         free_slots = list(victims)
         wanted = set(misses)
-        for expert in self.link.fetch(misses):
+        for expert, prefetched in self.link.ahead.fetch(misses):
+            self.counters.prefetch_used += prefetched
             if expert.key not in wanted or expert.nbytes != self.layers[expert.key.layer].payload_bytes:
                 expert.release()
                 raise CacheError(f"expertd delivered {expert!r}, which this request did not ask for, or not in "
@@ -211,7 +253,8 @@ class ExpertCache:
 
     def _release_finished(self, keep_free: int, wait: bool = False) -> None:
         """Gives back staging slots whose copy is done. If the client has fewer than `keep_free`
-        staging slots left for the rest of the fetch, waits for the oldest copy."""
+        staging slots left for the rest of the fetch (those prefetches may hold do not count),
+        waits for the oldest copy."""
         if self._pending and self._pending[0].expert.client is not self.link.client:
             # The daemon went away and the link reconnected: it synchronized the device before
             # unmapping, so those copies are complete, and their leases died with the old session.
@@ -220,7 +263,7 @@ class ExpertCache:
             self._pending.extend(kept)
         while self._pending and self._pending[0].event.query():
             self._pending.popleft().expert.release()
-        while self._pending and len(self._pending) > self.link.n_staging_slots - keep_free:
+        while self._pending and len(self._pending) > self.link.n_staging_slots - keep_free - self.link.ahead.held:
             oldest = self._pending.popleft()
             oldest.event.synchronize()
             oldest.expert.release()
@@ -232,7 +275,8 @@ class ExpertCache:
         """The cache's cumulative counters and state, and the daemon's counters and RAM tier next to
         them (None while the daemon is unreachable)."""
         daemon = self.link.stats() or {}
-        return {"cache": {**self.counters.snapshot(), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
+        counters = self.counters.snapshot()
+        return {"cache": {**counters, **prefetch_rates(counters), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
                           "resident_bytes": self.resident_bytes, "staging_pinned": self.link.pinned,
                           "reconnects": self.link.reconnects},
                 "daemon": daemon.get("counters"), "daemon_ram": daemon.get("ram")}

@@ -28,7 +28,7 @@ DEFAULTS = {
     "pack": None, "daemon": "ipc:///run/expertpack/expertd.sock", "device": None, "cache_vram_mib": 4096,
     "cache_reserve_mib": 1024, "host": "127.0.0.1", "port": 8000, "tokenizer": None, "model_name": None,
     "daemon_timeout_s": 30.0, "daemon_down_timeout_s": 60.0, "max_body_mib": 0, "max_prompt_chars": 0,
-    "log_level": "info", "trace": None,
+    "log_level": "info", "trace": None, "prefetch": True,
 }
 
 
@@ -87,6 +87,10 @@ def parser() -> argparse.ArgumentParser:
                    help="record the experts every token selects in every MoE layer (prompts and decoding) into "
                         "FILE, a routing trace for `expertpack bench cache` (format: worker/routing_trace.py); "
                         "costs one host copy of the routing ids per layer call")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="while a layer runs, fetch the experts the next layers will likely miss (the next layer's "
+                        "router on the current state; DeepSeek-V4's hash layers exactly), so their reads overlap "
+                        "compute; the logits are the same either way (default on)")
     return p
 
 
@@ -120,6 +124,8 @@ def settings(argv: list[str] | None) -> argparse.Namespace:
     for name in ("pack", "daemon", "device", "host", "tokenizer", "model_name", "log_level", "trace"):
         if merged[name] is not None and not isinstance(merged[name], (str, Path)):
             problems.append(f"{name}: expected a string, got {merged[name]!r}")
+    if not isinstance(merged["prefetch"], bool):
+        problems.append(f"prefetch: expected true or false, got {merged['prefetch']!r}")
     if str(merged["log_level"]).lower() not in LOG_LEVELS:
         problems.append(f"log_level: one of {', '.join(LOG_LEVELS)}, got {merged['log_level']!r}")
     if isinstance(merged["trace"], (str, Path)) and not Path(merged["trace"]).parent.is_dir():
@@ -219,7 +225,7 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
                              reserve_bytes=int(args.cache_reserve_mib) << 20,
                              name=client_name(name, device, os.getpid()),
                              daemon_timeout_s=float(args.daemon_timeout_s),
-                             down_timeout_s=float(args.daemon_down_timeout_s))
+                             down_timeout_s=float(args.daemon_down_timeout_s), prefetch=args.prefetch)
         tokenizer = load_tokenizer(engine.files.metadata, args.tokenizer)
     except (ClientError, CacheTooSmall, ExpertpackError, TokenizerError, ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
@@ -245,12 +251,12 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
         cache = engine.expert_cache
         m = cache.manifest
         log.info("serving %s (%s, %d layers, %d experts top-%d) on %s: %d cache slots of %.2f MiB, %.0f MiB "
-                 "resident, staging pinned: %s, %d staging slots of expertd as client %r, context %d; loaded in "
-                 "%.1f s; http://%s:%d/v1",
+                 "resident, staging pinned: %s, %d staging slots of expertd as client %r, prefetch %s, context %d; "
+                 "loaded in %.1f s; http://%s:%d/v1",
                  name, engine.files.arch, m.model.n_layer, m.model.n_expert, m.model.n_expert_used, device,
                  cache.n_slots, cache.slot_bytes / 2**20, cache.resident_bytes / 2**20,
-                 "yes" if cache.link.pinned else "no", cache.link.n_staging_slots, cache.link.name, generator.n_ctx,
-                 time.perf_counter() - start, args.host, args.port)
+                 "yes" if cache.link.pinned else "no", cache.link.n_staging_slots, cache.link.name,
+                 "on" if args.prefetch else "off", generator.n_ctx, time.perf_counter() - start, args.host, args.port)
         limits = Limits.for_context(generator.n_ctx, int(args.max_prompt_chars), int(args.max_body_mib) << 20)
         service = WorkerService(generator, name, limits)
         app = create_app(service)

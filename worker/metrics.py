@@ -73,10 +73,17 @@ def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon
                                ("misses", "Unique experts of a step fetched from expertd."),
                                ("evictions", "Experts evicted to make room."),
                                ("h2d_bytes", "Expert bytes copied from the staging into the cache."),
-                               ("stall_s", "Seconds the model waited for missing experts.")):
+                               ("stall_s", "Seconds the model waited for missing experts."),
+                               ("prefetch_issued", "Experts fetched ahead of their layer (predicted misses)."),
+                               ("prefetch_used", "Misses served by a prefetch, without a read of their own."),
+                               ("prefetch_stale", "Prefetches cancelled because their layer ran without them.")):
             name = {"stall_s": "expertpack_cache_stall_seconds", "h2d_bytes": "expertpack_cache_h2d_bytes"}.get(
                 key, f"expertpack_cache_{key}")
             metric(name, "counter", help_text, [(cache[key], None)], "_total")
+        metric("expertpack_cache_prefetch_precision", "gauge", "Share of prefetched experts their layer used.",
+               [(cache["prefetch_precision"], None)])
+        metric("expertpack_cache_prefetch_recall", "gauge", "Share of the misses a prefetch had brought.",
+               [(cache["prefetch_recall"], None)])
         metric("expertpack_cache_resident_bytes", "gauge", "Bytes of experts held in the cache.",
                [(cache["resident_bytes"], None)])
         metric("expertpack_cache_slots", "gauge", "Expert slots of the cache.", [(cache["slots"], None)])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -48,6 +48,18 @@ class ExpertSource(Protocol):
     def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PrefetchingSource(ExpertSource, Protocol):
+    """A source whose experts arrive from elsewhere (the expert cache fed by expertd): it can be
+    told ahead which experts a later layer will likely need (prefetch.py), and when a layer has run."""
+
+    def ahead(self, layer: int, depth: int = 2) -> tuple[int, ...]: ...
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
+
+    def layer_done(self, layer: int) -> None: ...
 
 
 @dataclass

@@ -2,7 +2,9 @@
 selected is computed (all of them, every time: top-k is never reduced, no expert skipped or
 substituted) and the weighted outputs are added. Where expert bytes come from (a pack, a GGUF, the
 resident table, a VRAM cache fed by expertd) is the source's business; what an expert computes is
-the architecture's `Activation`, as data.
+the architecture's `Activation`, as data. Where the source fetches experts (the expertd-fed
+cache), each call first sends what the layers ahead will likely need (lookahead.py): never a
+change to what this call computes.
 
 Two paths, one result within rounding: on CUDA (and on the CPU under Triton's interpreter, for
 tests) the source hands the fused kernels a byte-offset map into its memory and every selected
@@ -19,7 +21,8 @@ import torch
 
 from .activation import SWIGLU, Activation
 from .expert_roles import ExpertRoles, expert_roles
-from .model_files import ExpertSource, ExpertWeights
+from .lookahead import Router, look_ahead
+from .model_files import ExpertSource, ExpertWeights, PrefetchingSource
 from .weights import linear, use_kernels
 
 
@@ -62,7 +65,17 @@ class ExpertFFN:
         # table [n_vocab, k]. Their experts are known as soon as the tokens are, before the layer
         # runs: what a prefetcher can fetch ahead.
         self.static_routes: dict[int, torch.Tensor] = {}
+        # The model's routing of a layer, which the lookahead applies to a layer's router input to
+        # predict the next layer's experts; set by models, used only when the source prefetches.
+        self.router: Router | None = None
+        # Look ahead: set by Engine.load (prefetch=...) where the source is the expertd-fed cache.
+        self.prefetch = False
+        self.tokens: torch.Tensor | None = None  # this pass's token ids, for static routes (begin)
         self._roles: dict[int, ExpertRoles] = {}
+
+    def begin(self, tokens: torch.Tensor) -> None:
+        """A forward pass over `tokens` [T] starts: layers with static routes know their experts."""
+        self.tokens = tokens
 
     def prepare(self, layers: Sequence[int]) -> None:
         """Reads the role table of every MoE layer for the fused kernels, so that experts they cannot
@@ -74,15 +87,24 @@ class ExpertFFN:
         return self.activation if isinstance(self.activation, Activation) else self.activation[layer]
 
     def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 summed: bool = True) -> torch.Tensor:
+                 summed: bool = True, router_in: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, D], ids/weights [T, k] -> [T, D]; with summed=False the fused path leaves the k
-        weighted outputs [T, k, D] for layers.add_rms_norm to add (in slot order, as the sum here)."""
+        weighted outputs [T, k, D] for layers.add_rms_norm to add (in slot order, as the sum here).
+        `router_in`: what the router read, where it is not `h` (Kimi-K3's experts take a latent)."""
         if self.routing_log is not None:
             self.routing_log.setdefault(layer, []).append(ids.cpu())
+        prefetching = self.prefetch and isinstance(self.source, PrefetchingSource)
+        if prefetching:
+            look_ahead(self.source, layer, h if router_in is None else router_in, self.router, self.static_routes,
+                       self.tokens)
         if use_kernels(h.device):
             y = self._fused(layer, h, ids, weights)
-            return y.sum(dim=1).to(h.dtype) if summed else y
-        return self._per_expert(layer, h, ids, weights)
+            y = y.sum(dim=1).to(h.dtype) if summed else y
+        else:
+            y = self._per_expert(layer, h, ids, weights)
+        if prefetching:
+            self.source.layer_done(layer)
+        return y
 
     def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from .kernels.moe_dense import experts_dense

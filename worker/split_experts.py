@@ -12,7 +12,7 @@ import torch
 
 from expertpack.packtools.layout import LayerLayout
 
-from .expert_cache import CacheCounters, ExpertCache
+from .expert_cache import CacheCounters, ExpertCache, prefetch_rates
 from .model_files import ExpertRows, ExpertSource, ExpertWeights
 
 
@@ -80,13 +80,24 @@ class CacheGroup(SplitExperts):
     def n_slots(self) -> int:
         return sum(c.n_slots for c in self.caches)
 
+    def ahead(self, layer: int, depth: int = 2) -> tuple[int, ...]:
+        """Prefetch stays on the device of `layer`: its cache's next layers (ExpertCache.ahead)."""
+        return self.source_of[layer].ahead(layer, depth)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        self.source_of[layer].prefetch(layer, experts)
+
+    def layer_done(self, layer: int) -> None:
+        self.source_of[layer].layer_done(layer)
+
     @property
     def resident_bytes(self) -> int:
         return sum(c.resident_bytes for c in self.caches)
 
     def stats(self) -> dict:
         """ExpertCache.stats() over every device: the counters added up, and each device's own."""
-        return {"cache": {**self.counters.snapshot(), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
+        counters = self.counters.snapshot()
+        return {"cache": {**counters, **prefetch_rates(counters), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
                           "resident_bytes": self.resident_bytes, "staging_pinned": self.link.pinned,
                           "reconnects": self.link.reconnects},
                 "devices": [{"device": str(c.device), **c.counters.snapshot(), "slots": c.n_slots} for c in self.caches],

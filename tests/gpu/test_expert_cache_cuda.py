@@ -1,6 +1,8 @@
 """The expert cache on CUDA, fed by expertd in its own process (skipped without a GPU; run on the
 device machine): logits bit for bit equal to every expert resident on the device with a cache of
-the minimum size, also with its experts served from expertd's RAM tier; the daemon's staging registered with CUDA (pinned, so copies are DMA); and the
+the minimum size, also with its experts served from expertd's RAM tier, and with prefetch (its
+experts copied in from where they waited, nothing left held after); the daemon's staging registered
+with CUDA (pinned, so copies are DMA); and the
 copies overlapping the reads: launched without waiting, finished while the same request's later
 experts are still being read. The overlap is shown on Qwen3-30B-A3B-sized experts (a 2-layer
 synthetic model), where a copy takes long enough for the clocks to see it."""
@@ -72,7 +74,9 @@ def test_minimal_cache_on_cuda_over_the_ram_tier_is_bit_exact(tmp_path: Path) ->
     d.wait_for("READY=1")
     try:
         want_logits, want_tokens = greedy(Engine.load(pack, "cuda", resident_experts=True), prompt)
-        engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+        # Without prefetch: a mispredicted prefetch would read a block no layer used, and the counts
+        # below are of the blocks the layers used (test_prefetch_on_cuda covers prefetch).
+        engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack), prefetch=False)
         try:
             runs = [greedy(engine, prompt) for _ in range(2)]
             link = engine.expert_cache.link
@@ -90,6 +94,43 @@ def test_minimal_cache_on_cuda_over_the_ram_tier_is_bit_exact(tmp_path: Path) ->
         assert daemon["ram_misses"] == ram["resident"] and ram["evictions"] == 0
         assert daemon["pack_read_bytes"] == ram["resident_bytes"] and daemon["ram_hits"] > 0
         assert stats["cache"]["misses"] > 2 * daemon["ram_misses"]  # the second pass came from the tier
+    finally:
+        assert d.stop()[0] == 0
+
+
+@pytest.mark.parametrize("ram_gib", ["0", "1"])
+def test_prefetch_on_cuda_is_bit_exact_and_leaves_nothing_held(ram_gib: str, tmp_path: Path) -> None:
+    """Prefetched experts copied in on the copy stream from staging (or RAM tier) slots: the same
+    bits as every expert resident; every prefetch ends used or cancelled, and no slot or hold stays
+    with the worker once the answers of cancelled ones are in."""
+    model = "qwen3moe-a"
+    pack = pack_of(FIXTURES / "gguf" / model / FIXTURE_MODELS[model], tmp_path / "pack")
+    prompt = np.load(FIXTURES / "ref" / model / "prompt_ids.npy").tolist()
+    d = start_daemon(pack, tmp_path, "--client-slots", "8", "--ram-cache-gib", ram_gib)
+    d.wait_for("READY=1")
+    try:
+        want_logits, want_tokens = greedy(Engine.load(pack, "cuda", resident_experts=True), prompt)
+        engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+        try:
+            got_logits, got_tokens = greedy(engine, prompt)
+            link = engine.expert_cache.link
+            link.settle()
+            stats = engine.expert_cache.stats()
+            in_flight = len(engine.expert_cache._pending)  # copies not seen done yet keep their slot or hold
+            prefetches_left = (len(link.ahead.entries), link.ahead.held)
+            daemon_now = link.stats()
+            (client,) = daemon_now["clients"]
+            print(f"{model} with prefetch (RAM tier {ram_gib} GiB): {stats['cache']}")
+        finally:
+            engine.close()
+        assert got_tokens == want_tokens
+        for step, (got, want) in enumerate(zip(got_logits, want_logits)):
+            assert torch.equal(got, want), f"{model}: step {step} differs from the resident run with prefetch on"
+        c = stats["cache"]
+        assert c["prefetch_used"] > 0 and c["prefetch_issued"] == c["prefetch_used"] + c["prefetch_stale"]
+        assert stats["daemon"]["keys"] == c["misses"] - c["prefetch_used"] + c["prefetch_issued"]
+        assert prefetches_left == (0, 0)
+        assert client["slots"] - client["free"] + daemon_now["ram"]["held"] <= in_flight and client["requests"] == 0
     finally:
         assert d.stop()[0] == 0
 

@@ -19,7 +19,7 @@ from expertpack.packtools.layout import ExpertKey
 from expertpack.worker import placement
 from expertpack.worker.cache_policy import CacheTooSmall
 from expertpack.worker.engine import Engine
-from expertpack.worker.expert_cache import ExpertCache
+from expertpack.worker.expert_cache import ExpertCache, prefetch_rates
 from expertpack.worker.model_files import ResidentExperts
 from expertpack.worker.placement import tensor_layer
 from expertpack.worker.split_experts import CacheGroup, SplitExperts
@@ -166,13 +166,18 @@ def test_split_expert_caches_share_one_daemon_and_are_bit_identical(arch: str, p
             assert held and held <= set(ranges[engine.place.part_of(min(held))])
         layers_of = [{key.layer for key in c.policy.slot_of} for c in group.caches]
         assert not layers_of[0] & layers_of[1]
+        group.link.settle()  # expertd has handled the cancels of stale prefetches
         stats = group.stats()
         c, daemon = stats["cache"], stats["daemon"]
-        assert c == {**group.counters.since(before), "slots": group.n_slots, "slot_bytes": group.slot_bytes,
+        counted = group.counters.since(before)
+        assert c == {**counted, **prefetch_rates(counted), "slots": group.n_slots, "slot_bytes": group.slot_bytes,
                      "resident_bytes": group.resident_bytes, "staging_pinned": False, "reconnects": 0}
         assert c["misses"] == sum(dev["misses"] for dev in stats["devices"]) > 0
         assert all(dev["misses"] > 0 for dev in stats["devices"])
-        assert daemon["ready"] == daemon["keys"] == c["misses"] and daemon["failed"] == 0
+        # each miss asked once, on demand or ahead; stale prefetches were cancelled (or read, then released)
+        assert daemon["keys"] == c["misses"] - c["prefetch_used"] + c["prefetch_issued"]
+        assert daemon["ready"] + daemon["cancelled"] == daemon["keys"] and daemon["failed"] == daemon["cancelled"]
+        assert c["prefetch_issued"] == c["prefetch_used"] + c["prefetch_stale"]  # within each device's own layers
         unique = sum(len(set(ids.flatten().tolist())) for calls in engine.model.moe.routing_log.values() for ids in calls)
         assert c["hits"] + c["misses"] == unique
         assert all(isinstance(k, ExpertKey) for cache in group.caches for k in cache.policy.slot_of)

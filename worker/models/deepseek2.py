@@ -86,6 +86,7 @@ class Model:
         self.nope = a.key_mla - a.rope_dim
         self.w = place.weights(files.trunk)
         self.moe = ExpertFFN(files.experts, expert_count(files))
+        self.moe.router = self.route
         # DeepSeek's YaRN scales attention by mscale^2 through the softmax scale, and leaves cos/sin
         # alone (its mscale equals mscale_all_dim). The GGUF stores 0.1 * mscale_all_dim.
         mscale = a.yarn_log_multiplier * math.log(a.rope_factor) + 1.0 if a.rope_factor > 1 else 1.0
@@ -110,17 +111,20 @@ class Model:
         o = attention(query, key, value, cache.positions(t, query.device), self.scale).reshape(t, -1)
         return linear(o, w[p + "attn_output.weight"])
 
+    def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, w, p = self.args, self.w, f"blk.{i}."
+        logits = linear(h.to(torch.float32), w[p + "ffn_gate_inp.weight"])
+        if a.gating == GATING_SIGMOID:
+            return sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used, a.n_group,
+                                      a.topk_group, a.weights_norm, a.weights_scale)
+        ids, weights = softmax_topk(logits, a.n_expert_used, a.weights_norm)
+        return ids, weights * a.weights_scale
+
     def ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
         a, w, p = self.args, self.w, f"blk.{i}."
         if i < a.n_dense:
             return swiglu(h, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
-        logits = linear(h.to(torch.float32), w[p + "ffn_gate_inp.weight"])
-        if a.gating == GATING_SIGMOID:
-            ids, weights = sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used,
-                                              a.n_group, a.topk_group, a.weights_norm, a.weights_scale)
-        else:
-            ids, weights = softmax_topk(logits, a.n_expert_used, a.weights_norm)
-            weights = weights * a.weights_scale
+        ids, weights = self.route(i, h)
         out = self.moe(i, h, ids, weights)
         if p + "ffn_gate_shexp.weight" in w:
             out = out + swiglu(h, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],

@@ -109,12 +109,14 @@ class Model:
         self.moe = ExpertFFN(files.experts, expert_count(files), [Activation(limit=float(c)) for c in a.clamp_exp])
         self.tables = {i: w[f"blk.{i}.ffn_gate_tid2eid.weight"].ints() for i in range(a.n_hash)}
         self.moe.static_routes.update(self.tables)
+        self.moe.router = self.route
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
         a, w = self.args, self.w
         x = w["token_embd.weight"].rows(tokens)  # [T, D]
         streams = x[:, None, :].expand(-1, a.hc, -1).contiguous()
+        self.moe.begin(tokens)
         for i in range(a.n_layer):
             p = f"blk.{i}."
             streams, tokens = self.place.hop(i, streams, tokens)
@@ -134,13 +136,18 @@ class Model:
 
     def _moe(self, i: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         a, w, p = self.args, self.w, f"blk.{i}."
-        logits = linear(h, w[p + "ffn_gate_inp.weight"])
         if i in self.tables:
+            logits = linear(h, w[p + "ffn_gate_inp.weight"])
             ids, weights = sqrtsoftplus_hashed(logits, self.tables[i], tokens, a.weights_scale)
         else:
-            ids, weights = sqrtsoftplus_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used,
-                                             a.weights_scale)
+            ids, weights = self.route(i, h)
         routed = self.moe(i, h, ids, weights)
         shared = Activation(limit=float(a.clamp_shexp[i]))(linear(h, w[p + "ffn_gate_shexp.weight"]),
                                                            linear(h, w[p + "ffn_up_shexp.weight"]))
         return routed + linear(shared, w[p + "ffn_down_shexp.weight"])
+
+    def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A top-k layer's routing (hash layers route by token id, in _moe)."""
+        p = f"blk.{i}."
+        return sqrtsoftplus_topk(linear(h, self.w[p + "ffn_gate_inp.weight"]), self.w[p + "exp_probs_b.bias"].dequant(),
+                                 self.args.n_expert_used, self.args.weights_scale)

@@ -64,6 +64,7 @@ class Model:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.w = place.weights(files.trunk)
         self.moe = ExpertFFN(files.experts, expert_count(files), Activation(ActKind.SWIGLU_OAI, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA))
+        self.moe.router = self.route
         self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
         self.place, self.device = place, place.first
@@ -83,8 +84,12 @@ class Model:
             attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps, window,
                                  parts=True)
             x, h = add_rms_norm(x, attn, w[p + "post_attention_norm.weight"].dequant(), a.eps)
-            logits = linear(h, w[p + "ffn_gate_inp.weight"], w[p + "ffn_gate_inp.bias"])
-            ids, weights = topk_softmax(logits, a.n_expert_used)
+            ids, weights = self.route(i, h)
             x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), self.norm_after[i].dequant(), a.eps)
         cache.length += t
         return output_logits(h, w["output.weight"], last)
+
+    def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = f"blk.{i}."
+        return topk_softmax(linear(h, self.w[p + "ffn_gate_inp.weight"], self.w[p + "ffn_gate_inp.bias"]),
+                            self.args.n_expert_used)

@@ -78,6 +78,7 @@ class Model:
         self.w = place.weights(files.trunk)
         self.situ = Activation(ActKind.SITU, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
         self.moe = ExpertFFN(files.experts, expert_count(files), self.situ)
+        self.moe.router = self.route
         self.place, self.device = place, place.first
 
     # ---- the residual stream -------------------------------------------------------------------
@@ -105,16 +106,20 @@ class Model:
         o = o * torch.sigmoid(linear(h, w[p + "attn_gate.weight"]))  # the output gate reads the normed input
         return linear(o, w[p + "attn_output.weight"])
 
+    def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, w, p = self.args, self.w, f"blk.{i}."
+        logits = linear(h.to(torch.float32), w[p + "ffn_gate_inp.weight"])  # the full-width input
+        return sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used, 1, 1, a.weights_norm,
+                                  a.weights_scale)
+
     def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
         a, w, p = self.args, self.w, f"blk.{i}."
         if i < a.n_dense:
             return linear(self.situ(linear(h, w[p + "ffn_gate.weight"]), linear(h, w[p + "ffn_up.weight"])),
                           w[p + "ffn_down.weight"])
-        logits = linear(h.to(torch.float32), w[p + "ffn_gate_inp.weight"])  # the full-width input
-        ids, weights = sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used, 1, 1,
-                                          a.weights_norm, a.weights_scale)
+        ids, weights = self.route(i, h)
         latent = linear(h, w[p + "ffn_routed_down.weight"])
-        routed = self.moe(i, latent, ids, weights)
+        routed = self.moe(i, latent, ids, weights, router_in=h)
         if p + "ffn_routed_norm.weight" in w:
             routed = rms_norm(routed, w[p + "ffn_routed_norm.weight"].dequant(), a.eps)
         out = linear(routed, w[p + "ffn_routed_up.weight"])

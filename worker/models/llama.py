@@ -14,7 +14,7 @@ from ..model_files import ModelFiles, expert_count
 from ..moe import ExpertFFN
 from ..placement import Placement
 from ..routing import softmax_topk
-from ..weights import linear, linear_parts
+from ..weights import linear_parts
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Model:
         self.head_dim = a.n_embd // a.n_head
         self.w = place.weights(files.trunk)
         self.moe = ExpertFFN(files.experts, expert_count(files))
+        self.moe.router = self.route
         self.rope = Rope(a.rope_dim or self.head_dim, a.rope_base, RopeStyle.NORM)
         self.place, self.device = place, place.first
         # the next block's input norm (or the output norm), fused into this block's residual add: on this block's device
@@ -66,7 +67,11 @@ class Model:
             attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps,
                                  parts=True)
             x, h = add_rms_norm(x, attn, w[p + "ffn_norm.weight"].dequant(), a.eps)
-            ids, weights = softmax_topk(linear_parts(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=True)
+            ids, weights = self.route(i, h)
             x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), self.norm_after[i].dequant(), a.eps)
         cache.length += t
         return output_logits(h, w["output.weight"], last)
+
+    def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(linear_parts(h, self.w[f"blk.{i}.ffn_gate_inp.weight"]), self.args.n_expert_used,
+                            normalize=True)

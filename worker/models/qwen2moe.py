@@ -48,6 +48,7 @@ class Model:
         self.head_dim = a.n_embd // a.n_head
         self.w = place.weights(files.trunk)
         self.moe = ExpertFFN(files.experts, expert_count(files))
+        self.moe.router = self.route
         self.rope = Rope(self.head_dim, a.rope_base, RopeStyle.NEOX)
         self.place, self.device = place, place.first
 
@@ -68,7 +69,10 @@ class Model:
             h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
             x = x + gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
             h = rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps)
-            ids, weights = softmax_topk(linear(h, w[p + "ffn_gate_inp.weight"]), a.n_expert_used, normalize=False)
+            ids, weights = self.route(i, h)
             x = x + self.moe(i, h, ids, weights) + self.shared_expert(p, h)
         cache.length += t
         return output_logits(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"], last)
+
+    def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(linear(h, self.w[f"blk.{i}.ffn_gate_inp.weight"]), self.args.n_expert_used, normalize=False)

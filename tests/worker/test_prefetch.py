@@ -1,0 +1,312 @@
+"""Prefetch (worker/lookahead.py, worker/prefetch.py) against a real expertd process, on the CPU:
+
+- across the fixture architectures (DeepSeek-V4's hash layers and Kimi-K3's latent experts
+  included), a cache of the minimum size with prefetch on gives the resident run's logits bit for
+  bit; every prefetch is counted used or stale, precision and recall follow from the counters
+  (/metrics too), expertd was asked each miss once (on demand or ahead) plus the stale ones; and
+  after the run no staging slot or RAM tier hold is left with the worker;
+- DeepSeek-V4's hash layers are fetched exactly: no prefetch for a hash layer goes stale;
+- a prefetched expert is copied in without a second read, byte for byte the pack's, whether it had
+  arrived or was still being read when its layer asked;
+- stale prefetches are cancelled and every slot they held comes back, arrived or not; on the
+  kernels' path as soon as the layer's routing is known;
+- prefetches hold at most their budget of the client's staging, and demand is served while they
+  hold all of it; prefetches go at PREFETCH priority, one key each, demand at DEMAND;
+- over expertd's RAM tier, prefetch stays bit-exact and a second pass reads from the pack only
+  for mispredicted prefetches.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from expertpack.client import protocol as p
+from expertpack.packtools.layout import ExpertKey, Manifest
+from expertpack.worker.daemon_link import DaemonLink
+from expertpack.worker.engine import Engine
+from expertpack.worker.expert_cache import ExpertCache, slot_bytes
+from expertpack.worker.metrics import ServeCounters, render
+from expertpack.worker.model_files import PackExperts
+from expertpack.worker.prefetch import prefetch_budget
+
+from ..conftest import Daemon, start_daemon
+
+ARCHS = ["qwen3moe-a.Q4_K_M", "deepseek3-a.Q4_K_M", "gptoss-a.MXFP4_MOE", "dsv4-tiny.Q2_K", "k3-tiny.Q2_K"]
+PROMPT = list(range(5, 25))
+DECODE = [3, 9, 27, 81, 11, 7]
+CPU = torch.device("cpu")
+
+
+def daemon_with(pack: Path, tmp: Path, client_slots: int, *extra: str) -> Daemon:
+    d = start_daemon(pack, tmp, "--stage-slots", "16", "--client-slots", str(client_slots), *extra)
+    d.wait_for("READY=1")
+    return d
+
+
+def run(engine: Engine) -> list[torch.Tensor]:
+    """Logits of a prompt, then of decode steps over a fixed token stream."""
+    cache = engine.new_cache()
+    out = [engine.forward(PROMPT, cache)]
+    for token in DECODE:
+        out.append(engine.forward([token], cache))
+    return out
+
+
+def minimal_cache_bytes(pack: Path) -> int:
+    manifest = Manifest.load(pack)
+    return manifest.model.n_expert_used * slot_bytes(manifest)
+
+
+def assert_nothing_held(link: DaemonLink) -> None:
+    """Once cancelled prefetches are answered, the worker holds no staging slot nor RAM tier block."""
+    assert not link.ahead.entries, "prefetches outlived the run"
+    link.settle()
+    assert link.ahead.held == 0
+    stats = link.stats()
+    (client,) = stats["clients"]
+    assert client["free"] == client["slots"] and client["queued"] == 0 and client["requests"] == 0
+    assert stats["ram"]["held"] == 0
+
+
+def wait_answered(link: DaemonLink, keys: list[ExpertKey], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(link.ahead.entries[k].answered for k in keys):
+        assert time.monotonic() < deadline, "prefetches not answered in time"
+        link.client.pump()
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_prefetch_is_bit_exact_and_counted(name: str, fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs[name][1]
+    want = run(Engine.load(pack, resident_experts=True))
+    d = daemon_with(pack, tmp_path, 8)
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+    try:
+        cache = engine.expert_cache
+        hash_layers = set(engine.model.moe.static_routes)
+        issued_by_layer: dict[int, int] = {}
+        stale_by_layer: dict[int, int] = {}
+        prefetch, layer_done = cache.prefetch, cache.layer_done
+
+        def counted_prefetch(layer: int, experts: list[int]) -> None:
+            before = cache.counters.prefetch_issued
+            prefetch(layer, experts)
+            issued_by_layer[layer] = issued_by_layer.get(layer, 0) + cache.counters.prefetch_issued - before
+
+        def counted_layer_done(layer: int) -> None:
+            before = cache.counters.prefetch_stale
+            layer_done(layer)
+            stale_by_layer[layer] = stale_by_layer.get(layer, 0) + cache.counters.prefetch_stale - before
+
+        cache.prefetch, cache.layer_done = counted_prefetch, counted_layer_done
+        got = run(engine)
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"{name}: logits of step {step} differ from the resident run with prefetch on"
+
+        cache.link.settle()
+        stats = cache.stats()
+        c, daemon = stats["cache"], stats["daemon"]
+        assert c["prefetch_used"] > 0 and c["misses"] > c["prefetch_used"]  # a minimal cache misses a lot
+        assert c["prefetch_issued"] == c["prefetch_used"] + c["prefetch_stale"] == sum(issued_by_layer.values())
+        assert c["prefetch_stale"] == sum(stale_by_layer.values())
+        assert daemon["keys"] == c["misses"] - c["prefetch_used"] + c["prefetch_issued"]
+        assert daemon["ready"] + daemon["cancelled"] == daemon["keys"] and daemon["failed"] == daemon["cancelled"]
+        assert c["prefetch_precision"] == c["prefetch_used"] / c["prefetch_issued"]
+        assert c["prefetch_recall"] == c["prefetch_used"] / c["misses"]
+        assert c["h2d_bytes"] <= daemon["pack_read_bytes"]
+        if hash_layers:  # the token-id table says exactly what a hash layer needs: nothing goes stale
+            assert sum(issued_by_layer.get(l, 0) for l in hash_layers) > 0
+            assert sum(stale_by_layer.get(l, 0) for l in hash_layers) == 0
+        values = {line.split(" ")[0]: float(line.split(" ")[1])
+                  for line in render(ServeCounters(), c, daemon).splitlines() if line.startswith("expertpack_cache_prefetch")}
+        assert values == {"expertpack_cache_prefetch_issued_total": c["prefetch_issued"],
+                          "expertpack_cache_prefetch_used_total": c["prefetch_used"],
+                          "expertpack_cache_prefetch_stale_total": c["prefetch_stale"],
+                          "expertpack_cache_prefetch_precision": c["prefetch_precision"],
+                          "expertpack_cache_prefetch_recall": c["prefetch_recall"]}
+        assert_nothing_held(cache.link)
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
+def test_prefetch_off_sends_nothing_ahead(fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    d = daemon_with(pack, tmp_path, 8)
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack), prefetch=False)
+    try:
+        run(engine)
+        engine.expert_cache.link.settle()
+        stats = engine.expert_cache.stats()
+        assert stats["cache"]["prefetch_issued"] == stats["cache"]["prefetch_used"] == 0
+        assert stats["daemon"]["keys"] == stats["daemon"]["ready"] == stats["cache"]["misses"]
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
+@pytest.fixture
+def qwen3(fixture_packs, tmp_path: Path):
+    """(manifest, pack, daemon with 8 slots for the client) of the qwen3moe fixture."""
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    d = daemon_with(pack, tmp_path, 8)
+    yield Manifest.load(pack), pack, d
+    assert d.stop()[0] == 0
+
+
+def cache_on(manifest: Manifest, d: Daemon, slots: int | None = None) -> ExpertCache:
+    link = DaemonLink(d.endpoint, manifest.fingerprint, CPU, timeout_s=10.0, down_timeout_s=5.0)
+    n = slots or manifest.model.n_expert_used
+    return ExpertCache(manifest, link, CPU, n * slot_bytes(manifest))
+
+
+def test_a_prefetched_expert_is_copied_in_without_a_second_read(qwen3) -> None:
+    manifest, pack, d = qwen3
+    cache = cache_on(manifest, d, slots=4)
+    direct = PackExperts(pack, manifest)
+    try:
+        layer = manifest.layers[1].layer
+        arrived, on_the_way = [ExpertKey(layer, 0), ExpertKey(layer, 1)], [ExpertKey(layer, 2), ExpertKey(layer, 3)]
+        cache.prefetch(layer, [k.expert for k in arrived])
+        wait_answered(cache.link, arrived)
+        cache.prefetch(layer, [k.expert for k in on_the_way])  # asked for at once: most likely still being read
+        cache.link.settle()
+        before = cache.link.stats()["counters"]
+        keys = arrived + on_the_way
+        loaded = cache.load(layer, [k.expert for k in keys])
+        after = cache.link.stats()["counters"]
+        assert after["keys"] == before["keys"] == 4  # no demand FETCH: the prefetches delivered
+        assert after["pack_read_bytes"] == 4 * manifest.layer(layer).stride  # each block read once
+        want = direct.load(layer, [k.expert for k in keys])
+        for k in keys:
+            for role, tensor in want[k.expert].items():
+                assert torch.equal(loaded[k.expert][role].raw, tensor.raw), f"{k} {role}"
+        c = cache.counters
+        assert (c.misses, c.prefetch_issued, c.prefetch_used, c.prefetch_stale) == (4, 4, 4, 0)
+        cache.layer_done(layer)
+        assert c.prefetch_stale == 0
+        assert_nothing_held(cache.link)
+    finally:
+        direct.close()
+        cache.close()
+
+
+def test_stale_prefetches_are_cancelled_and_their_slots_come_back(qwen3) -> None:
+    manifest, _, d = qwen3
+    cache = cache_on(manifest, d)
+    try:
+        budget = prefetch_budget(8)
+        layer = manifest.layers[1].layer
+        cache.prefetch(layer, [0, 1])
+        wait_answered(cache.link, [ExpertKey(layer, 0), ExpertKey(layer, 1)])  # these hold slots now
+        cache.prefetch(layer, list(range(2, manifest.model.n_expert)))  # only what the budget leaves is sent
+        assert cache.counters.prefetch_issued == budget == cache.link.ahead.held == 4
+        cache.prefetch(layer, [0])  # on its way already: not sent twice
+        assert cache.counters.prefetch_issued == budget
+        cache.layer_done(manifest.layers[0].layer)  # another layer ran: these are not its
+        assert cache.counters.prefetch_stale == 0 and len(cache.link.ahead.entries) == budget
+        cache.layer_done(layer)  # their layer ran without them
+        assert cache.counters.prefetch_stale == budget and not cache.link.ahead.entries
+        assert_nothing_held(cache.link)
+        counters = cache.link.stats()["counters"]
+        assert counters["keys"] == budget and counters["ready"] + counters["cancelled"] == budget
+        assert counters["ready"] >= 2  # the two that had arrived were released, not cancelled
+    finally:
+        cache.close()
+
+
+def test_once_a_layer_has_routed_its_unchosen_prefetches_are_cancelled_before_its_reads(qwen3) -> None:
+    """The kernels' path (expert_rows, run here on the CPU) knows the layer's whole selection
+    before its first wave: prefetches it did not choose are cancelled then, the chosen ones used."""
+    manifest, _, d = qwen3
+    cache = cache_on(manifest, d)
+    try:
+        layer = manifest.layers[1].layer
+        cache.prefetch(layer, [5, 6, 7])
+        seen: list[int] = []
+        cancel = cache.link.ahead.cancel
+        cache.link.ahead.cancel = lambda l, keep=(): (seen.append(cache.link.ahead.held), cancel(l, keep))[1]
+        rows = list(cache.expert_rows(layer, torch.tensor([[6, 0], [0, 6]])))
+        assert len(rows) == 1 and seen == [3]  # cancelled once, with all three still held
+        c = cache.counters
+        assert (c.prefetch_issued, c.prefetch_used, c.prefetch_stale, c.misses) == (3, 1, 2, 2)
+        cache.layer_done(layer)
+        assert c.prefetch_stale == 2
+        assert_nothing_held(cache.link)
+    finally:
+        cache.close()
+
+
+def test_demand_is_served_while_prefetches_hold_all_they_may(qwen3) -> None:
+    """With the client's 8 slots, prefetches may hold 4; demand for more experts than the 4 left
+    still completes (it would wait forever if prefetches could hold every slot), at DEMAND
+    priority, while the prefetches, one key per FETCH at PREFETCH priority, stay held."""
+    manifest, _, d = qwen3
+    k = manifest.model.n_expert_used
+    cache = cache_on(manifest, d, slots=2 * k)
+    sent: list[p.Message] = []
+    send = cache.link.client._send
+    cache.link.client._send = lambda msg: (sent.append(msg), send(msg))[1]
+    try:
+        ahead, now = manifest.layers[1].layer, manifest.layers[0].layer
+        cache.prefetch(ahead, list(range(manifest.model.n_expert)))
+        held = [key for key in cache.link.ahead.entries]
+        assert len(held) == prefetch_budget(8) == 4
+        wait_answered(cache.link, held)
+        loaded = cache.load(now, list(range(2 * k)))
+        assert sorted(loaded) == list(range(2 * k)) and cache.counters.misses == 2 * k
+        assert sorted(cache.link.ahead.entries) == sorted(held)  # untouched by demand for another layer
+        fetches = [m for m in sent if isinstance(m, p.Fetch)]
+        prefetches = [m for m in fetches if m.prio is p.Priority.PREFETCH]
+        demands = [m for m in fetches if m.prio is p.Priority.DEMAND]
+        assert [m.keys for m in prefetches] == [(key,) for key in held]
+        assert sorted(key for m in demands for key in m.keys) == [ExpertKey(now, e) for e in range(2 * k)]
+        cache.layer_done(ahead)
+        assert_nothing_held(cache.link)
+    finally:
+        cache.close()
+
+
+def test_prefetch_over_the_ram_tier_is_bit_exact_and_reads_only_for_mispredictions(fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    want = run(Engine.load(pack, resident_experts=True))
+    d = daemon_with(pack, tmp_path, 8, "--ram-cache-gib", "1")  # the whole (small) pack fits
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+    try:
+        cache = engine.expert_cache
+        for attempt in range(2):
+            for step, (a, b) in enumerate(zip(run(engine), want)):
+                assert torch.equal(a, b), f"pass {attempt}: logits of step {step} differ from the resident run"
+            cache.link.settle()
+            if attempt == 0:
+                first = cache.stats()
+        stats = cache.stats()
+        assert stats["cache"]["prefetch_used"] > first["cache"]["prefetch_used"] > 0
+        # The second pass uses only keys the first one used, all resident in RAM by then: it reads at
+        # most the blocks of mispredicted prefetches the first pass had not sent (how many were sent
+        # depends on when the answers of cancelled ones came in).
+        stale = stats["cache"]["prefetch_stale"] - first["cache"]["prefetch_stale"]
+        assert stats["daemon"]["ram_misses"] - first["daemon"]["ram_misses"] <= stale
+        assert_nothing_held(cache.link)
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
+def test_the_worker_prefetches_unless_told_not_to(tmp_path: Path) -> None:
+    from expertpack.worker.main import SettingsError, settings
+
+    assert settings(["--pack", "p"]).prefetch is True
+    assert settings(["--pack", "p", "--no-prefetch"]).prefetch is False
+    config = tmp_path / "worker.toml"
+    config.write_text('pack = "p"\nprefetch = false\n')
+    assert settings(["--config", str(config)]).prefetch is False
+    assert settings(["--config", str(config), "--prefetch"]).prefetch is True  # flags over the file
+    config.write_text('pack = "p"\nprefetch = "yes"\n')
+    with pytest.raises(SettingsError, match="prefetch: expected true or false"):
+        settings(["--config", str(config)])

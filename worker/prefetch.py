@@ -1,0 +1,167 @@
+"""Experts fetched ahead of their layer, for one DaemonLink (issue 13): a key predicted for a later
+layer is sent as its own one-key FETCH at PREFETCH priority (expertd reads every DEMAND key first),
+and its answer waits in the client's staging slot, or in expertd's RAM tier where that admitted
+it, until the layer runs. Then a key the layer needs is taken from there, without a second read
+(waiting for it if its read is still on the way); a key it does not need is stale and cancelled,
+so its slot comes back. Nothing here decides what is computed: the demand path asks for exactly
+the keys the true routing selected, and only where their bytes come from changes.
+
+Prefetches share the link's staging leases with the demand fetches, so they never take more than
+`budget` of them: every prefetch not yet taken or cancelled, and every cancelled one whose answer
+has not arrived, may hold a slot. The rest stay for demand, which therefore always progresses.
+The session the prefetches were sent on is the link's; after a reconnect they are forgotten (they
+died with the old session) and demand fetches whatever they would have brought."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Collection, Iterable, Iterator
+
+from expertpack.client import ClientError, Expert, ExpertClient, Pending
+from expertpack.packtools.layout import ExpertKey
+
+if TYPE_CHECKING:
+    from .daemon_link import DaemonLink
+
+log = logging.getLogger("expert-worker")
+
+SETTLE_TIMEOUT_S = 5.0  # at close, how long the answers of cancelled prefetches are waited for
+
+
+def prefetch_budget(n_staging_slots: int) -> int:
+    """How many of the link's staging slots prefetches may hold: half, rounded down, so that demand
+    keeps at least one (and on a GPU, room for copies still in flight)."""
+    return n_staging_slots - max(1, n_staging_slots // 2)
+
+
+class Prefetches:
+    def __init__(self, link: "DaemonLink") -> None:
+        self.link = link
+        self.entries: dict[ExpertKey, Pending] = {}  # sent, not yet taken nor cancelled
+        self.taken: list[Pending] = []  # taken by the demand fetch running, not yet handed to it
+        self._session: ExpertClient | None = None
+
+    # ---- accounting --------------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Staging slots (or RAM tier holds) that prefetches may hold now."""
+        client = self._live()
+        if client is None:
+            return 0
+        return len(self.entries) + sum(pending.client is client for pending in self.taken) + client.abandoned
+
+    def _live(self) -> ExpertClient | None:
+        """The link's session; entries of an earlier one are dropped (they died with it)."""
+        client = self.link.client
+        if client is not self._session:
+            self.entries.clear()
+            self._session = client
+        return client
+
+    # ---- sending and cancelling --------------------------------------------------------------
+    def submit(self, keys: Iterable[ExpertKey]) -> int:
+        """Sends a prefetch for each key not already on its way, while the budget allows; returns
+        how many were sent. Never raises for the daemon's sake: demand finds out and recovers."""
+        with self.link._lock:
+            client = self._live()
+            if client is None:
+                return 0
+            room = prefetch_budget(len(client.slots)) - self.held
+            sent = 0
+            try:
+                for key in keys:
+                    if room <= 0:
+                        break
+                    if key in self.entries:
+                        continue
+                    self.entries[key] = client.submit(key)
+                    room -= 1
+                    sent += 1
+            except ClientError as exc:
+                log.debug("prefetch not sent: %s", exc)
+            return sent
+
+    def cancel(self, layer: int, keep: Collection[int] = ()) -> int:
+        """Cancels the prefetches of `layer` still held but for the experts in `keep` (its routing
+        is known, or its step has run: they are stale); returns how many."""
+        with self.link._lock:
+            if self._live() is None:
+                return 0
+            stale = [key for key in self.entries if key.layer == layer and key.expert not in keep]
+            for key in stale:
+                self.entries.pop(key).cancel()
+            self._pump()
+            return len(stale)
+
+    def cancel_all(self) -> None:
+        with self.link._lock:
+            if self._live() is None:
+                return
+            for pending in self.entries.values():
+                pending.cancel()
+            self.entries.clear()
+
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        """Waits for the answers of cancelled prefetches, so every slot they held is back."""
+        with self.link._lock:
+            client = self._live()
+            if client is None:
+                return
+            try:
+                client.settle(timeout_s)
+            except ClientError as exc:
+                log.debug("answers of cancelled prefetches not all in: %s", exc)
+
+    def _pump(self) -> None:
+        """Reads what has arrived, so that late answers to cancelled prefetches give their slots back."""
+        client = self.link.client
+        if client is None:
+            return
+        try:
+            client.pump()
+        except ClientError as exc:
+            log.debug("reading prefetch answers: %s", exc)
+
+    # ---- demand ------------------------------------------------------------------------------
+    def fetch(self, keys: list[ExpertKey]) -> Iterator[tuple[Expert, bool]]:
+        """Every key as a demand fetch would give it, and whether a prefetch brought it: first the
+        prefetched ones already in, then the rest fetched at DEMAND priority as they arrive, then
+        the prefetched ones still on the way. A prefetch that failed or died is fetched again on
+        demand (which raises what the daemon says, or reconnects)."""
+        with self.link._lock:
+            if self._live() is not None:
+                self._pump()
+                self.taken = [self.entries.pop(key) for key in keys if key in self.entries]
+            prefetched = {pending.key for pending in self.taken}
+            rest = [key for key in keys if key not in prefetched]
+            arrived = [pending for pending in self.taken if pending.answered]
+            waiting = [pending for pending in self.taken if not pending.answered]
+            again: list[ExpertKey] = []
+            try:
+                for pending in arrived:
+                    yield from self._result(pending, again)
+                if rest:
+                    yield from ((expert, False) for expert in self.link.fetch(rest))
+                for pending in waiting:
+                    yield from self._result(pending, again)
+                if again:
+                    yield from ((expert, False) for expert in self.link.fetch(again))
+            finally:
+                for pending in self.taken:  # left early: what was not handed out goes back
+                    pending.cancel()
+                self.taken = []
+
+    def _result(self, pending: Pending, again: list[ExpertKey]) -> Iterator[tuple[Expert, bool]]:
+        """The prefetched expert, or its key added to `again` when it cannot come from the prefetch."""
+        self.taken.remove(pending)
+        if pending.client is not self.link.client:
+            again.append(pending.key)  # the session it was sent on is gone, and its slot with it
+            return
+        try:
+            expert = pending.result()
+        except ClientError as exc:  # FAIL (FetchFailed), the daemon gone, no answer in time
+            log.debug("prefetch of %s not delivered (%s): fetching it on demand", tuple(pending.key), exc)
+            pending.cancel()
+            again.append(pending.key)
+            return
+        yield expert, True
