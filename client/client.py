@@ -293,11 +293,12 @@ class ExpertClient:
     def pump(self) -> None:
         """Reads whatever expertd has sent by now, without waiting: answers go to their requests
         (a submit's, a cancelled one's: released)."""
-        while self._sock.poll(0):
-            msg = self._recv(0)
-            if isinstance(msg, p.Error):
-                raise DaemonError(msg.code, msg.message)
-            self._route(msg)
+        with self._lock:  # the heartbeat thread sends on this socket
+            while self._sock.poll(0):
+                msg = self._recv(0)
+                if isinstance(msg, p.Error):
+                    raise DaemonError(msg.code, msg.message)
+                self._route(msg)
 
     @property
     def abandoned(self) -> int:
