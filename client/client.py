@@ -20,8 +20,13 @@ the connection closing under the session (it exited, was killed or restarted: a 
 monitor reports the disconnect) raise DaemonUnavailable from the call waiting on it. The session
 is then dead (the daemon dropped its leases with the connection); a new ExpertClient starts
 another. `timeout_s` bounds only a daemon that keeps its connection but stops answering.
-Its ZeroMQ I/O thread sends ZMTP PINGs with a TTL (HEARTBEAT_TTL_MS): a client frozen (SIGSTOP,
-a hung host) loses its leases that long after its last PING; expertd sends no heartbeats itself."""
+Liveness (protocol v4): a thread of the client sends HEARTBEAT whenever the session has sent
+nothing for the interval WELCOME names, so a caller busy computing (or idle) keeps its session,
+and a frozen one (SIGSTOP, a hung host) loses it `heartbeat_timeout_ms` after its last message.
+Every use of the socket holds one lock (a ZeroMQ socket may change threads only behind a memory
+barrier); the thread never waits for it: a caller inside a call beats from its own wait. A client
+that finds, when it runs again, that it was silent longer than the timeout knows its session is
+gone (the daemon dropped it and may have leased its slots to others) and raises DaemonUnavailable."""
 
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ import itertools
 import mmap
 import os
 import socket
+import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -42,11 +49,11 @@ from . import protocol as p
 
 DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
 SHM_DIR = Path("/dev/shm")
-# ZMTP heartbeats this client sends (protocol v2's liveness rule, README "Liveness"): a PING every
-# second whose TTL tells expertd to drop the connection, and with it the leases, after 10 s of
-# silence; the same 10 s without a PONG tells the client that the daemon is frozen.
-HEARTBEAT_INTERVAL_MS = 1000
-HEARTBEAT_TTL_MS = 10_000
+# ZMTP heartbeats this client sends: a PING every second, and 10 s without a PONG tell the client
+# that the daemon is frozen. They carry no TTL: the daemon's rule for a silent client is protocol
+# v4's HEARTBEAT (README "Liveness").
+ZMTP_HEARTBEAT_INTERVAL_MS = 1000
+ZMTP_HEARTBEAT_TIMEOUT_MS = 10_000
 
 
 class ClientError(Exception):
@@ -177,12 +184,18 @@ class ExpertClient:
         # (an exception, a forgotten `with`) cannot hang the interpreter in Context.term().
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # expertd sends no ZMTP heartbeats (libzmq issue 4841): liveness is the client's to show. A
-        # PING every second carries a TTL, after which expertd's libzmq closes a connection that has
-        # sent nothing since (a frozen client); it closes and the client loses its leases.
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TTL_MS)
+        # expertd sends no ZMTP heartbeats (libzmq issue 4841); ours find a frozen daemon.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_INTERVAL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
+        # Every use of the socket, from the caller or the heartbeat thread; reentrant because a
+        # wait hands abandoned slots back from inside itself.
+        self._lock = threading.RLock()
+        self._last_sent = time.monotonic()
+        self._beat_s = 0.0  # WELCOME's heartbeat interval; 0 until then, or when the daemon has none
+        self._silence_limit_s = 0.0
+        self._silenced = False  # this client was silent past the timeout: its session is gone
+        self._stop_beating = threading.Event()
+        self._beater: threading.Thread | None = None
         if endpoint.startswith("tcp://"):
             if curve_server_key is None:
                 raise ClientError(f"{endpoint}: expertd refuses plain TCP; pass curve_server_key (its public key)")
@@ -212,6 +225,13 @@ class ExpertClient:
                 raise
             self.welcome = welcome
             self._map = _map_staging(welcome.shm, welcome.shm_bytes)
+            if welcome.heartbeat_interval_ms:
+                self._beat_s = welcome.heartbeat_interval_ms / 1000
+                self._silence_limit_s = welcome.heartbeat_timeout_ms / 1000
+                self._beater = threading.Thread(target=_beat_loop, args=(weakref.ref(self), self._stop_beating,
+                                                                         self._beat_s / 2),
+                                                name="expertd-heartbeat", daemon=True)
+                self._beater.start()
         except BaseException:
             self.close()
             raise
@@ -273,11 +293,12 @@ class ExpertClient:
     def pump(self) -> None:
         """Reads whatever expertd has sent by now, without waiting: answers go to their requests
         (a submit's, a cancelled one's: released)."""
-        while self._sock.poll(0):
-            msg = self._recv(0)
-            if isinstance(msg, p.Error):
-                raise DaemonError(msg.code, msg.message)
-            self._route(msg)
+        with self._lock:  # the heartbeat thread sends on this socket
+            while self._sock.poll(0):
+                msg = self._recv(0)
+                if isinstance(msg, p.Error):
+                    raise DaemonError(msg.code, msg.message)
+                self._route(msg)
 
     @property
     def abandoned(self) -> int:
@@ -305,6 +326,10 @@ class ExpertClient:
         return time.perf_counter() - start
 
     def close(self) -> None:
+        self._stop_beating.set()
+        if self._beater is not None:
+            self._beater.join()
+            self._beater = None
         if self._map is not None:
             try:
                 self._map.close()
@@ -335,16 +360,54 @@ class ExpertClient:
     def _send_if_alive(self, msg: p.Message) -> None:
         """RELEASE and CANCEL: a closed or dead session has nothing left to give back (the daemon
         dropped its leases and requests with the connection)."""
-        if not self._sock.closed and not self._disconnected():
-            self._sock.send(p.encode(msg))
+        with self._lock:
+            if not self._sock.closed and not self._disconnected():
+                self._put(msg)
 
     def _send(self, msg: p.Message) -> None:
-        if self._disconnected():
-            return  # nobody holds this session any more: the reply's wait raises (after reading any BYE)
+        with self._lock:
+            if self._disconnected():
+                return  # nobody holds this session any more: the reply's wait raises (after reading any BYE)
+            self._put(msg)
+
+    def _put(self, msg: p.Message) -> None:
         self._sock.send(p.encode(msg))
+        self._last_sent = time.monotonic()
+
+    def _beat_turn(self) -> bool:
+        """One turn of the heartbeat thread; False once the socket is closed. It skips the turn
+        while the caller holds the socket (a wait beats by itself)."""
+        if not self._lock.acquire(blocking=False):
+            return True
+        try:
+            if self._sock.closed:
+                return False
+            self._beat_if_due()
+            return True
+        finally:
+            self._lock.release()
+
+    def _beat_if_due(self) -> None:
+        """Under the lock: HEARTBEAT once the session has sent nothing for an interval."""
+        if self._beat_s and not self._disconnected() and time.monotonic() - self._last_sent >= self._beat_s:
+            self._put(p.Heartbeat())
+
+    def _check_silence(self) -> None:
+        """A silence longer than the daemon's timeout (this process was stopped, or starved) means
+        the session is gone, whatever the socket says; nothing may be sent or handed out then."""
+        if not self._beat_s or self._lost is not None:
+            return
+        silent_s = time.monotonic() - self._last_sent
+        if silent_s > self._silence_limit_s:
+            self._silenced = True
+            self._lost = (f"this client sent nothing to expertd at {self.endpoint} for {silent_s:.1f} s (was the "
+                          f"process stopped?), more than its heartbeat timeout of {self._silence_limit_s:g} s: the "
+                          "daemon has ended the session and its slots may hold other clients' experts now")
 
     def _disconnected(self) -> bool:
-        """True once the connection to the daemon has closed under this session (seen without waiting)."""
+        """True once the session is gone: the connection to the daemon closed under it, or this
+        client was silent past the heartbeat timeout (seen without waiting)."""
+        self._check_silence()
         if self._lost is None and self._monitor is not None and self._monitor.poll(0):
             self._monitor.recv_multipart()  # the event itself says no more than "disconnected"
             self._lost = (f"expertd at {self.endpoint} closed the connection (it exited, was killed or is "
@@ -353,6 +416,10 @@ class ExpertClient:
         return self._lost is not None
 
     def _recv(self, timeout_s: float | None) -> p.Message:
+        with self._lock:
+            return self._recv_locked(timeout_s)
+
+    def _recv_locked(self, timeout_s: float | None) -> p.Message:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
@@ -361,14 +428,18 @@ class ExpertClient:
             poller.register(self._monitor, zmq.POLLIN)
         # What the daemon sent before it went away is still good (a READY names bytes read whole into
         # a segment we keep mapped): the data socket is read first, the disconnect acted on once it is empty.
+        self._check_silence()
+        if self._silenced:
+            raise DaemonUnavailable(self._lost)  # READYs still queued name slots that are no longer ours
         while not self._sock.poll(0):
+            self._beat_if_due()
             if self._disconnected():
                 raise DaemonUnavailable(self._lost)
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 why = ipc_problem(self.endpoint) or "is it running? (systemctl status expertd)"
                 raise DaemonUnavailable(f"no answer from expertd at {self.endpoint} within {timeout:g} s; {why}")
-            poller.poll(left_ms)
+            poller.poll(min(left_ms, int(self._beat_s * 500) or left_ms))
         msg = p.decode(self._sock.recv())
         if isinstance(msg, p.Bye):
             raise DaemonUnavailable(f"expertd at {self.endpoint} is going away: {msg.reason}")
@@ -376,9 +447,10 @@ class ExpertClient:
             # On its way out (a restart, mostly): its successor may answer a new session.
             raise DaemonUnavailable(f"expertd at {self.endpoint} is shutting down: {msg.message}")
         if isinstance(msg, p.Error) and msg.code is p.ErrorCode.NO_SESSION:
-            # A daemon that restarted behind the same endpoint got a message of our old session.
-            raise DaemonUnavailable(f"expertd at {self.endpoint} no longer knows this client (it restarted): "
-                                    f"{msg.message}")
+            # The daemon ended the session (it was silent too long: the message says so), or a daemon
+            # that restarted behind the same endpoint got a message of our old session.
+            self._lost = f"expertd at {self.endpoint} no longer knows this client: {msg.message}"
+            raise DaemonUnavailable(self._lost)
         return msg
 
     def _expect(self, kind: type[p.Message], what: str) -> Any:
@@ -410,6 +482,16 @@ class ExpertClient:
         self._abandoned.discard(request_id)  # a one-key submit has exactly one answer
         if isinstance(msg, p.Ready):  # for a fetch the caller abandoned: hand the slot straight back
             self._release([msg.slot])
+
+
+def _beat_loop(ref: "weakref.ReferenceType[ExpertClient]", stop: threading.Event, period_s: float) -> None:
+    """The heartbeat thread of one client. It holds the client only weakly, so that a client
+    dropped without close() is still collected (and its thread ends)."""
+    while not stop.wait(period_s):
+        client = ref()
+        if client is None or not client._beat_turn():
+            return
+        del client
 
 
 PERMISSION_HINT = ("permission denied on {path}: this user may not connect to expertd's socket (mode 0660); run "

@@ -1,4 +1,4 @@
-"""Protocol v2 between expertd and its clients: the one module that knows the wire format.
+"""Protocol v4 between expertd and its clients: the one module that knows the wire format.
 
 Transport: ZeroMQ, the daemon a ROUTER, each client a DEALER. Every message is ONE frame holding ONE
 msgpack map with an integer `op`:
@@ -8,7 +8,8 @@ msgpack map with an integer `op`:
 
     HELLO{version, client, fingerprint, slots}
                                       -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots,
-                                                 ram_first_slot, ram_slots}
+                                                         ram_first_slot, ram_slots, heartbeat_interval_ms,
+                                                 heartbeat_timeout_ms}
                                          (ERROR FINGERPRINT when the client's trunk was built with another pack;
                                          an empty fingerprint, as ops tools send, skips the check;
                                          `client` is 1..64 printable characters; `slots` asks for that
@@ -23,8 +24,15 @@ msgpack map with an integer `op`:
     CANCEL{id}                        -> FAIL{code=CANCELLED} for each key of id not yet READY
     STATS                             -> STATS_REPLY{stats}
     PING                              -> PONG
+    HEARTBEAT                         (v4; no reply: says only that the client is alive)
     anything malformed or unknown     -> ERROR{code, message}; nothing else changes
     daemon shutting down              -> BYE{reason} to every client
+    session silent too long           -> ERROR{code=NO_SESSION, message: why} (v4, unasked)
+
+Liveness (v4): a client holding a session sends a message, HEARTBEAT when it has nothing else to
+say, at least every `heartbeat_interval_ms` that WELCOME names; the daemon ends a session it has
+heard nothing from for `heartbeat_timeout_ms` (its leases and holds return to the pool) and says
+so with an unasked ERROR NO_SESSION, which the client reads when it runs again (a frozen process).
 
 Expert bytes never travel in a message: READY names a slot of the shared staging segment, and the
 payload is its first `nbytes` bytes (slot i starts at byte i * slot_bytes, whichever kind it is).
@@ -44,6 +52,12 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
        slot once per READY; WELCOME adds ram_first_slot and ram_slots (absent: 0) and its shm_bytes
        covers them. A v2 client may take a READY's slot for one of its own (write into it, count it
        against its lease, release it once), hence the new version.
+    4  (2026-12-01) Liveness in the protocol: HEARTBEAT (no reply), WELCOME adds heartbeat_interval_ms
+       and heartbeat_timeout_ms, and a session silent for heartbeat_timeout_ms ends (ERROR NO_SESSION,
+       unasked). Until v3 only the client's ZMTP PINGs with a TTL showed it alive, and libzmq
+       disarms that TTL at each message: a client frozen just after a request kept its leases for
+       ever. A v3 client sends no HEARTBEAT and would lose its session whenever idle, hence the new
+       version.
 """
 
 from __future__ import annotations
@@ -56,7 +70,7 @@ import msgpack
 
 from expertpack.packtools.layout import ExpertKey
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
 MAX_KEYS = 65536
 MAX_TEXT = 1024
@@ -64,6 +78,7 @@ MAX_ID = (1 << 63) - 1
 MAX_INDEX = (1 << 31) - 1
 MAX_CLIENT_NAME = 64  # a client's name goes into the daemon's log: short, one line
 MAX_SLOTS = 1 << 20  # as many staging slots as expertd may have
+MAX_HEARTBEAT_MS = 6_553_000  # the longest heartbeat_timeout_s expertd accepts
 
 
 class Op(IntEnum):
@@ -80,6 +95,7 @@ class Op(IntEnum):
     PONG = 11
     ERROR = 12
     BYE = 13
+    HEARTBEAT = 14  # v4
 
 
 class ErrorCode(IntEnum):
@@ -235,9 +251,13 @@ class Welcome(Message):
     # READY may name one of them (a block shared by every client: read it, never write it)
     ram_first_slot: int = 0
     ram_slots: int = 0
+    # v4: send something at least this often; silent this long, the session ends (absent: 0, no rule)
+    heartbeat_interval_ms: int = 0
+    heartbeat_timeout_ms: int = 0
     checks = {"version": _uint(MAX_INDEX), "fingerprint": _fingerprint, "model": _map, "shm": _text,
               "shm_bytes": _BYTES, "slot_bytes": _BYTES, "slots": _slots, "ram_first_slot": _INDEX,
-              "ram_slots": _INDEX}
+              "ram_slots": _INDEX, "heartbeat_interval_ms": _uint(MAX_HEARTBEAT_MS),
+              "heartbeat_timeout_ms": _uint(MAX_HEARTBEAT_MS)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +326,11 @@ class Pong(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    op = Op.HEARTBEAT
+
+
+@dataclass(frozen=True, slots=True)
 class Error(Message):
     op = Op.ERROR
     code: ErrorCode
@@ -322,7 +347,7 @@ class Bye(Message):
 
 # The one dispatch table from op to message class.
 MESSAGES: dict[Op, type[Message]] = {cls.op: cls for cls in (
-    Hello, Welcome, Fetch, Ready, Fail, Release, Cancel, Stats, StatsReply, Ping, Pong, Error, Bye)}
+    Hello, Welcome, Fetch, Ready, Fail, Release, Cancel, Stats, StatsReply, Ping, Pong, Error, Bye, Heartbeat)}
 
 
 def encode(msg: Message) -> bytes:

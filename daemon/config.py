@@ -19,7 +19,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 # The range of every numeric key. Staging and the RAM tier are further capped at start by the host's
 # memory (what the pack's block size makes of them is only known then). The heartbeat keys keep the ranges
-# they had (ZeroMQ's HEARTBEAT_TTL, a 16-bit count of deciseconds) so that existing files still load.
+# they had when they were ZeroMQ's (a 16-bit count of deciseconds), so that existing files still load.
 RANGES: dict[str, tuple[float, float]] = {
     "stage_slots": (1, 1 << 20),
     "client_slots": (1, 1 << 20),
@@ -52,10 +52,11 @@ class DaemonConfig:
     # None (the key absent): half of the memory the host has available at start, after the staging
     # and a 2 GiB margin, never more than the whole pack (ram_tier.ram_slot_count).
     ram_cache_gib: float | None = None
-    # No effect since expertd stopped sending ZMTP heartbeats (libzmq issue 4841): a client's own
-    # PINGs carry the TTL after which a silent client loses its leases (10 s with ExpertClient; a
-    # closed socket loses them at once). Accepted so that existing files load; a value other than
-    # the default is warned about at start.
+    # Liveness (protocol v4): WELCOME asks each client to send a message (HEARTBEAT when it has
+    # nothing else to say) at least every heartbeat_interval_s; a session that sends nothing for
+    # heartbeat_timeout_s (a frozen process) ends and its slots go to the others. A closed
+    # connection loses them at once. At least twice the interval: a client beats when it has been
+    # silent for one interval and looks every half interval.
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     curve_secret_key_file: Path | None = None  # required for tcp:// endpoints (zmq_curve keypair file)
@@ -80,8 +81,9 @@ class DaemonConfig:
             out.append(f"max_client_slots ({self.max_client_slots}) cannot exceed stage_slots ({self.stage_slots})")
         if self.max_client_slots and self.client_slots > self.max_client_slots:
             out.append(f"client_slots ({self.client_slots}) cannot exceed max_client_slots ({self.max_client_slots})")
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            out.append("heartbeat_timeout_s must exceed heartbeat_interval_s, both positive")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            out.append(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice heartbeat_interval_s "
+                       f"({self.heartbeat_interval_s:g}): a live client may be silent for 1.5 intervals")
         if self.log_level not in LOG_LEVELS:
             out.append(f"log_level: one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         scheme = self.endpoint.split("://", 1)[0]
@@ -117,9 +119,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "ram_cache_gib": "GiB of RAM for hot expert blocks shared by every client, in the staging segment, locked "
                          "where the memlock limit allows (default: half the memory available at start after the "
                          "staging and a 2 GiB margin, at most the whole pack; 0: no RAM tier)",
-        "heartbeat_interval_s": "no effect (kept for old config files): expertd sends no ZMTP heartbeats",
-        "heartbeat_timeout_s": "no effect (kept for old config files): a client's own ZMTP PINGs carry the TTL "
-                               "after which it loses its leases (10 s with ExpertClient)",
+        "heartbeat_interval_s": "how often each client must send a message, HEARTBEAT if nothing else (told at "
+                                "WELCOME; default 1)",
+        "heartbeat_timeout_s": "a client that sends nothing this long (frozen) loses its session and slots (default "
+                               "10; at least twice the interval)",
         "curve_secret_key_file": "CurveZMQ secret key file; required for tcp:// endpoints",
         "log_level": f"one of {', '.join(LOG_LEVELS)} (default info)",
     }

@@ -7,20 +7,27 @@ slot: a block that fails the check is FAILed CORRUPT, counted and logged by (lay
 the daemon serves every other key on.
 A client that disconnects loses its leases: a session keeps the fd (ZMQ_SRCFD) of the connection
 that said HELLO, the socket monitor reports a closed connection's fd, and that ends the sessions on
-it. A frozen client's connection is closed by libzmq once the TTL of the client's own ZMTP PINGs
-passes without traffic (ExpertClient: 10 s). The daemon sends no ZMTP heartbeats and never stops
+it. A client that stays connected but sends nothing (frozen: SIGSTOP, a hung host) loses them once
+heartbeat_timeout_s passes since its last message (protocol v4: clients send HEARTBEAT at least
+every heartbeat_interval_s, which WELCOME names); it is told so by an unasked ERROR NO_SESSION,
+read when it runs again. The daemon sends no ZMTP heartbeats and never stops
 reading a connection (RCVHWM 0): libzmq 4.3.5 aborts (issue 4841, `!_io_error` in
 stream_engine_base.cpp) when it writes, on a heartbeat timer or answering a peer's PING, to a
 connection whose peer closed while its receive pipe was stopped. The cost: messages a peer sends
-faster than the main loop reads them queue without a bound (about 55 MB per million small ones). The monitor is drained before each message is handled, so a
+faster than the main loop reads them queue inside libzmq, about 80 MB per million small ones; so a
+peer that keeps the loop saturated while the heap grows is cut (flood.py: shutdown() of its connections, its leftovers
+dropped unread, its process's new connections cut on accept for FLOOD_BAN_S), and STATS, the one
+large answer, is answered MAX_STATS_PER_S times a second per connection. The monitor is drained before each message is handled, so a
 disconnect that came first is seen first. A message that fails validation gets ERROR and changes nothing.
 A session belongs to the connection that said HELLO. A peer that connects with a routing id
 already in use takes it over (ROUTER_HANDOVER: libzmq otherwise keeps every such ignored
 connection's pipes, ~20 kB each, for the life of the socket); the session of the connection it
-took over ends then, so it never inherits that session's slots, and must say HELLO itself. (The
-connection taken over has no pipe left: if it sends more and then closes, libzmq keeps it, an fd
-and some kB, until the daemon exits. Only peers that choose their routing id do this; ExpertClient
-does not.)
+took over ends then, so it never inherits that session's slots, and must say HELLO itself; a
+connection that takes a routing id over and stays silent leaves the old session nothing to say
+either, and it ends heartbeat_timeout_s later. The connection taken over has no pipe left: if it
+sent more and then closed, libzmq would keep it, an fd and some kB, until the daemon exits, so the
+daemon shuts it down (shutdown() of a duplicate of its fd) at the first message that shows the
+takeover. Only peers that choose their routing id do this; ExpertClient does not.
 A client is leased the slots its HELLO asks for (client_slots when it asks for none), never more
 than the per-client cap (max_client_slots), so that one client cannot take the staging from the
 others.
@@ -53,10 +60,10 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from expertpack.client import protocol as p
-from expertpack.client.client import HEARTBEAT_TTL_MS
 from expertpack.packtools.layout import ExpertKey
 
 from .config import DaemonConfig
+from .flood import FLOOD_BAN_S, Flooder, FloodGuard, StatsBudget, anon_bytes
 from .notify import notify, watchdog_interval_s
 from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, open_pack
 from .ram_tier import RamSlot, RamState, RamTier, ram_slot_count
@@ -111,6 +118,7 @@ class Session:
     ram_reads: int = 0  # reads into the RAM tier this client started that are in flight
     pid: int | None = None  # the peer process (SO_PEERCRED of an ipc connection); None over tcp or when unknown
     connected: float = field(default_factory=time.monotonic)
+    heard: float = field(default_factory=time.monotonic)  # its connection's last message (liveness)
     counters: ClientCounters = field(default_factory=ClientCounters)
 
 
@@ -137,7 +145,19 @@ class ExpertDaemon:
         self._waiting: dict[int, list[Work]] = {}  # RAM slot being read -> the keys answered when it is in
         # Clients whose connection closed: a RELEASE or CANCEL they sent just before closing is read
         # after the disconnect and is the tail of a clean close, not a protocol error. Bounded.
-        self._gone: OrderedDict[bytes, None] = OrderedDict()
+        self._gone: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why its session ended
+        self._next_sweep = time.monotonic()  # when silent sessions are next looked for
+        self.flood = FloodGuard()
+        self.stats_budget = StatsBudget()
+        self._open_fds: dict[int, int | None] = {}  # connections open now (monitor) -> the peer pid at accept
+        # Connections cut for flooding, by fd, until the fd is another connection's: what they left
+        # queued is read and dropped unread.
+        self._cut: set[int] = set()
+        self._banned: dict[int, float] = {}  # pid cut for flooding -> until when its new connections are cut
+        # Which connection each routing id last came from, and back: a message under an id from
+        # another fd is a takeover (ROUTER_HANDOVER), and the connection it took the id from is closed.
+        self._fd_of: dict[bytes, int] = {}
+        self._id_on: dict[int, bytes] = {}
         self.stopping = False
         self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         try:
@@ -223,23 +243,18 @@ class ExpertDaemon:
                  f"{self.ram.n_slots * self.staging.slot_bytes:,}", self.ram_why,
                  "locked" if self.staging.ram_locked or not self.ram.n_slots else "NOT locked",
                  self.config.read_threads, "O_DIRECT" if self.pack.direct else "buffered")
-        defaults = DaemonConfig()
-        if (self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s) != (
-                defaults.heartbeat_interval_s, defaults.heartbeat_timeout_s):
-            log.warning("heartbeat_interval_s and heartbeat_timeout_s have no effect: expertd sends no ZMTP "
-                        "heartbeats (libzmq issue 4841); a client's own PINGs carry the TTL after which a frozen "
-                        "client loses its leases (%g s with ExpertClient)", HEARTBEAT_TTL_MS / 1000)
         notify("READY=1", f"STATUS=serving {self.config.pack} on {self.config.endpoint}")
         try:
             while not caught:
-                timeout_ms = 1000 if watchdog is None else max(1, int(min(1.0, watchdog) * 1000))
-                events = dict(poller.poll(timeout_ms))
+                wait_s = min(1.0, self.config.heartbeat_interval_s, watchdog or 1.0)
+                events = dict(poller.poll(max(1, int(wait_s * 1000))))
                 if self._wake in events:
                     self._drain_completions()
                 if self.monitor in events:
                     self._drain_monitor()
                 if self.router in events:
                     self._drain_router()
+                self._end_silent_sessions()
                 if sig_r in events:
                     while True:
                         try:
@@ -267,13 +282,21 @@ class ExpertDaemon:
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._after_batch(False)
                 return
             self._drain_monitor()  # disconnects that happened before this message come first
             identity = frames[0].bytes
             fd = frames[-1].get(zmq.SRCFD)
+            if fd in self._cut:
+                continue  # left queued by a connection cut for flooding: dropped unread
+            pid = self._open_fds.get(fd)
+            self.flood.seen(pid if pid is not None else ("connection", fd))
+            self._note_connection(identity, fd)
             session = self.sessions.get(identity)
             if session is not None and session.fd != fd:
                 self._drop(identity, "lost its routing id to another connection")
+            elif session is not None:
+                session.heard = time.monotonic()
             if len(frames) != 2:
                 self._error(identity, p.ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames) - 1}")
                 continue
@@ -283,19 +306,112 @@ class ExpertDaemon:
                 self._error(identity, exc.code, exc.message)
                 continue
             self._handle(identity, msg, fd)
+        self._after_batch(bool(self.router.get(zmq.EVENTS) & zmq.POLLIN))
+
+    def _note_connection(self, identity: bytes, fd: int) -> None:
+        """Remembers which connection `identity` speaks on. One that took the id over from another
+        open connection (ROUTER_HANDOVER) gets the old one closed: libzmq leaves it without a pipe,
+        open until the daemon exits if it sends on, so the daemon shuts it down itself."""
+        if fd < 0 or fd not in self._open_fds:
+            return  # a closed connection's late message: it says nothing about who holds the id now
+        previous = self._fd_of.get(identity)
+        if previous == fd:
+            return
+        if previous is not None and self._id_on.get(previous) == identity:
+            log.debug("routing id %r taken over by another connection: closing the old one (fd %d)", identity, previous)
+            self._shutdown_fd(previous)
+            del self._id_on[previous]
+        old_id = self._id_on.get(fd)
+        if old_id is not None and self._fd_of.get(old_id) == fd:
+            del self._fd_of[old_id]
+        self._fd_of[identity] = fd
+        self._id_on[fd] = identity
+
+    def _forget_fd(self, fd: int) -> None:
+        """A connection accepted or closed on `fd`: what was noted of the fd's previous connection goes."""
+        identity = self._id_on.pop(fd, None)
+        if identity is not None and self._fd_of.get(identity) == fd:
+            del self._fd_of[identity]
+
+    def _after_batch(self, backlogged: bool) -> None:
+        flooder = self.flood.after_batch(anon_bytes() if backlogged else None)
+        if flooder is not None:
+            self._cut_peer(flooder)
+
+    def _cut_peer(self, flooder: Flooder) -> None:
+        """Closes the connections of a peer that outruns the main loop (flood.py), so that what it
+        sends stops queueing in memory: shutdown() on a duplicate of each fd, which libzmq sees as
+        the peer closing (a disconnect, ending any session on it). Only connections the monitor
+        says are open now, and over ipc only those whose peer is still the process that opened
+        them (an fd may be another connection's by now)."""
+        peer = flooder.peer
+        if isinstance(peer, int):
+            fds = [fd for fd, pid in self._open_fds.items() if pid == peer and _peer_pid(fd) == peer]
+        else:
+            fds = [peer[1]] if peer[1] in self._open_fds else []
+        if not fds:
+            return  # closed already: what it left drains
+        log.warning("cutting %d connection(s) of %s: it sent %d messages, faster than expertd reads them, while "
+                    "expertd's memory grew %d MiB with what waits to be read; what it left queued is dropped",
+                    len(fds), f"pid {peer}" if isinstance(peer, int) else "a tcp peer", flooder.messages,
+                    self.flood.growth_bytes >> 20)
+        self.counters.floods_cut += 1
+        if isinstance(peer, int):
+            self._banned[peer] = time.monotonic() + FLOOD_BAN_S
+        for fd in fds:
+            self._cut_fd(fd)
+
+    def _cut_fd(self, fd: int) -> None:
+        self._cut.add(fd)
+        for identity in [i for i, s in self.sessions.items() if s.fd == fd]:
+            self._drop(identity, "cut for flooding")
+        self._shutdown_fd(fd)
+
+    @staticmethod
+    def _shutdown_fd(fd: int) -> None:
+        """Closes a connection under libzmq: shutdown() of a duplicate of its fd (libzmq's I/O thread
+        owns the fd and closes it), seen by libzmq as the peer closing."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as conn:
+                conn.shutdown(socket.SHUT_RDWR)
+        except OSError as exc:
+            log.debug("shutdown of fd %d: %s", fd, exc)
+
+    def _accepted(self, fd: int) -> None:
+        """A new connection: its peer's pid noted; one of a process cut for flooding is cut at once."""
+        pid = _peer_pid(fd)
+        self._open_fds[fd] = pid
+        now = time.monotonic()
+        for banned in [b for b, until in self._banned.items() if until <= now]:
+            del self._banned[banned]
+        if pid is not None and pid in self._banned:
+            self.counters.floods_cut += 1
+            log.debug("cutting a new connection of pid %d, cut for flooding %.0f s ago", pid,
+                      FLOOD_BAN_S - (self._banned[pid] - now))
+            self._cut_fd(fd)
+        else:
+            self._cut.discard(fd)  # another connection's now; a cut one's leftovers are served as usual
 
     def _handle(self, identity: bytes, msg: p.Message, fd: int = -1) -> None:
         if isinstance(msg, p.Ping):
             self._send(identity, p.Pong())
         elif isinstance(msg, p.Stats):
-            self._send(identity, p.StatsReply(self.stats()))
+            if self.stats_budget.take(identity, time.monotonic()):
+                self._send(identity, p.StatsReply(self.stats()))
+            else:
+                self._error(identity, p.ErrorCode.BUSY, f"at most {self.stats_budget.per_s} STATS a second per "
+                            "connection: ask less often")
         elif isinstance(msg, p.Hello):
             self._hello(identity, msg, fd)
+        elif isinstance(msg, p.Heartbeat):
+            return  # its arrival was the point (_drain_router); a late one of an ended session says nothing
         elif identity not in self.sessions:
             if identity in self._gone and isinstance(msg, (p.Release, p.Cancel)):
-                log.debug("%s from %r after its connection closed: nothing to do", msg.op.name, identity)
+                log.debug("%s from %r after its session ended: nothing to do", msg.op.name, identity)
                 return
-            self._error(identity, p.ErrorCode.NO_SESSION, f"{msg.op.name} before HELLO")
+            why = self._gone.get(identity)
+            self._error(identity, p.ErrorCode.NO_SESSION, f"{msg.op.name} before HELLO" if why is None else
+                        f"{msg.op.name} from a client whose session ended ({why}); say HELLO again")
         elif isinstance(msg, p.Fetch):
             self._fetch(self.sessions[identity], msg)
         elif isinstance(msg, p.Release):
@@ -343,7 +459,9 @@ class ExpertDaemon:
             model={"arch": m.model.arch, "n_layer": m.model.n_layer, "n_expert": m.model.n_expert,
                    "n_expert_used": m.model.n_expert_used, "moe_layers": list(m.model.moe_layers)},
             shm=self.staging.name, shm_bytes=self.staging.size_bytes, slot_bytes=self.staging.slot_bytes,
-            slots=tuple(slots), ram_first_slot=self.ram.first_slot, ram_slots=self.ram.n_slots))
+            slots=tuple(slots), ram_first_slot=self.ram.first_slot, ram_slots=self.ram.n_slots,
+            heartbeat_interval_ms=round(self.config.heartbeat_interval_s * 1000),
+            heartbeat_timeout_ms=round(self.config.heartbeat_timeout_s * 1000)))
 
     def _fetch(self, session: Session, msg: p.Fetch) -> None:
         if self.stopping:
@@ -659,9 +777,31 @@ class ExpertDaemon:
             # routing id to another one closes after that one has taken it). Found by the session's
             # own fd, not by who sent last on that fd: a closed connection's messages still queued
             # carry its fd, which a new connection may have by the time they are read.
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._forget_fd(fd)
+                self._accepted(fd)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._forget_fd(fd)
+                self._open_fds.pop(fd, None)
                 for identity in [i for i, s in self.sessions.items() if s.fd == fd]:
                     self._drop(identity, "disconnected")
+
+    def _end_silent_sessions(self) -> None:
+        """Liveness (protocol v4): a session whose connection has sent nothing, not even HEARTBEAT,
+        for heartbeat_timeout_s ends, and its slots go to the clients that are alive. The client
+        is told why by an unasked ERROR NO_SESSION, which it reads if it ever runs again."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, self.config.heartbeat_interval_s)
+        timeout_s = self.config.heartbeat_timeout_s
+        for identity, session in [(i, s) for i, s in self.sessions.items() if now - s.heard > timeout_s]:
+            why = (f"silent for {now - session.heard:.1f} s, more than heartbeat_timeout_s = {timeout_s:g} s: "
+                   "its slots went to other clients")
+            self.counters.clients_silent += 1
+            self._drop(identity, why)
+            message = f"expertd ended this client's session: {why}; say HELLO again"
+            self._send(identity, p.Error(p.ErrorCode.NO_SESSION, message[:p.MAX_TEXT]))
 
     def _drop(self, identity: bytes, why: str) -> None:
         """Ends a session: queued keys vanish, leased slots return (a slot being read returns when
@@ -670,7 +810,7 @@ class ExpertDaemon:
         if session is None:
             return
         if why != "said HELLO again":
-            self._gone[identity] = None
+            self._gone[identity] = why
             if len(self._gone) > MAX_GONE:
                 self._gone.popitem(last=False)
         session.closed = True

@@ -61,6 +61,8 @@ class Counters:
     protocol_errors: int = 0  # ERROR replies
     clients_total: int = 0
     clients_dropped: int = 0  # vanished (disconnect or heartbeat timeout) holding leases
+    floods_cut: int = 0  # connections cut for sending faster than the main loop reads (flood.py)
+    clients_silent: int = 0  # of those, dropped for sending nothing for heartbeat_timeout_s (protocol v4)
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -27,6 +27,8 @@ EXAMPLES: list[p.Message] = [
     p.Pong(),
     p.Error(p.ErrorCode.BAD_FIELD, "nope"),
     p.Bye("shutting down"),
+    p.Heartbeat(),
+    p.Welcome(4, FP, {"arch": "qwen3moe"}, "expertpack-1-abcd", 1 << 20, 1 << 16, (0, 1), 4, 12, 1000, 10_000),
 ]
 
 
@@ -49,8 +51,7 @@ def test_version_2_adds_fail_corrupt() -> None:
 def test_version_3_adds_the_ram_tier_to_welcome() -> None:
     """v3: WELCOME names the RAM tier's slots (READY may name one); HELLO carries the version the
     daemon checks. A WELCOME without the new fields (no RAM tier) still decodes, as 0 and 0."""
-    assert p.PROTOCOL_VERSION == 3
-    assert p.encode(p.Hello(p.PROTOCOL_VERSION, "w")).hex() == (
+    assert p.encode(p.Hello(3, "w")).hex() == (
         "84" "a26f70" "01" "a776657273696f6e" "03" "a6636c69656e74" "a177" "ab66696e6765727072696e74" "a0")
     welcome = p.Welcome(3, FP, {}, "s", 8192, 4096, (0,), 2, 5)
     wire = msgpack.unpackb(p.encode(welcome))
@@ -58,6 +59,21 @@ def test_version_3_adds_the_ram_tier_to_welcome() -> None:
     del wire["ram_first_slot"], wire["ram_slots"]
     old = p.decode(msgpack.packb(wire))
     assert isinstance(old, p.Welcome) and (old.ram_first_slot, old.ram_slots) == (0, 0)
+
+
+def test_version_4_adds_liveness() -> None:
+    """v4: HEARTBEAT (op 14, no fields, no reply) and WELCOME's heartbeat interval and timeout; a
+    WELCOME without them (a daemon with no liveness rule) decodes as 0 and 0."""
+    assert p.PROTOCOL_VERSION == 4
+    assert p.encode(p.Heartbeat()).hex() == "81a26f700e"
+    welcome = p.Welcome(4, FP, {}, "s", 8192, 4096, (0,), 0, 0, 1000, 10_000)
+    wire = msgpack.unpackb(p.encode(welcome))
+    assert wire["heartbeat_interval_ms"] == 1000 and wire["heartbeat_timeout_ms"] == 10_000
+    del wire["heartbeat_interval_ms"], wire["heartbeat_timeout_ms"]
+    old = p.decode(msgpack.packb(wire))
+    assert isinstance(old, p.Welcome) and (old.heartbeat_interval_ms, old.heartbeat_timeout_ms) == (0, 0)
+    with pytest.raises(p.ProtocolError, match="heartbeat_timeout_ms"):
+        p.decode(msgpack.packb({**wire, "heartbeat_timeout_ms": -1}))
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

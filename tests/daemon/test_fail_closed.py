@@ -112,6 +112,7 @@ def test_edited_manifest_is_refused(tiny_pack: Path, tmp_path: Path) -> None:
     (("--heartbeat-timeout-s", "inf"), ("heartbeat_timeout_s: must lie in",)),
     (("--heartbeat-timeout-s", "nan"), ("heartbeat_timeout_s: must lie in",)),
     (("--heartbeat-interval-s", "-1"), ("heartbeat_interval_s: must lie in",)),
+    (("--heartbeat-interval-s", "2", "--heartbeat-timeout-s", "3"), ("must be at least twice heartbeat_interval_s",)),
     (("--read-threads", "100000"), ("read_threads: must lie in 1..256",)),
     (("--read-splits", "1000"), ("read_splits: must lie in",)),
     (("--stage-slots", "1000000000"), ("stage_slots: must lie in",)),

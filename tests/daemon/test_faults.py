@@ -197,53 +197,6 @@ def test_repeated_fetch_and_cancel_keeps_queues_bounded(daemon: Daemon) -> None:
         assert msg.stats["counters"]["cancelled"] == 10 * len(big)
 
 
-HOLDER_SCRIPT = """
-import sys, time
-from expertpack.client import ExpertClient
-c = ExpertClient(sys.argv[1], name=sys.argv[2])
-held = [e for e in c.fetch([(0, i) for i in range(8)])]
-print("holding", flush=True)
-time.sleep(600)
-"""
-
-
-def test_a_frozen_client_loses_its_leases_after_its_heartbeat_ttl(tiny_pack: Path, tmp_path: Path) -> None:
-    """SIGSTOP freezes the client's zmq I/O thread too: its ZMTP PINGs stop, and expertd's libzmq
-    closes the connection once the TTL they carried (HEARTBEAT_TTL_MS, 10 s) passes without
-    traffic. Not before: the last PING came at most HEARTBEAT_INTERVAL_MS before the freeze.
-    The client is frozen idle, its last message a PING: libzmq cancels the TTL on every message
-    and arms it again only with the next PING, so a client frozen within one interval of its last
-    request is not timed out (README, "Liveness")."""
-    from expertpack.client.client import HEARTBEAT_INTERVAL_MS, HEARTBEAT_TTL_MS
-
-    ttl_s, interval_s = HEARTBEAT_TTL_MS / 1000, HEARTBEAT_INTERVAL_MS / 1000
-    d = start_daemon(tiny_pack, tmp_path)
-    d.wait_for("READY=1")
-    procs = [subprocess.Popen([sys.executable, "-c", HOLDER_SCRIPT, d.endpoint, name], stdout=subprocess.PIPE, text=True)
-             for name in ("frozen", "idle")]  # idle: sends nothing but its PINGs, and keeps its leases
-    proc = procs[0]
-    try:
-        assert all(p_.stdout.readline().strip() == "holding" for p_ in procs)
-        assert wait_stats(d.endpoint, lambda s: s["slots"]["leased"] == 16)["slots"]["leased"] == 16
-        time.sleep(2 * interval_s + 0.5)  # a PING after its last request
-        proc.send_signal(signal.SIGSTOP)
-        frozen_at = time.monotonic()
-        time.sleep(ttl_s - interval_s - 1)
-        assert wait_stats(d.endpoint, lambda s: True)["slots"]["leased"] == 16, "leases dropped before the TTL"
-        stats = wait_stats(d.endpoint, lambda s: all(c["name"] != "frozen" for c in s["clients"]), timeout=ttl_s + 5)
-        took_s = time.monotonic() - frozen_at
-        assert stats["slots"]["leased"] == 8 and sorted(c["name"] for c in stats["clients"]) == ["idle", "observer"], \
-            (took_s, stats["slots"], stats["clients"])
-        assert took_s <= ttl_s + 2, f"leases back {took_s:.1f} s after the freeze"
-        time.sleep(max(0.0, ttl_s + interval_s - took_s))  # the idle client, silent but for its PINGs, outlives the TTL
-        assert "idle" in [c["name"] for c in wait_stats(d.endpoint, lambda s: True)["clients"]]
-    finally:
-        for p_ in procs:
-            p_.kill()
-            p_.wait()
-        assert d.stop()[0] == 0
-
-
 def test_tcp_needs_curve_and_works_with_it(tiny_pack: Path, tmp_path: Path) -> None:
     import socket as pysocket
 
