@@ -354,6 +354,14 @@ class ExpertClient:
         view = memoryview(self.staging)[msg.slot * self.welcome.slot_bytes:][:msg.nbytes]
         return Expert(self, msg.key, msg.slot, msg.nbytes, view)
 
+    def silenced(self) -> bool:
+        """Whether this client has been silent longer than the daemon's heartbeat timeout (the
+        process was stopped): its session is gone and its staging slots may hold other clients'
+        experts, so bytes copied out of them since the last message sent cannot be trusted."""
+        with self._lock:
+            self._check_silence()
+            return self._silenced
+
     def _release(self, slots: list[int]) -> None:
         self._send_if_alive(p.Release(tuple(slots)))
 

@@ -14,6 +14,7 @@ same either way, so prefetch changes when bytes arrive, never which."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from expertpack.packtools.layout import ALIGNMENT, ExpertKey, LayerLayout, Manif
 from .cache_policy import CachePolicy, CacheTooSmall, slot_count
 from .daemon_link import DaemonLink
 from .model_files import ExpertRows, ExpertWeights, block_views
+
+log = logging.getLogger("expert-worker")
 
 
 def slot_bytes(manifest: Manifest) -> int:
@@ -212,20 +215,38 @@ class ExpertCache:
             self._ref = (ref, time.perf_counter())
         free_slots = list(victims)
         wanted = set(misses)
+        doubtful: list[ExpertKey] = []
         for expert, prefetched in self.link.ahead.fetch(misses):
             self.counters.prefetch_used += prefetched
-            if expert.key not in wanted or expert.nbytes != self.layers[expert.key.layer].payload_bytes:
-                expert.release()
-                raise CacheError(f"expertd delivered {expert!r}, which this request did not ask for, or not in "
-                                 f"that size; nothing of it was used")
-            wanted.discard(expert.key)
+            self._check_delivery(expert, wanted)
             slot = free_slots.pop()
             arrived = time.perf_counter()
             self._copy_in(expert, slot, arrived)  # the slot is recorded as holding the expert only once its copy is issued
             self.counters.evictions += self.policy.place(slot, expert.key) is not None
+            if expert.client.silenced():
+                doubtful.append(expert.key)
             self._release_finished(keep_free=1)
+        while doubtful:  # copied after the session lapsed: read again, over a new session, into the same slots
+            log.warning("this worker was stopped past expertd's heartbeat timeout while copying %d experts out of "
+                        "staging: reading them again", len(doubtful))
+            keys, doubtful = doubtful, []
+            wanted = set(keys)
+            for expert, _ in self.link.ahead.fetch(keys):
+                self._check_delivery(expert, wanted)
+                self._copy_in(expert, self.policy.slot_of[expert.key], time.perf_counter())
+                if expert.client.silenced():
+                    doubtful.append(expert.key)
+                self._release_finished(keep_free=1)
         self._release_finished(keep_free=0, wait=self.device.type != "cuda")
         self.counters.stall_s += time.perf_counter() - start
+
+    def _check_delivery(self, expert: Expert, wanted: set[ExpertKey]) -> None:
+        """An expert this request asked for (once) and in its block's size, or CacheError."""
+        if expert.key not in wanted or expert.nbytes != self.layers[expert.key.layer].payload_bytes:
+            expert.release()
+            raise CacheError(f"expertd delivered {expert!r}, which this request did not ask for, or not in "
+                             f"that size; nothing of it was used")
+        wanted.discard(expert.key)
 
     def _copy_in(self, expert: Expert, slot: int, arrived: float) -> None:
         dst = self.memory[slot * self.slot_bytes: slot * self.slot_bytes + expert.nbytes]

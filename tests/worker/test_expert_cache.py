@@ -237,6 +237,41 @@ def test_daemon_killed_mid_fetch_and_restarted_changes_nothing(fixture_packs, re
             assert d.stop()[0] == 0
 
 
+def test_a_worker_stopped_past_the_heartbeat_timeout_mid_copy_reads_those_experts_again(
+        fixture_packs, resident, tmp_path: Path) -> None:
+    """The worker is stopped (SIGSTOP) between an expert's READY and its copy out of staging, longer
+    than expertd's heartbeat timeout: the daemon ends the session and may lease the slot to another
+    client, so what the copy read cannot be trusted. Simulated here by aging the client's last
+    message past the timeout and spoiling the copied bytes: the cache reads the expert again over a
+    new session, and the run keeps the resident run's bits."""
+    name = "qwen3moe-a.Q4_K_M"
+    pack = fixture_packs[name][1]
+    d = daemon_for(pack, tmp_path)
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack), prefetch=False)
+    cache = engine.expert_cache
+    real_copy_in, calls = cache._copy_in, [0]
+
+    def copy_in(expert, slot, arrived):
+        calls[0] += 1
+        real_copy_in(expert, slot, arrived)
+        if calls[0] == 5:  # stopped before this copy: the slot held another client's bytes by then
+            client = expert.client
+            client._last_sent -= client._silence_limit_s + 1
+            cache.memory[slot * cache.slot_bytes:(slot + 1) * cache.slot_bytes] = 0xFF
+
+    cache._copy_in = copy_in
+    try:
+        prompt = prompts(MODELS[name])[0]
+        got_logits, got_tokens = greedy_run(engine, prompt)
+        want_logits, want_tokens = greedy_run(resident[name], prompt)
+        assert calls[0] > 5 and cache.link.reconnects == 1
+        assert got_tokens == want_tokens
+        assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
 def test_daemon_gone_for_good_fails_the_request_clearly(fixture_packs, resident, tmp_path: Path) -> None:
     name = "qwen3moe-a.Q4_K_M"
     pack = fixture_packs[name][1]
