@@ -83,7 +83,11 @@ class Prefetches:
 
     def cancel(self, layer: int, keep: Collection[int] = ()) -> int:
         """Cancels the prefetches of `layer` still held but for the experts in `keep` (its routing
-        is known, or its step has run: they are stale); returns how many."""
+        is known, or its step has run: they are stale); returns how many. Nothing to do (prefetch
+        off, or nothing sent or left unanswered) costs no socket poll: this runs every layer."""
+        client = self.link.client
+        if not self.entries and (client is None or not client.abandoned):
+            return 0
         with self.link._lock:
             if self._live() is None:
                 return 0
