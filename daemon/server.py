@@ -289,14 +289,20 @@ class ExpertDaemon:
             fd = frames[-1].get(zmq.SRCFD)
             if fd in self._cut:
                 continue  # left queued by a connection cut for flooding: dropped unread
-            pid = self._open_fds.get(fd)
+            # The sender's pid as its own connection recorded it: a closed connection's messages
+            # still queued carry its fd, which another process's connection may have by now.
+            sender = _sender_pid(frames[-1])
+            holder = self._open_fds.get(fd)
+            late = sender is not None and holder is not None and sender != holder
+            pid = sender if sender is not None else holder
             self.flood.seen(pid if pid is not None else ("connection", fd))
-            self._note_connection(identity, fd)
             session = self.sessions.get(identity)
-            if session is not None and session.fd != fd:
-                self._drop(identity, "lost its routing id to another connection")
-            elif session is not None:
-                session.heard = time.monotonic()
+            if not late:  # a late message says nothing of who holds its fd or its routing id now
+                self._note_connection(identity, fd)
+                if session is not None and session.fd != fd:
+                    self._drop(identity, "lost its routing id to another connection")
+                elif session is not None:
+                    session.heard = time.monotonic()
             if len(frames) != 2:
                 self._error(identity, p.ErrorCode.MALFORMED, f"expected one frame per message, got {len(frames) - 1}")
                 continue
@@ -305,7 +311,7 @@ class ExpertDaemon:
             except p.ProtocolError as exc:
                 self._error(identity, exc.code, exc.message)
                 continue
-            self._handle(identity, msg, fd)
+            self._handle(identity, msg, fd, pid)
         self._after_batch(bool(self.router.get(zmq.EVENTS) & zmq.POLLIN))
 
     def _note_connection(self, identity: bytes, fd: int) -> None:
@@ -392,7 +398,7 @@ class ExpertDaemon:
         else:
             self._cut.discard(fd)  # another connection's now; a cut one's leftovers are served as usual
 
-    def _handle(self, identity: bytes, msg: p.Message, fd: int = -1) -> None:
+    def _handle(self, identity: bytes, msg: p.Message, fd: int = -1, pid: int | None = None) -> None:
         if isinstance(msg, p.Ping):
             self._send(identity, p.Pong())
         elif isinstance(msg, p.Stats):
@@ -402,7 +408,7 @@ class ExpertDaemon:
                 self._error(identity, p.ErrorCode.BUSY, f"at most {self.stats_budget.per_s} STATS a second per "
                             "connection: ask less often")
         elif isinstance(msg, p.Hello):
-            self._hello(identity, msg, fd)
+            self._hello(identity, msg, fd, pid)
         elif isinstance(msg, p.Heartbeat):
             return  # its arrival was the point (_drain_router); a late one of an ended session says nothing
         elif identity not in self.sessions:
@@ -422,7 +428,7 @@ class ExpertDaemon:
             self._error(identity, p.ErrorCode.UNKNOWN_OP, f"{msg.op.name} is sent by the daemon, not to it")
 
     # ---- requests ----------------------------------------------------------------------------
-    def _hello(self, identity: bytes, msg: p.Hello, fd: int) -> None:
+    def _hello(self, identity: bytes, msg: p.Hello, fd: int, pid: int | None) -> None:
         if msg.version != p.PROTOCOL_VERSION:
             self._error(identity, p.ErrorCode.VERSION,
                         f"client speaks protocol {msg.version}, this expertd speaks {p.PROTOCOL_VERSION}")
@@ -447,7 +453,6 @@ class ExpertDaemon:
                         f"slots unleased ({len(self.sessions)} clients hold the rest); ask for fewer, or raise "
                         "stage_slots or lower client_slots")
             return
-        pid = _peer_pid(fd)
         self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots), pid=pid)
         self.counters.clients_total += 1
         log.info("client %r (pid %s) connected: %d slots%s", msg.client, pid if pid is not None else "unknown",
@@ -933,6 +938,20 @@ class ExpertDaemon:
         if getattr(self, "_wake", None) is not None:
             os.close(self._wake)
         self.pack.close()
+
+
+def _sender_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process that sent `frame` over ipc: libzmq records the peer's credentials
+    (SO_PEERCRED) when a connection is accepted and attaches them to every message of that
+    connection as its Peer-Address, "localhost:UID:GID:PID" (a tcp peer's is its IP address: None).
+    Unlike ZMQ_SRCFD, it stays the sender's after the connection closed and its fd was reused."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    host, _, rest = address.partition(":")
+    pid = rest.rpartition(":")[2]
+    return int(pid) if host == "localhost" and rest.count(":") == 2 and pid.isdigit() and int(pid) > 0 else None
 
 
 def _peer_pid(fd: int) -> int | None:

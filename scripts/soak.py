@@ -171,9 +171,10 @@ def decode_reply(raw: bytes, out: WorkerResult) -> p.Message | None:
 
 
 def fuzzer(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: Any, results: Any,
-           shared_ids: bool) -> None:
+           shared_ids: bool, ready: Any) -> None:
     rng = random.Random(seed)
     m = Manifest.load(pack)
+    ready.wait(120)  # every role at work together, however long each took to start
     out = WorkerResult("fuzzer", index)
     ctx = zmq.Context()
     try:
@@ -226,9 +227,10 @@ def barrier(sock: zmq.Socket, out: WorkerResult) -> bool:
 
 
 def churner(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: Any, results: Any,
-            shared_ids: bool) -> None:
+            shared_ids: bool, ready: Any) -> None:
     rng = random.Random(seed)
     m = Manifest.load(pack)
+    ready.wait(120)  # every role at work together, however long each took to start
     keys = every_key(m)
     out = WorkerResult("churner", index)
     ctx = zmq.Context()
@@ -304,9 +306,10 @@ def churner(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: An
 
 
 def checker(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: Any, results: Any,
-            shared_ids: bool) -> None:
+            shared_ids: bool, ready: Any) -> None:
     rng = random.Random(seed)
     m = Manifest.load(pack)
+    ready.wait(120)  # every role at work together, however long each took to start
     keys = every_key(m)
     out = WorkerResult("checker", index)
     try:
@@ -448,15 +451,17 @@ def main(argv: list[str] | None = None) -> int:
     rss_start, fds_start = rss_of(pid), psutil.Process(pid).num_fds()
     spawn = mp.get_context("spawn")  # no zmq context crosses a fork
     stop, results = spawn.Event(), spawn.Queue()
+    ready = spawn.Barrier(args.fuzzers + args.churners + args.checkers + 1)
     procs, counters = [], []
     for role, count in (("fuzzer", args.fuzzers), ("churner", args.churners), ("checker", args.checkers)):
         for i in range(count):
             sent = spawn.Value("q", 0, lock=False)
             proc = spawn.Process(target=ROLES[role], args=(i, endpoint, str(pack), args.seed * 1000 + len(procs),
-                                                           stop, sent, results, args.shared_ids), daemon=True)
+                                                           stop, sent, results, args.shared_ids, ready), daemon=True)
             proc.start()
             procs.append(proc)
             counters.append((role, sent))
+    ready.wait(120)  # on a loaded machine a process may take seconds to start: the clock starts with all
     start = time.monotonic()
     next_progress = start + args.progress_s
     rss_max = rss_start
@@ -541,8 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     ok = not crashes and leaked_slots == 0 and reading == 0 and not summary["mismatches"] and not violations \
         and clean_exit is not False
-    if ok and (own is None or own.poll() is not None):
-        shutil.rmtree(workdir, ignore_errors=True)
+    if ok and (own is None or own.poll() is not None) or not any(workdir.iterdir()):
+        shutil.rmtree(workdir, ignore_errors=True)  # (empty against a daemon of the caller's: its log is the caller's)
     else:
         print(f"soak: kept {workdir} (the daemon's log, the pack)", file=sys.stderr)
     return 0 if ok else 1

@@ -44,7 +44,8 @@ def test_100k_hostile_messages_with_churn_leave_nothing_behind(daemon: Daemon, t
     assert proc.stdout.strip(), proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(summary))
-    assert proc.returncode == 0, (summary["first_violations"], proc.stderr[-3000:])
+    warnings = [line for line in daemon.log.splitlines() if " WARNING " in line or " ERROR " in line][-20:]
+    assert proc.returncode == 0, (summary["first_violations"], proc.stderr[-3000:], warnings)
     assert "soak:" in proc.stderr and "messages in" in proc.stderr  # progress and the summary line
     roles = summary["by_role"]
     assert roles["fuzzer"]["messages"] + roles["churner"]["messages"] >= 100_000
