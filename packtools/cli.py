@@ -207,8 +207,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from .synth.presets import PRESETS, describe_presets
-    from .synth.writer import SynthOptions, write_synth
+    from .synth.presets import PRESETS
+    from .synth.writer import SynthOptions, describe_presets, write_synth
 
     if args.list:
         print(describe_presets())
