@@ -238,7 +238,7 @@ BENCHES = {"io": "bench_io", "serve": "bench_serve", "cache": "bench_cache"}
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from expertpack.client import plan
+    from expertpack.worker import plan
 
     return plan.main(args.rest)
 
