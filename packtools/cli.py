@@ -233,7 +233,7 @@ def _eval(args: argparse.Namespace) -> int:
     return eval_cli.run(args)
 
 
-# bench KIND -> the module (under expertpack.client) that runs it with the remaining arguments.
+# bench KIND -> the module (under expertpack.bench) that runs it with the remaining arguments.
 BENCHES = {"io": "bench_io", "serve": "bench_serve", "cache": "bench_cache"}
 
 
@@ -248,7 +248,7 @@ def _bench(args: argparse.Namespace) -> int:
     # keep depending on nothing above packtools.
     import importlib
 
-    return importlib.import_module(f"expertpack.client.{BENCHES[args.kind]}").main(args.rest)
+    return importlib.import_module(f"expertpack.bench.{BENCHES[args.kind]}").main(args.rest)
 
 
 if __name__ == "__main__":

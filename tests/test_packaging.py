@@ -14,7 +14,7 @@ import expertpack.packtools
 
 from .conftest import BIN, REPO
 
-CODE_DIRS = ("packtools", "daemon", "client", "worker")
+CODE_DIRS = ("packtools", "daemon", "client", "worker", "bench")
 
 
 def test_editable_install_maps_the_namespace_onto_the_repo(tmp_path: Path) -> None:

@@ -68,5 +68,5 @@ def test_the_bench_does_not_import_torch() -> None:
     """It replays the worker's policy and reads its trace format, both plain Python: it starts at once."""
     import sys
 
-    code = "import sys, expertpack.client.bench_cache; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, expertpack.bench.bench_cache; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
