@@ -93,7 +93,7 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
     """One streaming run against a fresh expertd (nothing warm from another run): its speeds and
     tokens, and per phase the cache's counters (hit rate, stall, prefetch precision and recall)
     and the SSD bytes expertd read."""
-    from expertpack.client import bench_io
+    from expertpack.bench import bench_io
     from expertpack.worker.engine import Engine
     from expertpack.worker.expert_cache import prefetch_rates
 
@@ -134,7 +134,7 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
 
 def disk_bandwidth(pack: Path, workdir: Path) -> tuple[float, str]:
     """GB/s of O_DIRECT random whole-expert reads on this pack: fio, else expertd."""
-    from expertpack.client import bench_io
+    from expertpack.bench import bench_io
     from expertpack.packtools.layout import ExpertKey, Manifest
 
     m = Manifest.load(pack)

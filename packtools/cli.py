@@ -1,24 +1,19 @@
-"""`expertpack`: the offline tools (build, verify, inspect, synth). Logs go to stderr, results to
-stdout. Exit status: 0 success, 1 verify found damage, 2 bad input or environment (one-line
-message), 130 interrupted (a build resumes when rerun)."""
+"""The offline verbs of `expertpack` (build, verify, inspect, synth): their flags, the ranges of their
+numbers and the code that runs each. expertpack.cli puts them into the one `expertpack` command;
+this module knows nothing of the worker, the client, the daemon or the benchmarks. Logs go to
+stderr, results to stdout; verify exits 1 when it finds damage."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
-import sys
 from pathlib import Path
 
 from .errors import ExpertpackError
 from .units import GIB, plain_number
 
 EXIT_DAMAGED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-
-log = logging.getLogger("expertpack")
 
 # The range of every numeric flag (by its argparse dest), checked before any work: nan, inf and
 # negatives are refused with one line.
@@ -31,54 +26,20 @@ RANGES: dict[str, tuple[float, float]] = {
     "shards": (1, 9999),
     "seed": (0, (1 << 63) - 1),
     "routing_skew": (0.0, 16.0),
-    "greedy": (0, 1 << 24),
-    "temperature": (0.0, 100.0),
-    "top_k": (0, 1 << 31),
-    "top_p": (0.0, 1.0),
-    "cache_vram_mib": (0, 1 << 24),
-    "cache_reserve_mib": (0, 1 << 24),
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plan"]:  # its own parser, --help included (argparse's REMAINDER will not take a first option)
-        return _plan(argparse.Namespace(rest=argv[1:]))
-    args = _parser().parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
-                        format="expertpack: %(message)s")
-    try:
-        _check_ranges(args)
-        return args.run(args)
-    except ExpertpackError as exc:
-        from .build import BuildInterrupted
-
-        print(f"expertpack {args.command}: {exc}", file=sys.stderr)
-        return EXIT_INTERRUPTED if isinstance(exc, BuildInterrupted) else EXIT_USAGE
-    except OSError as exc:  # a path that cannot be created, read or written: the user's to fix
-        print(f"expertpack {args.command}: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"expertpack {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def _check_ranges(args: argparse.Namespace) -> None:
-    for dest, (low, high) in RANGES.items():
+def check_ranges(args: argparse.Namespace, ranges: dict[str, tuple[float, float]]) -> None:
+    """Refuses, with one line, a number outside its flag's range (by argparse dest)."""
+    for dest, (low, high) in ranges.items():
         value = getattr(args, dest, None)
         for v in value if isinstance(value, list) else [value]:
             if v is not None and not (math.isfinite(v) and low <= v <= high):
                 raise ExpertpackError(f"--{dest.replace('_', '-')} must lie in {plain_number(low)}..{plain_number(high)}, got {v!r}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="expertpack",
-        description="Offline tools for expert packs: turn a Mixture-of-Experts GGUF into an expert-major "
-                    "pack that expertd streams from the SSD, check it, size it, or make a synthetic model.",
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """The offline verbs, each with `run` set to the function that runs it."""
     b = sub.add_parser("build", help="GGUF (one file or split set) -> experts.pack + manifest.json + trunk.gguf",
                        description="Copy every routed expert of SRC into an expert-major pack (one contiguous, "
                                    "4096-aligned block per layer and expert, bytes verbatim) and everything else "
@@ -135,35 +96,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(run=_synth)
 
-    e = sub.add_parser("eval", help="run a model in this process: continuation and prompt logits",
-                       description="Run MODEL (a pack or a source GGUF) in this process, no daemon: print the greedy "
-                                   "(or sampled) continuation of the prompt and save the float32 logits of every "
-                                   "prompt position. For checking a model against another implementation.")
-    _add_eval_arguments(e)
-    e.set_defaults(run=_eval)
-
-    bench = sub.add_parser("bench", help="benchmarks that print a table and a JSON line",
-                           description="io: expertd against fio and the buffered path on one pack "
-                                       "(`expertpack bench io --help`); serve: the reference serving protocol "
-                                       "against an OpenAI-compatible endpoint (`expertpack bench serve --help`); "
-                                       "cache: a routing trace replayed against LRU, LFU, the worker's policy and "
-                                       "Belady's optimum (`expertpack bench cache --help`).")
-    bench.add_argument("kind", choices=tuple(BENCHES))
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
-    bench.set_defaults(run=_bench)
-    plan = sub.add_parser("plan", help="size the expert cache for a machine and predict decode tok/s and its bound",
-                          description="`expertpack plan --help` for its own arguments.", add_help=False)
-    plan.add_argument("rest", nargs=argparse.REMAINDER, help="plan's own arguments")
-    plan.set_defaults(run=_plan)
-    return p
-
-
-def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    """eval's flags live with the worker; importing them must not import torch."""
-    from expertpack.worker import eval_args
-
-    eval_args.add_arguments(p)
-
 
 def _build(args: argparse.Namespace) -> int:
     from .build import BuildOptions, build_pack, default_output
@@ -207,8 +139,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from .synth.presets import PRESETS, describe_presets
-    from .synth.writer import SynthOptions, write_synth
+    from .synth.presets import PRESETS
+    from .synth.writer import SynthOptions, describe_presets, write_synth
 
     if args.list:
         print(describe_presets())
@@ -224,32 +156,3 @@ def _synth(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     return 0
-
-
-def _eval(args: argparse.Namespace) -> int:
-    # The worker (and torch) load only for this command: the other tools start in milliseconds.
-    from expertpack.worker import eval_cli
-
-    return eval_cli.run(args)
-
-
-# bench KIND -> the module (under expertpack.client) that runs it with the remaining arguments.
-BENCHES = {"io": "bench_io", "serve": "bench_serve", "cache": "bench_cache"}
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from expertpack.client import plan
-
-    return plan.main(args.rest)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    # The benchmarks drive the daemon and its client: imported only here, so the offline tools
-    # keep depending on nothing above packtools.
-    import importlib
-
-    return importlib.import_module(f"expertpack.client.{BENCHES[args.kind]}").main(args.rest)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

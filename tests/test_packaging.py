@@ -14,7 +14,7 @@ import expertpack.packtools
 
 from .conftest import BIN, REPO
 
-CODE_DIRS = ("packtools", "daemon", "client", "worker")
+CODE_DIRS = ("packtools", "daemon", "client", "worker", "bench", "cli")
 
 
 def test_editable_install_maps_the_namespace_onto_the_repo(tmp_path: Path) -> None:
@@ -38,7 +38,7 @@ def test_console_script_runs() -> None:
 
 
 def test_offline_tools_do_not_import_torch() -> None:
-    code = ("import sys, expertpack.packtools.cli, expertpack.packtools.build, expertpack.packtools.verify, "
+    code = ("import sys, expertpack.cli.main, expertpack.packtools.build, expertpack.packtools.verify, "
             "expertpack.packtools.inspect_pack, expertpack.packtools.synth.writer; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -56,13 +56,13 @@ def test_wheel_holds_only_the_namespace_and_works(tmp_path: Path) -> None:
         for path in (REPO / name).rglob("*.py"):
             assert f"expertpack/{name}/{path.relative_to(REPO / name)}" in names, f"{path} is not in the wheel"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "expertpack = expertpack.packtools.cli:main" in entry_points
+    assert "expertpack = expertpack.cli.main:main" in entry_points
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
     # -S: no site processing, so the editable install's finder is absent and only the wheel is seen.
     site_packages = next(p for p in sys.path if p.endswith("site-packages"))
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import expertpack.packtools.cli as c; "
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import expertpack.cli.main as c; "
             "print(c.__file__); sys.exit(c.main(['synth', '--list']))")
     proc = subprocess.run([sys.executable, "-S", "-c", code, str(target), site_packages], capture_output=True,
                           text=True)

@@ -6,6 +6,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# The range of each numeric flag (by argparse dest), checked with one line before the model loads.
+RANGES: dict[str, tuple[float, float]] = {
+    "greedy": (0, 1 << 24),
+    "temperature": (0.0, 100.0),
+    "top_k": (0, 1 << 31),
+    "top_p": (0.0, 1.0),
+    "seed": (0, (1 << 63) - 1),
+    "cache_vram_mib": (0, 1 << 24),
+    "cache_reserve_mib": (0, 1 << 24),
+}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", type=Path, metavar="MODEL", help="a pack directory or a source GGUF (first shard)")

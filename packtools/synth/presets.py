@@ -8,8 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..units import human_bytes
-
 
 @dataclass(frozen=True)
 class Preset:
@@ -157,12 +155,3 @@ PRESETS: dict[str, Preset] = {
                            "Q4_K", "Q8_0", _MIXTRAL_8X7B),
 }
 
-
-def describe_presets() -> str:
-    from .writer import plan_synth, SynthOptions  # the sizes come from the same plan the writer uses
-
-    lines = [f"{'preset':<20} {'arch':<10} {'experts':>9} {'size':>11}  description"]
-    for name, p in PRESETS.items():
-        plan = plan_synth(SynthOptions(preset=name))
-        lines.append(f"{name:<20} {p.arch:<10} {p.expert_types():>9} {human_bytes(plan.total_bytes):>11}  {p.description}")
-    return "\n".join(lines)

@@ -115,6 +115,15 @@ def plan_synth(options: SynthOptions) -> SynthPlan:
                      options.routing_skew)
 
 
+def describe_presets() -> str:
+    """The table of `expertpack synth --list`: each preset's size from the same plan the writer uses."""
+    lines = [f"{'preset':<20} {'arch':<10} {'experts':>9} {'size':>11}  description"]
+    for name, p in PRESETS.items():
+        plan = plan_synth(SynthOptions(preset=name))
+        lines.append(f"{name:<20} {p.arch:<10} {p.expert_types():>9} {human_bytes(plan.total_bytes):>11}  {p.description}")
+    return "\n".join(lines)
+
+
 def shard_paths(out: Path, shards: int) -> list[Path]:
     if shards == 1:
         return [out]

@@ -249,7 +249,7 @@ def test_routing_skew_raises_a_caches_hit_rate(tmp_path: Path) -> None:
     traced through the worker's engine on the CPU, replayed against LRU at 25% of the experts:
     the skewed model (S=1) hits far more often than the uniform one, whose hit rate is about the
     cache's share, and its busiest quarter of experts takes most selections."""
-    from expertpack.client.bench_cache import replay
+    from expertpack.worker.cache_replay import replay
     from expertpack.worker.engine import Engine
     from expertpack.worker.routing_trace import read_trace, start_trace, stop_trace
 

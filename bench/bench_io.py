@@ -39,7 +39,7 @@ from pathlib import Path
 
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
 
-from .client import ExpertClient
+from expertpack.client import ExpertClient
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

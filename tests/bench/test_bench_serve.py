@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from expertpack.client.bench_serve import Run, figure
+from expertpack.bench.bench_serve import Run, figure
 
 from ..conftest import run_cli
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from expertpack.client.bench_cache import pack_slot_bytes, replay
+from expertpack.worker.cache_replay import pack_slot_bytes, replay
 from expertpack.daemon.config import load_config
 from expertpack.packtools.layout import Manifest
 from expertpack.worker import main as worker_main

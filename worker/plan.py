@@ -25,11 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from expertpack.client.bench_cache import pack_slot_bytes, replay
 from expertpack.packtools.errors import ExpertpackError
 from expertpack.packtools.layout import PACK_FILE, Manifest
 from expertpack.packtools.units import GIB, human_bytes
-from expertpack.worker.routing_trace import TraceError, read_trace
+
+from .cache_replay import pack_slot_bytes, replay
+from .routing_trace import TraceError, read_trace
 
 DEFAULT_RESERVE_GIB = 1.5  # VRAM kept for the KV cache, activations and CUDA's own (the worker's cache_reserve)
 DEFAULT_PCIE_GBPS = 25.0  # a PCIe 4.0 x16 link's practical pinned copy rate; PCIe 5.0 about twice

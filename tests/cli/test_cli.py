@@ -1,0 +1,45 @@
+"""The one `expertpack` entry point (expertpack.cli.main), called in this process: its help lists every
+verb, each verb's help is its own, the verbs whose code lives in other packages (plan, bench) are
+reached, and a bad command line fails with one line and exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from expertpack.cli.main import main
+
+VERBS = ("build", "verify", "inspect", "synth", "eval", "bench", "plan")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """main(argv) -> (exit status, stdout, stderr); argparse's --help and usage errors exit."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_every_verb(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and out.startswith("usage: expertpack ")
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.split()}
+    assert set(VERBS) <= listed, out
+
+
+@pytest.mark.parametrize("argv", [(verb,) for verb in VERBS if verb not in ("bench", "plan")]
+                         + [("bench",), ("bench", "io"), ("bench", "serve"), ("bench", "cache"), ("plan",)])
+def test_each_verb_has_its_own_help(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]) -> None:
+    code, out, err = run(capsys, *argv, "--help")
+    assert code == 0, err
+    assert out.startswith("usage: expertpack " + " ".join(argv)), out
+
+
+def test_a_bad_command_line_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "synth", "--list", "--seed", "-1")
+    assert code == 2 and err == "expertpack synth: --seed must lie in 0..9,223,372,036,854,775,807, got -1\n"
+    code, _, err = run(capsys, "eval", "model.gguf", "--text", "hi", "--top-p", "nan")
+    assert code == 2 and err == "expertpack eval: --top-p must lie in 0..1, got nan\n"
+    code, _, err = run(capsys, "bench", "nope")
+    assert code == 2 and "invalid choice: 'nope'" in err

@@ -1,0 +1,100 @@
+"""The packages stay layered: read from the source with ast (nothing is imported), packtools imports
+no package above it, the client library neither the worker nor the daemon nor the benchmarks, no
+library package the benchmarks or the `expertpack` command, and no package's modules import each
+other in a cycle (imports inside functions count: they are a cycle put off, not removed; those
+under `if TYPE_CHECKING:` do not, they never run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from .conftest import REPO
+
+# package folder -> the expertpack packages its modules must not import
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "packtools": ("worker", "client", "daemon", "bench", "cli"),
+    "client": ("worker", "daemon", "bench", "cli"),
+    "daemon": ("worker", "bench", "cli"),
+    "worker": ("bench", "cli"),
+    "bench": ("cli",),
+}
+PACKAGES = ("packtools", "packtools/synth", "client", "daemon", "worker", "bench", "cli")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(("expertpack", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports, absolute, anywhere in it; `from P import n` gives P and P.n
+    (n may be a submodule)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+def walk(node: ast.AST) -> Iterator[ast.AST]:
+    """ast.walk, less the bodies of `if TYPE_CHECKING:` (annotations only, never run)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for sub in child.orelse:
+                yield from walk(sub)
+            continue
+        yield from walk(child)
+
+
+def sources(folder: str) -> list[Path]:
+    return sorted((REPO / folder).glob("*.py"))
+
+
+def test_the_sources_are_found() -> None:
+    assert "expertpack.worker.eval_args" in imports(REPO / "cli" / "main.py")
+    assert "expertpack.packtools.synth.presets" in imports(REPO / "packtools" / "synth" / "writer.py")
+    assert all(sources(folder) for folder in PACKAGES)
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_no_package_imports_one_above_it(folder: str) -> None:
+    above = tuple(f"expertpack.{name}" for name in FORBIDDEN[folder])
+    bad = {f"{path.relative_to(REPO)} imports {m}"
+           for path in (REPO / folder).rglob("*.py") for m in imports(path)
+           if any(m == a or m.startswith(a + ".") for a in above)}
+    assert not bad, "\n".join(sorted(bad))
+
+
+@pytest.mark.parametrize("folder", PACKAGES)
+def test_a_packages_modules_import_each_other_without_a_cycle(folder: str) -> None:
+    graph = {module_name(p): imports(p) for p in sources(folder)}
+    init = module_name(REPO / folder / "__init__.py")  # `from . import x` names the package being set up
+    graph = {m: {d for d in deps if d in graph and d not in (m, init)} for m, deps in graph.items()}
+    state: dict[str, str] = {}  # module -> "open" while on the path, "done" after
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(d):] + [m, d]))
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
