@@ -2,8 +2,9 @@
 the unique experts its tokens selected (in waves of at most the cache's size), all resident together,
 a miss always loaded, and hits counted as the expert cache counts them. The worker's own policy
 (cache_policy.py) runs beside LRU, LFU, LFU told the whole trace's counts, and Belady's optimum.
-`expertpack bench cache` prints these rows; `expertpack plan` predicts a hit rate from them. Pure
-bookkeeping: no torch, no daemon."""
+`expertpack bench cache` prints these rows; `expertpack plan` predicts hit rates from them, with
+expertd's RAM tier behind the VRAM cache (tiered_hit_rates). Pure bookkeeping: no torch, no
+running daemon."""
 
 from __future__ import annotations
 
@@ -206,3 +207,35 @@ def pack_slot_bytes(manifest: Manifest) -> int:
     ExpertCache sizes them (worker/expert_cache.slot_bytes, which needs torch)."""
     return -(-max(l.payload_bytes for l in manifest.layers) // ALIGNMENT) * ALIGNMENT
 
+
+
+def tiered_hit_rates(trace: Trace, vram_slots: int, ram_slots: int) -> tuple[float, float]:
+    """The worker's VRAM cache (its own policy) over the trace, and expertd's RAM tier (its own
+    policy and admission rule, daemon/ram_policy.py) over what the VRAM cache missed, each layer
+    call's misses one FETCH: (VRAM hits / keys requested, RAM hits / VRAM misses). Holds on RAM
+    blocks (a block being copied is not evicted) are not modelled: with one worker a block is held
+    only while its layer's misses are copied, never when the next FETCH comes."""
+    from expertpack.daemon.ram_policy import RamPolicy  # pure bookkeeping; the daemon's own rule
+
+    vram = InUse(vram_slots)
+    ram = RamPolicy(ram_slots)
+    requested = vram_hits = misses = ram_hits = 0
+    for keys in waves(requests_of(trace), vram_slots):
+        missed = [k for k in keys if k not in vram.policy.slot_of]
+        requested += len(keys)
+        vram_hits += vram.access(keys)
+        misses += len(missed)
+        if not missed or not ram_slots:
+            continue
+        ram.touch(missed)
+        for k in missed:
+            if k in ram.admitted:
+                ram_hits += 1
+            elif len(ram.admitted) < ram_slots:
+                ram.admit(k)
+            else:
+                victim = ram.victim(k, lambda _: True)
+                if victim is not None:
+                    ram.forget(victim)
+                    ram.admit(k)
+    return (vram_hits / requested if requested else 0.0, ram_hits / misses if misses else 0.0)
