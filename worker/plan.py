@@ -1,8 +1,7 @@
 """`expertpack plan PACK`: how a pack would run on a machine, before running it. It sizes the worker's
 VRAM expert cache from the GPU memory left after the trunk and a reserve, and expertd's RAM tier
-behind it; predicts their hit rates (from a routing trace replayed through the worker's cache policy
-and the daemon's RAM tier policy, or under uniform routing the share of the experts each holds,
-the two independent); and from the bytes a token then reads predicts decode tok/s and which bound
+behind it; predicts their hit rates (a routing trace, or uniform routing simulated, replayed
+through the worker's cache policy and the daemon's RAM tier policy); and from the bytes a token then reads predicts decode tok/s and which bound
 holds: the disk (expert blocks the RAM tier missed, read whole with O_DIRECT), PCIe (the payloads
 the VRAM cache missed, copied to the GPU) or compute (the resident decode step, when given). Two
 figures: today's worker fetches a layer's misses after its router ran and waits for them (compute
@@ -39,12 +38,16 @@ from expertpack.packtools.gguf_source import open_source
 from expertpack.packtools.layout import PACK_FILE, Manifest
 from expertpack.packtools.units import GIB, human_bytes
 
-from .cache_replay import pack_slot_bytes, tiered_hit_rates
+from .cache_replay import pack_slot_bytes, requests_of, tiered_hit_rates, uniform_requests
 from .routing_trace import TraceError, read_trace
 
 DEFAULT_RESERVE_GIB = 1.5  # VRAM kept for the KV cache, activations and CUDA's own (the worker's cache_reserve)
 DEFAULT_PCIE_GBPS = 25.0  # a PCIe 4.0 x16 link's practical pinned copy rate; PCIe 5.0 about twice
 DISK_PROBE_S = 2.0
+UNIFORM_LAYERS = 8  # layers simulated for uniform routing's hit rates, each tier at its share of the experts
+UNIFORM_TURNOVER = 40  # keys requested per slot of both tiers, at least
+UNIFORM_MIN_TOKENS = 500
+UNIFORM_MAX_KEYS = 2_000_000  # about 10 s of replay
 MIB = 1 << 20
 
 
@@ -209,8 +212,7 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
         if inputs.n_moe_layers != inputs.pack_moe_layers:
             source += f", each at the same share of its {inputs.pack_moe_layers} layers' experts"
     else:
-        hit, ram_hit = slots / n_total, ram_slots / n_total
-        source = "uniform routing: the share of the experts each tier holds, the two independent"
+        hit, ram_hit, source = _uniform_hit_rates(inputs, slots, ram_slots)
     miss = 1.0 - hit
     disk_bytes = miss * (1.0 - ram_hit) * inputs.block_bytes_per_token
     pcie_bytes = miss * inputs.payload_bytes_per_token  # a RAM hit is copied to the GPU too
@@ -236,7 +238,25 @@ def _trace_hit_rates(path: Path, inputs: Inputs, slots: int, ram_slots: int) -> 
         raise PlanError(f"{path}: a trace of a model with {trace.header.n_expert} experts per layer, this pack has "
                         f"{inputs.n_expert}")
     scale = len(trace.header.moe_layers) / inputs.n_moe_layers
-    return tiered_hit_rates(trace, max(inputs.n_expert_used, round(slots * scale)), round(ram_slots * scale))
+    return tiered_hit_rates(requests_of(trace), max(inputs.n_expert_used, round(slots * scale)),
+                            round(ram_slots * scale))
+
+
+def _uniform_hit_rates(inputs: Inputs, slots: int, ram_slots: int) -> tuple[float, float, str]:
+    """Uniform routing through both tiers' policies. The VRAM cache then hits its share of the
+    experts, whatever its policy; the RAM tier, which sees only the VRAM cache's misses, is not
+    independent of it (its blocks are often the very experts the VRAM cache holds), so it is
+    simulated: UNIFORM_LAYERS layers, each tier at its share, long enough that every slot turns
+    over many times, counted after the first half (the warm-up)."""
+    layers = min(inputs.n_moe_layers, UNIFORM_LAYERS)
+    scale = layers / inputs.n_moe_layers
+    v, r = max(inputs.n_expert_used, round(slots * scale)), round(ram_slots * scale)
+    tokens = min(UNIFORM_MAX_KEYS // (layers * inputs.n_expert_used),
+                 max(UNIFORM_MIN_TOKENS, -(-UNIFORM_TURNOVER * (v + r) // (layers * inputs.n_expert_used))))
+    requests = uniform_requests(layers, inputs.n_expert, inputs.n_expert_used, tokens)
+    hit, ram_hit = tiered_hit_rates(requests, v, r, warmup=len(requests) // 2)
+    return hit, ram_hit, (f"uniform routing simulated through both tiers' policies: {tokens} tokens x {layers} layers, "
+                          f"{v} VRAM and {r} RAM slots, the second half counted")
 
 
 def write_configs(directory: Path, inputs: Inputs, p: Plan) -> list[Path]:

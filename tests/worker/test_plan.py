@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from expertpack.packtools.gguf_source import open_source
-from expertpack.worker.cache_replay import pack_slot_bytes, replay, tiered_hit_rates
+from expertpack.worker.cache_replay import pack_slot_bytes, replay, requests_of, tiered_hit_rates
 from expertpack.daemon.config import load_config
 from expertpack.packtools.layout import Manifest
 from expertpack.worker import main as worker_main
@@ -41,9 +41,12 @@ def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     n_total = len(m.layers) * m.model.n_expert
     k = m.model.n_expert_used
     assert p["slots"] == 20 and p["share_of_experts"] == pytest.approx(20 / n_total)
-    assert p["hit_rate"] == pytest.approx(20 / n_total)  # uniform routing
-    blocks = (1 - 20 / n_total) * sum(k * l.stride for l in m.layers)
-    payload = (1 - 20 / n_total) * sum(k * l.payload_bytes for l in m.layers)
+    hit = p["hit_rate"]
+    # uniform routing, simulated: about the cache's share of the experts, less where the layers come in
+    # turn and a victim is often of the layer asked for next
+    assert 0.6 * 20 / n_total < hit <= 20 / n_total + 0.02
+    blocks = (1 - hit) * sum(k * l.stride for l in m.layers)
+    payload = (1 - hit) * sum(k * l.payload_bytes for l in m.layers)
     assert p["disk_bytes_per_token"] == pytest.approx(blocks) and p["pcie_bytes_per_token"] == pytest.approx(payload)
     disk_s, pcie_s, compute_s = blocks / 0.5e9, payload / 10e9, 1 / 400
     assert p["tok_s_today"] == pytest.approx(1 / (compute_s + max(disk_s, pcie_s)))
@@ -51,14 +54,18 @@ def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     assert p["bound"] == max({"disk": disk_s, "pcie": pcie_s, "compute": compute_s}.items(), key=lambda kv: kv[1])[0]
     assert i["sources"]["disk"] == "--disk-gbps" and i["trunk_bytes"] == trunk
     assert p["ram_slots"] == 0 and p["ram_hit_rate"] == 0
-    # a RAM tier of 30 blocks: independent of the VRAM cache under uniform routing, it spares the disk
-    # its share of the VRAM cache's misses; PCIe still carries every one of them
+    # a RAM tier of 30 blocks spares the disk what it hits of the VRAM cache's misses (simulated: it
+    # sees only those, so it is not independent of the VRAM cache); PCIe still carries them all
     ram = 30 * m.max_stride
     with_ram = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5",
                          "--pcie-gbps", "10", "--ram-gib", str(ram / GIB))["plan"]
-    assert with_ram["ram_slots"] == 30 and with_ram["ram_hit_rate"] == pytest.approx(30 / n_total)
-    assert with_ram["disk_bytes_per_token"] == pytest.approx(blocks * (1 - 30 / n_total))
-    assert with_ram["pcie_bytes_per_token"] == pytest.approx(payload)
+    ram_hit = with_ram["ram_hit_rate"]
+    assert with_ram["ram_slots"] == 30 and 0.2 < ram_hit < 30 / (n_total - 20)  # at most: the tiers disjoint
+    assert with_ram["disk_bytes_per_token"] == pytest.approx((1 - with_ram["hit_rate"]) * (1 - ram_hit)
+                                                              * sum(k * l.stride for l in m.layers))
+    assert with_ram["pcie_bytes_per_token"] == pytest.approx((1 - with_ram["hit_rate"])
+                                                              * sum(k * l.payload_bytes for l in m.layers))
+    assert "simulated" in with_ram["hit_rate_from"]
     # a cache too small for one layer's top-k is refused, naming what took the memory
     proc = run_cli("plan", tiny_pack, "--vram-gib", str((trunk + slot) / GIB), "--reserve-gib", "0",
                    "--disk-gbps", "1")
@@ -83,7 +90,7 @@ def test_a_traces_hit_rate_is_the_policys_replay(tiny_pack: Path, tmp_path: Path
     want = replay(read_trace(trace_path), [10], policies=("in_use",))[0].hit_rate["in_use"]
     assert got["plan"]["slots"] == 10 and got["plan"]["hit_rate"] == pytest.approx(want)
     assert str(trace_path) in got["plan"]["hit_rate_from"]
-    vram_hit, ram_hit = tiered_hit_rates(read_trace(trace_path), 10, 6)
+    vram_hit, ram_hit = tiered_hit_rates(requests_of(read_trace(trace_path)), 10, 6)
     assert vram_hit == pytest.approx(want) and got["plan"]["ram_hit_rate"] == pytest.approx(ram_hit) and ram_hit > 0
     # projected onto twice the layers, each tier holds half the share: replayed so
     projected = plan_json(tiny_pack, "--vram-gib", str((vram + m.trunk.size_bytes) / GIB), "--reserve-gib", "0",
@@ -93,7 +100,7 @@ def test_a_traces_hit_rate_is_the_policys_replay(tiny_pack: Path, tmp_path: Path
     scaled = round(projected["slots"] / 2), round(projected["ram_slots"] / 2)
     assert projected["ram_slots"] == 12 and share == pytest.approx(scaled[0] / (len(m.layers) * m.model.n_expert), rel=0.1)
     assert (projected["hit_rate"], projected["ram_hit_rate"]) == pytest.approx(
-        tiered_hit_rates(read_trace(trace_path), *scaled))
+        tiered_hit_rates(requests_of(read_trace(trace_path)), *scaled))
 
 
 def test_a_truncated_pack_projects_onto_the_whole_model(tiny_pack: Path) -> None:
