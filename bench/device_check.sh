@@ -12,6 +12,13 @@
 # visible GPU, on one expertd against one worker alone (bench/decode_workers.py FLAGS): the SSD path
 # (no RAM tier), then expertd's default RAM tier; `workers-test` runs tests/gpu/test_two_workers.py
 # (two GPUs, tiny model, argmax and shared reads); each fits one call.
+# `bash bench/device_check.sh flagship PRESET LAYERS FULL_LAYERS CACHE_GIB` (needs .whl only; one
+# call each, ~6 min) streams the preset at its real shapes, cut to LAYERS, through expertd with
+# CACHE_GIB of VRAM cache, prefetch off and on, beside every expert resident
+# (bench/decode_streaming.py), then projects it with `expertpack plan --layers FULL_LAYERS` onto
+# this machine and onto the reference one (RTX 5090: 32 GiB, PCIe 5 at this machine's 55 GB/s, an
+# SSD at 13 GB/s, 13 GiB of RAM tier; its decode compute the H200's times 1.79/4.8 TB/s of memory
+# bandwidth, decode being bound by it). E.g. deepseek-v4-flash 2 43 1.1 / kimi-k3 2 93 0.25.
 # Set a holds what tests/kernels and most of tests/gpu read; set b the architectures the rest read
 # (mixtral-a, deepseek3-a at BF16, DeepSeek-V4 and Kimi-K3): `tests` with it, carried without .peer.
 # Outputs (profiles, llama-bench JSON, chart) go to $OUT.
@@ -58,6 +65,23 @@ workers)
     echo "== $n workers, expertd's default RAM tier (shared)"
     timeout 220 python3 bench/decode_workers.py "${common[@]}" 2>&1 | grep -v Warn | tee "$out/workers-ram.txt" | tail -12
     ;;
+flagship)
+    install
+    preset=$2 layers=$3 full=$4 cache=$5 out=${OUT:-/tmp}
+    mkdir -p bench-out
+    timeout 420 python3 bench/decode_streaming.py --preset "$preset" --layers "$layers" --cache-gib "$cache" \
+        --prompt 16 --decode 24 2>&1 | grep -v Warn | tee "$out/flagship-$preset.txt" | tail -12
+    resident=$(tail -1 "$out/flagship-$preset.txt" | python3 -c 'import json,sys; print(json.load(sys.stdin)["resident"]["decode_tokens_per_s"])')
+    disk=$(tail -1 "$out/flagship-$preset.txt" | python3 -c 'import json,sys; print(json.load(sys.stdin)["disk_gb_per_s"])')
+    pack=$(ls -d bench-out/"$preset"-"$layers"L.pack 2>/dev/null || ls -d bench-out/*"$preset"*pack | head -1)
+    echo "== projected onto $full layers: this machine (disk as measured: $disk GB/s)"
+    expertpack plan "$pack" --layers "$full" --compute-tok-s "$resident" --disk-gbps "$disk" --pcie-gbps 55 \
+        --json | tee "$out/plan-$preset-h200.json" | python3 -c 'import json,sys; p=json.load(sys.stdin)["plan"]; print({k: p[k] for k in ("slots","ram_slots","hit_rate","ram_hit_rate","tok_s_today","tok_s_overlapped","bound")})'
+    echo "== projected onto $full layers: the reference machine"
+    expertpack plan "$pack" --layers "$full" --vram-gib 31.84 --ram-gib 13 --disk-gbps 13 --pcie-gbps 55 \
+        --compute-tok-s "$(python3 -c "print($resident * 1.79 / 4.8)")" --json | tee "$out/plan-$preset-ref.json" \
+        | python3 -c 'import json,sys; p=json.load(sys.stdin)["plan"]; print({k: p[k] for k in ("slots","ram_slots","hit_rate","ram_hit_rate","tok_s_today","tok_s_overlapped","bound")})'
+    ;;
 workers-test)
     install
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_two_workers.py 2>&1 | tail -6
@@ -94,7 +118,7 @@ run | tests)
     echo "== peer"; bash bench/peer_on_device.sh run qwen3-30b-a3b 12 64 2 2>&1 | tail -12
     ;;
 *)
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

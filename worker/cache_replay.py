@@ -2,12 +2,14 @@
 the unique experts its tokens selected (in waves of at most the cache's size), all resident together,
 a miss always loaded, and hits counted as the expert cache counts them. The worker's own policy
 (cache_policy.py) runs beside LRU, LFU, LFU told the whole trace's counts, and Belady's optimum.
-`expertpack bench cache` prints these rows; `expertpack plan` predicts a hit rate from them. Pure
-bookkeeping: no torch, no daemon."""
+`expertpack bench cache` prints these rows; `expertpack plan` predicts hit rates from them, with
+expertd's RAM tier behind the VRAM cache (tiered_hit_rates). Pure bookkeeping: no torch, no
+running daemon."""
 
 from __future__ import annotations
 
 import heapq
+import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -206,3 +208,45 @@ def pack_slot_bytes(manifest: Manifest) -> int:
     ExpertCache sizes them (worker/expert_cache.slot_bytes, which needs torch)."""
     return -(-max(l.payload_bytes for l in manifest.layers) // ALIGNMENT) * ALIGNMENT
 
+
+
+def tiered_hit_rates(requests: Requests, vram_slots: int, ram_slots: int, warmup: int = 0) -> tuple[float, float]:
+    """The worker's VRAM cache (its own policy) over the requests, and expertd's RAM tier (its own
+    policy and admission rule, daemon/ram_policy.py) over what the VRAM cache missed, each layer
+    call's misses one FETCH: (VRAM hits / keys requested, RAM hits / VRAM misses), counted after
+    the first `warmup` waves. Holds on RAM blocks (a block being copied is not evicted) are not
+    modelled: with one worker a block is held only while its layer's misses are copied, never when
+    the next FETCH comes."""
+    from expertpack.daemon.ram_policy import RamPolicy  # pure bookkeeping; the daemon's own rule
+
+    vram = InUse(vram_slots)
+    ram = RamPolicy(ram_slots)
+    requested = vram_hits = misses = ram_hits = 0
+    for t, keys in enumerate(waves(requests, vram_slots)):
+        counted = t >= warmup
+        missed = [k for k in keys if k not in vram.policy.slot_of]
+        hits = vram.access(keys)
+        if counted:
+            requested, vram_hits, misses = requested + len(keys), vram_hits + hits, misses + len(missed)
+        if not missed or not ram_slots:
+            continue
+        ram.touch(missed)
+        for k in missed:
+            if k in ram.admitted:
+                ram_hits += counted
+            elif len(ram.admitted) < ram_slots:
+                ram.admit(k)
+            else:
+                victim = ram.victim(k, lambda _: True)
+                if victim is not None:
+                    ram.forget(victim)
+                    ram.admit(k)
+    return (vram_hits / requested if requested else 0.0, ram_hits / misses if misses else 0.0)
+
+
+def uniform_requests(n_layers: int, n_expert: int, k: int, n_tokens: int, seed: int = 0) -> list[list[ExpertKey]]:
+    """Routing that spreads tokens uniformly and independently: each token, each layer, k distinct
+    experts drawn at random (a synthetic model's router, `expertpack synth` without a skew)."""
+    rng = random.Random(seed)
+    return [[ExpertKey(layer, e) for e in sorted(rng.sample(range(n_expert), k))]
+            for _ in range(n_tokens) for layer in range(n_layers)]

@@ -1,16 +1,21 @@
 """`expertpack plan PACK`: how a pack would run on a machine, before running it. It sizes the worker's
-VRAM expert cache from the GPU memory left after the trunk and a reserve, predicts the cache's hit
-rate (from a routing trace replayed through the worker's own cache policy, or uniform routing's
-share of the experts the cache holds), and from the bytes a token then reads predicts decode tok/s
-and which bound holds: the disk (expert blocks read whole with O_DIRECT), PCIe (their payloads
-copied to the GPU) or compute (the resident decode step, when given). Two figures: today's worker
-fetches a layer's misses after its router ran and waits for them (compute + the slower of disk and
-PCIe); with prefetch overlapping them (the streaming issue's goal), the slowest of the three. It can
-write the `worker.toml` and `expertd.toml` for that split. Every input is printed with where it came
-from, so the arithmetic can be checked by hand.
+VRAM expert cache from the GPU memory left after the trunk and a reserve, and expertd's RAM tier
+behind it; predicts their hit rates (a routing trace, or uniform routing simulated, replayed
+through the worker's cache policy and the daemon's RAM tier policy); and from the bytes a token then reads predicts decode tok/s and which bound
+holds: the disk (expert blocks the RAM tier missed, read whole with O_DIRECT), PCIe (the payloads
+the VRAM cache missed, copied to the GPU) or compute (the resident decode step, when given). Two
+figures: today's worker fetches a layer's misses after its router ran and waits for them (compute
++ the slower of disk and PCIe); with prefetch overlapping them (the streaming issue's goal), the
+slowest of the three. It can write the `worker.toml` and `expertd.toml` for that split.
 
-  expertpack plan PACK [--vram-gib G] [--disk-gbps B] [--pcie-gbps P] [--compute-tok-s C]
-                       [--trace FILE] [--write DIR] [--json]"""
+--layers N projects a truncated pack (`expertpack synth --preset NAME --layers 4`, at the real
+model's shapes) onto the whole model of N layers: the expert bytes per token, the experts to cache
+and the compute per token grow with the layers, the trunk by its per-layer tensors, and a trace's
+hit rate is replayed at the same share of each layer's experts. Every input is printed with where
+it came from, so the arithmetic can be checked by hand.
+
+  expertpack plan PACK [--vram-gib G] [--ram-gib R] [--disk-gbps B] [--pcie-gbps P] [--compute-tok-s C]
+                       [--layers N] [--trace FILE] [--write DIR] [--json]"""
 
 from __future__ import annotations
 
@@ -25,16 +30,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
+from expertpack.daemon.ram_tier import RamBudgetError, ram_slot_count
 from expertpack.packtools.errors import ExpertpackError
+from expertpack.packtools.gguf_source import open_source
 from expertpack.packtools.layout import PACK_FILE, Manifest
 from expertpack.packtools.units import GIB, human_bytes
 
-from .cache_replay import pack_slot_bytes, replay
+from .cache_replay import pack_slot_bytes, requests_of, tiered_hit_rates, uniform_requests
 from .routing_trace import TraceError, read_trace
 
 DEFAULT_RESERVE_GIB = 1.5  # VRAM kept for the KV cache, activations and CUDA's own (the worker's cache_reserve)
 DEFAULT_PCIE_GBPS = 25.0  # a PCIe 4.0 x16 link's practical pinned copy rate; PCIe 5.0 about twice
 DISK_PROBE_S = 2.0
+UNIFORM_LAYERS = 8  # layers simulated for uniform routing's hit rates, each tier at its share of the experts
+UNIFORM_TURNOVER = 40  # keys requested per slot of both tiers, at least
+UNIFORM_MIN_TOKENS = 500
+UNIFORM_MAX_KEYS = 2_000_000  # about 10 s of replay
 MIB = 1 << 20
 
 
@@ -54,6 +67,9 @@ class Inputs:
     trunk_bytes: int
     vram_bytes: int
     reserve_bytes: int
+    ram_bytes: int  # expertd's RAM tier
+    ram_slot_bytes: int  # one RAM tier slot: expertd's staging slot, the largest expert block
+    pack_moe_layers: int  # the pack's own; differs from n_moe_layers when projected (--layers)
     disk_gbps: float
     pcie_gbps: float
     compute_tok_s: float | None
@@ -65,7 +81,10 @@ class Plan:
     cache_bytes: int
     slots: int
     share_of_experts: float
-    hit_rate: float
+    ram_slots: int
+    ram_share_of_experts: float
+    hit_rate: float  # of the keys requested, in the VRAM cache
+    ram_hit_rate: float  # of the VRAM cache's misses, in the RAM tier
     hit_rate_from: str
     disk_bytes_per_token: float
     pcie_bytes_per_token: float
@@ -125,11 +144,46 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
         print(f"measuring the disk: O_DIRECT reads of whole expert blocks for {DISK_PROBE_S:.0f} s ...", file=sys.stderr)
         disk, sources["disk"] = measure_disk_gbps(args.pack), f"measured ({DISK_PROBE_S:.0f} s of O_DIRECT block reads)"
     sources["pcie"] = "--pcie-gbps" if args.pcie_gbps is not None else f"default (PCIe 4.0 x16, {DEFAULT_PCIE_GBPS} GB/s)"
-    sources["compute"] = "--compute-tok-s" if args.compute_tok_s else "not given"
-    k = m.model.n_expert_used
-    return Inputs(str(args.pack), len(m.layers), m.model.n_expert, k, sum(k * l.stride for l in m.layers),
-                  sum(k * l.payload_bytes for l in m.layers), pack_slot_bytes(m), m.trunk.size_bytes, vram,
-                  int(args.reserve_gib * GIB), disk, args.pcie_gbps or DEFAULT_PCIE_GBPS, args.compute_tok_s, sources)
+    k, moe = m.model.n_expert_used, len(m.layers)
+    blocks, payload = sum(k * l.stride for l in m.layers), sum(k * l.payload_bytes for l in m.layers)
+    trunk, compute = m.trunk.size_bytes, args.compute_tok_s
+    sources["compute"] = "--compute-tok-s" if compute else "not given"
+    n_moe = moe
+    if args.layers is not None and args.layers != m.model.n_layer:
+        dense = m.model.n_layer - moe  # the leading dense layers, which a truncation keeps
+        if args.layers <= dense:
+            raise PlanError(f"--layers {args.layers}: the model's first {dense} layers are dense; give more")
+        n_moe = args.layers - dense
+        blocks, payload = blocks * n_moe // moe, payload * n_moe // moe
+        trunk = _projected_trunk_bytes(args.pack / m.trunk.file, m, n_moe)
+        if compute:
+            compute *= m.model.n_layer / args.layers
+            sources["compute"] = f"--compute-tok-s x {m.model.n_layer}/{args.layers} layers"
+        sources["layers"] = (f"--layers {args.layers}: the pack's {moe} MoE layers' figures x {n_moe}/{moe}, the "
+                             "trunk's MoE-layer tensors too")
+    ram_slot_bytes = m.max_stride
+    n_blocks = n_moe * m.model.n_expert
+    if args.ram_gib is not None:
+        ram, sources["ram"] = int(args.ram_gib * GIB), "--ram-gib"
+    else:
+        staging = max(64, 2 * k) * ram_slot_bytes  # what expertd.toml gets (write_configs)
+        try:
+            slots, why = ram_slot_count(None, ram_slot_bytes, staging, psutil.virtual_memory().available, n_blocks)
+        except RamBudgetError as exc:
+            raise PlanError(str(exc)) from None
+        ram, sources["ram"] = slots * ram_slot_bytes, f"as expertd would size it on this host: {why}"
+    return Inputs(str(args.pack), n_moe, m.model.n_expert, k, blocks, payload, pack_slot_bytes(m), trunk, vram,
+                  int(args.reserve_gib * GIB), ram, ram_slot_bytes, moe, disk, args.pcie_gbps or DEFAULT_PCIE_GBPS,
+                  compute, sources)
+
+
+def _projected_trunk_bytes(trunk_file: Path, m: Manifest, n_moe: int) -> int:
+    """The trunk of a model with n_moe MoE layers: the pack's trunk.gguf with its MoE layers'
+    tensors (blk.N.* of a MoE layer) in n_moe / (the pack's MoE layers) times; the rest (embeddings,
+    output head, dense layers, the file's header) as it is."""
+    moe = sum(t.nbytes for t in open_source(trunk_file).tensors
+              if t.name.split(".")[0] == "blk" and int(t.name.split(".")[1]) in m.model.moe_layers)
+    return m.trunk.size_bytes - moe + moe * n_moe // len(m.model.moe_layers)
 
 
 def _gpu_memory() -> int:
@@ -151,23 +205,31 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
                         f"cache after the trunk ({human_bytes(inputs.trunk_bytes)}) and the reserve "
                         f"({human_bytes(inputs.reserve_bytes)}): it must hold one layer's top-{inputs.n_expert_used} "
                         f"({human_bytes(inputs.n_expert_used * inputs.slot_bytes)})")
+    ram_slots = min(n_total, inputs.ram_bytes // inputs.ram_slot_bytes)
     if trace is not None:
-        hit, source = _trace_hit_rate(trace, inputs, slots), f"{trace} replayed through the worker's cache policy"
+        hit, ram_hit = _trace_hit_rates(trace, inputs, slots, ram_slots)
+        source = f"{trace} replayed through the worker's cache policy and expertd's RAM tier policy"
+        if inputs.n_moe_layers != inputs.pack_moe_layers:
+            source += f", each at the same share of its {inputs.pack_moe_layers} layers' experts"
     else:
-        hit, source = slots / n_total, "uniform routing: the share of the experts the cache holds"
+        hit, ram_hit, source = _uniform_hit_rates(inputs, slots, ram_slots)
     miss = 1.0 - hit
-    disk_bytes, pcie_bytes = miss * inputs.block_bytes_per_token, miss * inputs.payload_bytes_per_token
+    disk_bytes = miss * (1.0 - ram_hit) * inputs.block_bytes_per_token
+    pcie_bytes = miss * inputs.payload_bytes_per_token  # a RAM hit is copied to the GPU too
     disk_s, pcie_s = disk_bytes / (inputs.disk_gbps * 1e9), pcie_bytes / (inputs.pcie_gbps * 1e9)
     compute_s = 1.0 / inputs.compute_tok_s if inputs.compute_tok_s else None
     terms = {"disk": disk_s, "pcie": pcie_s, **({"compute": compute_s} if compute_s is not None else {})}
     today = (compute_s or 0.0) + max(disk_s, pcie_s)
     overlapped = max(terms.values())
     bound = max(terms, key=terms.get) if overlapped else "none: every expert is cached; give --compute-tok-s"
-    return Plan(slots * inputs.slot_bytes, slots, slots / n_total, hit, source, disk_bytes, pcie_bytes, disk_s,
-                pcie_s, compute_s, 1.0 / today if today else None, 1.0 / overlapped if overlapped else None, bound)
+    return Plan(slots * inputs.slot_bytes, slots, slots / n_total, ram_slots, ram_slots / n_total, hit, ram_hit,
+                source, disk_bytes, pcie_bytes, disk_s, pcie_s, compute_s, 1.0 / today if today else None,
+                1.0 / overlapped if overlapped else None, bound)
 
 
-def _trace_hit_rate(path: Path, inputs: Inputs, slots: int) -> float:
+def _trace_hit_rates(path: Path, inputs: Inputs, slots: int, ram_slots: int) -> tuple[float, float]:
+    """The trace's VRAM and RAM hit rates; a projection (--layers) replays the trace's own layers
+    with each tier at the share of the experts it has in the whole model."""
     try:
         trace = read_trace(path)
     except (OSError, TraceError) as exc:
@@ -175,12 +237,31 @@ def _trace_hit_rate(path: Path, inputs: Inputs, slots: int) -> float:
     if trace.header.n_expert != inputs.n_expert:
         raise PlanError(f"{path}: a trace of a model with {trace.header.n_expert} experts per layer, this pack has "
                         f"{inputs.n_expert}")
-    return replay(trace, [slots], policies=("in_use",))[0].hit_rate["in_use"]
+    scale = len(trace.header.moe_layers) / inputs.n_moe_layers
+    return tiered_hit_rates(requests_of(trace), max(inputs.n_expert_used, round(slots * scale)),
+                            round(ram_slots * scale))
+
+
+def _uniform_hit_rates(inputs: Inputs, slots: int, ram_slots: int) -> tuple[float, float, str]:
+    """Uniform routing through both tiers' policies. The VRAM cache then hits its share of the
+    experts, whatever its policy; the RAM tier, which sees only the VRAM cache's misses, is not
+    independent of it (its blocks are often the very experts the VRAM cache holds), so it is
+    simulated: UNIFORM_LAYERS layers, each tier at its share, long enough that every slot turns
+    over many times, counted after the first half (the warm-up)."""
+    layers = min(inputs.n_moe_layers, UNIFORM_LAYERS)
+    scale = layers / inputs.n_moe_layers
+    v, r = max(inputs.n_expert_used, round(slots * scale)), round(ram_slots * scale)
+    tokens = min(UNIFORM_MAX_KEYS // (layers * inputs.n_expert_used),
+                 max(UNIFORM_MIN_TOKENS, -(-UNIFORM_TURNOVER * (v + r) // (layers * inputs.n_expert_used))))
+    requests = uniform_requests(layers, inputs.n_expert, inputs.n_expert_used, tokens)
+    hit, ram_hit = tiered_hit_rates(requests, v, r, warmup=len(requests) // 2)
+    return hit, ram_hit, (f"uniform routing simulated through both tiers' policies: {tokens} tokens x {layers} layers, "
+                          f"{v} VRAM and {r} RAM slots, the second half counted")
 
 
 def write_configs(directory: Path, inputs: Inputs, p: Plan) -> list[Path]:
     """worker.toml (the cache size planned, its reserve) and expertd.toml (the pack; staging for two
-    layers' top-k, at least 64 slots) beside each other."""
+    layers' top-k, at least 64 slots; the RAM tier planned) beside each other."""
     directory.mkdir(parents=True, exist_ok=True)
     pack = Path(inputs.pack).resolve()
     worker = directory / "worker.toml"
@@ -188,8 +269,10 @@ def write_configs(directory: Path, inputs: Inputs, p: Plan) -> list[Path]:
                       f'pack = "{pack}"\ncache_vram_mib = {-(-p.cache_bytes // MIB)}\n'
                       f'cache_reserve_mib = {inputs.reserve_bytes // MIB}\n')
     daemon = directory / "expertd.toml"
-    daemon.write_text(f'# written by `expertpack plan`\npack = "{pack}"\n'
-                      f'stage_slots = {max(64, 2 * inputs.n_expert_used)}\n')
+    daemon.write_text(f'# written by `expertpack plan`: {p.ram_slots} RAM tier slots, predicted hit rate '
+                      f'{p.ram_hit_rate:.1%} of the worker\'s misses\npack = "{pack}"\n'
+                      f'stage_slots = {max(64, 2 * inputs.n_expert_used)}\n'
+                      f'ram_cache_gib = {p.ram_slots * inputs.ram_slot_bytes / GIB:.3f}\n')
     return [worker, daemon]
 
 
@@ -197,12 +280,16 @@ def render(inputs: Inputs, p: Plan) -> str:
     s = inputs.sources
     rows = [
         ("pack", inputs.pack, ""),
-        ("MoE layers x experts, top-k", f"{inputs.n_moe_layers} x {inputs.n_expert}, top-{inputs.n_expert_used}", ""),
+        ("MoE layers x experts, top-k", f"{inputs.n_moe_layers} x {inputs.n_expert}, top-{inputs.n_expert_used}",
+         s.get("layers", "")),
         ("GPU memory", human_bytes(inputs.vram_bytes), s["vram"]),
         ("- trunk, - reserve", f"{human_bytes(inputs.trunk_bytes)}, {human_bytes(inputs.reserve_bytes)}", "--reserve-gib"),
         ("expert cache", f"{human_bytes(p.cache_bytes)}: {p.slots} slots of {human_bytes(inputs.slot_bytes)}, "
                          f"{p.share_of_experts:.1%} of the experts", ""),
-        ("hit rate", f"{p.hit_rate:.1%}", p.hit_rate_from),
+        ("RAM tier (expertd)", f"{human_bytes(p.ram_slots * inputs.ram_slot_bytes)}: {p.ram_slots} blocks of "
+                               f"{human_bytes(inputs.ram_slot_bytes)}, {p.ram_share_of_experts:.1%} of the experts", s["ram"]),
+        ("hit rate", f"VRAM {p.hit_rate:.1%} of the experts asked for, RAM {p.ram_hit_rate:.1%} of the rest",
+         p.hit_rate_from),
         ("disk", f"{inputs.disk_gbps:.2f} GB/s", s["disk"]),
         ("PCIe", f"{inputs.pcie_gbps:.1f} GB/s", s["pcie"]),
         ("compute (resident decode)", f"{inputs.compute_tok_s} tok/s" if inputs.compute_tok_s else "-", s["compute"]),
@@ -226,11 +313,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vram-gib", type=float, help="GPU memory (default: the first CUDA GPU's)")
     p.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
                    help=f"VRAM kept out of the expert cache (default {DEFAULT_RESERVE_GIB})")
+    p.add_argument("--ram-gib", type=float,
+                   help="expertd's RAM tier (default: what expertd takes on this host, from its available memory)")
     p.add_argument("--disk-gbps", type=float, help="the disk's read speed (default: measured on the pack, O_DIRECT)")
     p.add_argument("--pcie-gbps", type=float, help=f"host-to-GPU copy speed (default {DEFAULT_PCIE_GBPS})")
     p.add_argument("--compute-tok-s", type=float,
                    help="resident decode speed on this GPU (bench/peer_llamacpp.py or decode_streaming.py)")
-    p.add_argument("--trace", type=Path, help="a routing trace (expert-worker --trace) for the hit rate")
+    p.add_argument("--layers", type=int, metavar="N",
+                   help="project a truncated pack onto the whole model of N layers (sizes and compute grow with the "
+                        "layers)")
+    p.add_argument("--trace", type=Path, help="a routing trace (expert-worker --trace) for the hit rates")
     p.add_argument("--write", type=Path, metavar="DIR", help="write worker.toml and expertd.toml there")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -238,8 +330,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not 0 < value < 1e6:
             p.error(f"--{name.replace('_', '-')} must be a positive number, not {value}")
-    if not 0 <= args.reserve_gib < 1e6:
-        p.error(f"--reserve-gib must be 0 or more, not {args.reserve_gib}")
+    for name in ("reserve_gib", "ram_gib"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < 1e6:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more, not {value}")
+    if args.layers is not None and not 1 <= args.layers <= 1 << 16:
+        p.error(f"--layers must be between 1 and 65536, not {args.layers}")
+    if args.layers is not None and args.write is not None:
+        p.error("--write writes the settings of the pack given, not of a model projected with --layers")
     return args
 
 

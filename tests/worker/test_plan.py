@@ -1,6 +1,8 @@
-"""`expertpack plan`: its arithmetic on a real pack (cache slots, hit rate, bytes per token, the
-two tok/s figures and the bound), its disk probe (O_DIRECT on the pack's own file), a routing trace's hit rate equal to `bench cache`'s replay of the same policy,
-and the config files it writes read back by the worker and the daemon."""
+"""`expertpack plan`: its arithmetic on a real pack (cache slots, the RAM tier, hit rates, bytes per
+token, the two tok/s figures and the bound), its disk probe (O_DIRECT on the pack's own file), a
+routing trace's hit rates equal to the replay of the worker's and the daemon's policies, the
+projection of a truncated pack onto more layers, and the config files it writes read back by the
+worker and the daemon."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from expertpack.worker.cache_replay import pack_slot_bytes, replay
+from expertpack.packtools.gguf_source import open_source
+from expertpack.worker.cache_replay import pack_slot_bytes, replay, requests_of, tiered_hit_rates
 from expertpack.daemon.config import load_config
 from expertpack.packtools.layout import Manifest
 from expertpack.worker import main as worker_main
@@ -33,20 +36,36 @@ def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     trunk = m.trunk.size_bytes
     vram = trunk + 20 * slot + 1000  # twenty slots' worth once the trunk is in
     got = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5",
-                    "--pcie-gbps", "10", "--compute-tok-s", "400")
+                    "--pcie-gbps", "10", "--compute-tok-s", "400", "--ram-gib", "0")
     p, i = got["plan"], got["inputs"]
     n_total = len(m.layers) * m.model.n_expert
     k = m.model.n_expert_used
     assert p["slots"] == 20 and p["share_of_experts"] == pytest.approx(20 / n_total)
-    assert p["hit_rate"] == pytest.approx(20 / n_total)  # uniform routing
-    blocks = (1 - 20 / n_total) * sum(k * l.stride for l in m.layers)
-    payload = (1 - 20 / n_total) * sum(k * l.payload_bytes for l in m.layers)
+    hit = p["hit_rate"]
+    # uniform routing, simulated: about the cache's share of the experts, less where the layers come in
+    # turn and a victim is often of the layer asked for next
+    assert 0.6 * 20 / n_total < hit <= 20 / n_total + 0.02
+    blocks = (1 - hit) * sum(k * l.stride for l in m.layers)
+    payload = (1 - hit) * sum(k * l.payload_bytes for l in m.layers)
     assert p["disk_bytes_per_token"] == pytest.approx(blocks) and p["pcie_bytes_per_token"] == pytest.approx(payload)
     disk_s, pcie_s, compute_s = blocks / 0.5e9, payload / 10e9, 1 / 400
     assert p["tok_s_today"] == pytest.approx(1 / (compute_s + max(disk_s, pcie_s)))
     assert p["tok_s_overlapped"] == pytest.approx(1 / max(disk_s, pcie_s, compute_s))
     assert p["bound"] == max({"disk": disk_s, "pcie": pcie_s, "compute": compute_s}.items(), key=lambda kv: kv[1])[0]
     assert i["sources"]["disk"] == "--disk-gbps" and i["trunk_bytes"] == trunk
+    assert p["ram_slots"] == 0 and p["ram_hit_rate"] == 0
+    # a RAM tier of 30 blocks spares the disk what it hits of the VRAM cache's misses (simulated: it
+    # sees only those, so it is not independent of the VRAM cache); PCIe still carries them all
+    ram = 30 * m.max_stride
+    with_ram = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5",
+                         "--pcie-gbps", "10", "--ram-gib", str(ram / GIB))["plan"]
+    ram_hit = with_ram["ram_hit_rate"]
+    assert with_ram["ram_slots"] == 30 and 0.2 < ram_hit < 30 / (n_total - 20)  # at most: the tiers disjoint
+    assert with_ram["disk_bytes_per_token"] == pytest.approx((1 - with_ram["hit_rate"]) * (1 - ram_hit)
+                                                              * sum(k * l.stride for l in m.layers))
+    assert with_ram["pcie_bytes_per_token"] == pytest.approx((1 - with_ram["hit_rate"])
+                                                              * sum(k * l.payload_bytes for l in m.layers))
+    assert "simulated" in with_ram["hit_rate_from"]
     # a cache too small for one layer's top-k is refused, naming what took the memory
     proc = run_cli("plan", tiny_pack, "--vram-gib", str((trunk + slot) / GIB), "--reserve-gib", "0",
                    "--disk-gbps", "1")
@@ -67,10 +86,46 @@ def test_a_traces_hit_rate_is_the_policys_replay(tiny_pack: Path, tmp_path: Path
     m = Manifest.load(tiny_pack)
     vram = m.trunk.size_bytes + 10 * pack_slot_bytes(m)
     got = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "1",
-                    "--trace", trace_path)
+                    "--trace", trace_path, "--ram-gib", str(6 * m.max_stride / GIB))
     want = replay(read_trace(trace_path), [10], policies=("in_use",))[0].hit_rate["in_use"]
     assert got["plan"]["slots"] == 10 and got["plan"]["hit_rate"] == pytest.approx(want)
     assert str(trace_path) in got["plan"]["hit_rate_from"]
+    vram_hit, ram_hit = tiered_hit_rates(requests_of(read_trace(trace_path)), 10, 6)
+    assert vram_hit == pytest.approx(want) and got["plan"]["ram_hit_rate"] == pytest.approx(ram_hit) and ram_hit > 0
+    # projected onto twice the layers, each tier holds half the share: replayed so
+    projected = plan_json(tiny_pack, "--vram-gib", str((vram + m.trunk.size_bytes) / GIB), "--reserve-gib", "0",
+                          "--disk-gbps", "1", "--trace", trace_path, "--ram-gib", str(12 * m.max_stride / GIB),
+                          "--layers", str(2 * m.model.n_layer))["plan"]
+    share = projected["slots"] / (2 * len(m.layers) * m.model.n_expert)
+    scaled = round(projected["slots"] / 2), round(projected["ram_slots"] / 2)
+    assert projected["ram_slots"] == 12 and share == pytest.approx(scaled[0] / (len(m.layers) * m.model.n_expert), rel=0.1)
+    assert (projected["hit_rate"], projected["ram_hit_rate"]) == pytest.approx(
+        tiered_hit_rates(requests_of(read_trace(trace_path)), *scaled))
+
+
+def test_a_truncated_pack_projects_onto_the_whole_model(tiny_pack: Path) -> None:
+    """--layers N: expert bytes per token, experts to cache and compute per token grow by the MoE
+    layers; the trunk by its MoE layers' tensors, its other tensors as they are."""
+    m = Manifest.load(tiny_pack)
+    moe, dense = len(m.layers), m.model.n_layer - len(m.layers)
+    n = 3 * m.model.n_layer
+    base = plan_json(tiny_pack, "--vram-gib", "2", "--disk-gbps", "1", "--ram-gib", "0", "--compute-tok-s", "300")
+    got = plan_json(tiny_pack, "--vram-gib", "2", "--disk-gbps", "1", "--ram-gib", "0", "--compute-tok-s", "300",
+                    "--layers", str(n))
+    i, b = got["inputs"], base["inputs"]
+    n_moe = n - dense
+    assert i["n_moe_layers"] == n_moe and i["pack_moe_layers"] == moe
+    assert i["block_bytes_per_token"] == b["block_bytes_per_token"] * n_moe // moe
+    assert i["payload_bytes_per_token"] == b["payload_bytes_per_token"] * n_moe // moe
+    assert i["compute_tok_s"] == pytest.approx(300 * m.model.n_layer / n)
+    tensors = open_source(tiny_pack / m.trunk.file).tensors
+    moe_layer_bytes = sum(t.nbytes for t in tensors if t.name.startswith("blk.") and int(t.name.split(".")[1]) in
+                          m.model.moe_layers)
+    assert i["trunk_bytes"] == m.trunk.size_bytes - moe_layer_bytes + moe_layer_bytes * n_moe // moe
+    assert got["plan"]["share_of_experts"] == pytest.approx(got["plan"]["slots"] / (n_moe * m.model.n_expert))
+    assert "--layers" in i["sources"]["layers"]
+    proc = run_cli("plan", tiny_pack, "--vram-gib", "2", "--disk-gbps", "1", "--layers", "4", "--write", "x")
+    assert proc.returncode == 2 and "--layers" in proc.stderr
 
 
 def test_the_configs_it_writes_are_read_by_the_worker_and_the_daemon(tiny_pack: Path, tmp_path: Path) -> None:
@@ -80,3 +135,4 @@ def test_the_configs_it_writes_are_read_by_the_worker_and_the_daemon(tiny_pack: 
     assert Path(worker.pack) == tiny_pack.resolve() and worker.cache_vram_mib > 0
     daemon = load_config(tmp_path / "etc" / "expertd.toml", argparse.Namespace())
     assert Path(daemon.pack) == tiny_pack.resolve() and daemon.stage_slots >= 64
+    assert daemon.ram_cache_gib is not None and daemon.ram_cache_gib >= 0
