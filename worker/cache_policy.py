@@ -1,20 +1,35 @@
-"""Which expert occupies which cache slot, and which one leaves when room is needed: the expert
-selected least often lately (a use counts 2**(-age / half-life): frequency that fades, LRFU),
-the least recently selected among equals, never an expert of the current step. The half-life is
-HALF_LIFE_FILLS times the selections that would fill the cache once: long enough to keep the
-popular experts through a burst of rare ones, short enough to follow a new request's experts
-(plain LFU over a whole run never lets go of an old request's favourites). Measured with
-`expertpack bench cache` (BENCHMARKS.md). Pure bookkeeping: no tensors, no devices, no daemon."""
+"""Which expert occupies which cache slot, and which one leaves when room is needed. Two rules
+rank the resident experts, and the one that would have hit more lately decides:
+  frequency  the expert selected least often lately (a use counts 2**(-age / half-life): frequency
+             that fades, LRFU), the least recently selected among equals. The half-life is
+             HALF_LIFE_FILLS times the selections that would fill the cache once: long enough to
+             keep the popular experts through a burst of rare ones, short enough to follow a new
+             request's experts (plain LFU over a whole run never lets go of an old favourite).
+  recency    the expert selected least recently (LRU).
+Where tokens route independently, frequency is best (it keeps the popular experts); where routings
+repeat in a cycle longer than the cache (a generation that loops, a batch replayed), recency is,
+and frequency keeps an earlier phase's experts (BENCHMARKS.md: LRU at 0.96 of Belady on such a
+trace where frequency reached 0.44). So each rule also runs on a shadow cache of the same size
+(keys only, no bytes) fed the same selections; their hits, fading with a half-life of LEAD_FILLS
+fills, say which rule ranks the real cache's victims (frequency on a tie). The shadows of a cache
+of more than SHADOW_SLOTS slots see the steps of every stride-th layer only (stride = slots /
+SHADOW_SLOTS, rounded up) and hold slots / stride experts: a sample of the layers stands for all of
+them, and the shadows cost a stride-th of a whole second cache (the policy's time is on the decode
+step's path, a host sync per layer). An expert of the current step is never evicted. Measured with `expertpack bench cache` (BENCHMARKS.md). Pure bookkeeping: no
+tensors, no devices, no daemon."""
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from expertpack.packtools.layout import ExpertKey
 
 HALF_LIFE_FILLS = 32  # half-life of a use, in selections, over the cache's slot count
+LEAD_FILLS = 4  # half-life of a shadow's hits, in selections, over the slot count
+SHADOW_SLOTS = 512  # a larger cache's shadows see every stride-th layer, at about this many slots
 
 
 class CacheTooSmall(ValueError):
@@ -34,7 +49,7 @@ def slot_count(cache_bytes: int, free_bytes: int, reserve_bytes: int, payload_by
 
 
 @dataclass
-class CachePolicy:
+class FrequencyPolicy:
     """Fading frequency, LRU among equals, this step's experts protected. An expert's score is
     log2 of the sum over its selections of 2**(t / half_life), t counting selections (every key of
     every step): comparing scores compares the faded counts without ever rescaling them. Victims
@@ -70,6 +85,12 @@ class CachePolicy:
             # log2(2**old + 2**now), the larger term factored out so that nothing overflows
             self.score[k] = now if old is None else max(old, now) + math.log2(1 + 2 ** -abs(old - now))
             self.last_use[k] = self.clock
+        self.renew(keys)
+
+    def renew(self, keys: list[ExpertKey]) -> None:
+        """The heap entries of `keys` that are resident, after their scores changed (touch(); or a
+        shadow whose scores are another policy's, updated there)."""
+        for k in keys:
             if k in self.slot_of:
                 heapq.heappush(self._heap, self._entry(k))
         if len(self._heap) > 2 * len(self.slot_of) + 64:  # sweep the stale entries out
@@ -112,3 +133,114 @@ class CachePolicy:
 
     def _entry(self, k: ExpertKey) -> tuple[float, int, ExpertKey]:
         return self.score.get(k, -math.inf), self.last_use.get(k, 0), k
+
+
+class _RecencyShadow:
+    """LRU over keys only: the hits an LRU cache of n_slots would have had."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.n_slots = n_slots
+        self.resident: OrderedDict[ExpertKey, None] = OrderedDict()  # least recent first
+
+    def access(self, keys: list[ExpertKey]) -> int:
+        hits = 0
+        for k in sorted(keys):  # a step's keys are equally recent: ordered the same however they came
+            if k in self.resident:
+                hits += 1
+                self.resident.move_to_end(k)
+            else:
+                self.resident[k] = None
+        while len(self.resident) > self.n_slots:  # the least recent are never this step's (at most n_slots keys)
+            self.resident.popitem(last=False)
+        return hits
+
+
+class _FrequencyShadow(FrequencyPolicy):
+    """The frequency rule on a cache of its own, its scores the real policy's (the same selections
+    give the same scores, so they are counted once): the hits it would have had."""
+
+    def __init__(self, real: FrequencyPolicy, n_slots: int) -> None:
+        super().__init__(n_slots, real.half_life)
+        self.score, self.last_use = real.score, real.last_use
+
+    def access(self, keys: list[ExpertKey]) -> int:
+        self.renew(keys)
+        misses = [k for k in keys if k not in self.slot_of]
+        if misses:
+            for slot, key in zip(self.victims(len(misses), set(keys)), misses):
+                self.place(slot, key)
+        return len(keys) - len(misses)
+
+
+class CachePolicy:
+    """The frequency rule or the recency rule, whichever's shadow cache has hit more lately (see
+    the module's docstring). The resident experts are held by the frequency rule's bookkeeping
+    (slots, scores, heap) and also kept in recency order; victims come from the leading rule."""
+
+    def __init__(self, n_slots: int, half_life: float = 0.0, lead_fills: float = LEAD_FILLS) -> None:
+        self.n_slots = n_slots
+        self.frequency = FrequencyPolicy(n_slots, half_life)
+        self.recency: OrderedDict[ExpertKey, None] = OrderedDict()  # resident, least recently selected first
+        self._stride = -(-n_slots // SHADOW_SLOTS)  # the shadows see the layers that are multiples of it
+        shadow_slots = n_slots // self._stride
+        self._shadows = (_FrequencyShadow(self.frequency, shadow_slots), _RecencyShadow(shadow_slots))
+        self.lead = [0.0, 0.0]  # fading hits of the frequency and the recency shadow
+        self._lead_half_life = lead_fills * shadow_slots
+
+    @property
+    def slot_of(self) -> dict[ExpertKey, int]:
+        return self.frequency.slot_of
+
+    @property
+    def holder(self) -> list[ExpertKey | None]:
+        return self.frequency.holder
+
+    @property
+    def half_life(self) -> float:
+        return self.frequency.half_life
+
+    @property
+    def rule(self) -> str:
+        """The rule that picks victims now."""
+        return "recency" if self.lead[1] > self.lead[0] else "frequency"
+
+    def touch(self, keys: list[ExpertKey]) -> None:
+        """A step selected these experts (hits and misses alike); at most n_slots of them."""
+        self.frequency.touch(keys)
+        for k in keys:
+            if k in self.recency:
+                self.recency.move_to_end(k)
+        # A step is one layer's; one larger than the shadows (a prefill's wave) would not fit them.
+        if keys and keys[0].layer % self._stride == 0 and len(keys) <= self._shadows[1].n_slots:
+            fade = 2 ** (-len(keys) / self._lead_half_life)
+            self.lead = [lead * fade + shadow.access(keys) for lead, shadow in zip(self.lead, self._shadows)]
+
+    def victims(self, n: int, protected: set[ExpertKey]) -> list[int]:
+        """n slots to fill: empty ones first, then the leading rule's choice; never one in
+        `protected` (this step's)."""
+        if self.rule == "frequency" or len(self.frequency._empty) >= n:
+            return self.frequency.victims(n, protected)
+        needed = n - len(self.frequency._empty)
+        last_use = self.frequency.last_use
+        # self.recency is in the order of last use; the experts of one step come in whatever order
+        # its caller listed them, so those tied with the last one taken are ordered by key.
+        candidates: list[ExpertKey] = []
+        for k in self.recency:
+            if len(candidates) >= needed and last_use[k] != last_use[candidates[-1]]:
+                break
+            if k not in protected:
+                candidates.append(k)
+        if len(candidates) < needed:
+            raise CacheTooSmall(f"{n} experts to load but only {len(self.frequency._empty) + len(candidates)} slots "
+                                "may be reused")
+        candidates.sort(key=lambda k: (last_use[k], k))
+        return self.frequency._empty[:] + [self.slot_of[k] for k in candidates[:needed]]
+
+    def place(self, slot: int, key: ExpertKey) -> ExpertKey | None:
+        """Puts `key` in `slot`; returns the expert evicted from it, if any."""
+        old = self.frequency.place(slot, key)
+        if old is not None:
+            del self.recency[old]
+        self.recency[key] = None
+        return old
+

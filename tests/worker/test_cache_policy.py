@@ -10,13 +10,13 @@ import math
 import pytest
 
 from expertpack.packtools.layout import ExpertKey
-from expertpack.worker.cache_policy import CachePolicy, CacheTooSmall, slot_count
+from expertpack.worker.cache_policy import CachePolicy, CacheTooSmall, FrequencyPolicy, slot_count
 
 MIB = 2**20
 
 
-def filled(*keys: ExpertKey) -> CachePolicy:
-    policy = CachePolicy(len(keys))
+def filled(*keys: ExpertKey, rule: type = FrequencyPolicy) -> FrequencyPolicy:
+    policy = rule(len(keys))
     for slot, key in enumerate(keys):
         policy.place(slot, key)
     return policy
@@ -25,8 +25,9 @@ def filled(*keys: ExpertKey) -> CachePolicy:
 A, B, C, D, E = (ExpertKey(0, i) for i in range(5))
 
 
-def test_empty_slots_are_used_before_anything_is_evicted() -> None:
-    policy = CachePolicy(4)
+@pytest.mark.parametrize("rule", [FrequencyPolicy, CachePolicy])
+def test_empty_slots_are_used_before_anything_is_evicted(rule: type) -> None:
+    policy = rule(4)
     policy.touch([A])
     policy.place(2, A)
     assert policy.victims(3, protected={B}) == [0, 1, 3]
@@ -81,8 +82,9 @@ def test_old_favourites_fade() -> None:
     assert fresh.victims(1, protected=set()) == [fresh.slot_of[B]]
 
 
-def test_the_current_step_is_never_evicted() -> None:
-    policy = filled(A, B, C)
+@pytest.mark.parametrize("rule", [FrequencyPolicy, CachePolicy])
+def test_the_current_step_is_never_evicted(rule: type) -> None:
+    policy = filled(A, B, C, rule=rule)
     policy.touch([A, B, C])
     policy.touch([A, B, C])
     policy.touch([D, E])  # D and E are rare and recent: still, A and B of the step stay
@@ -92,8 +94,9 @@ def test_the_current_step_is_never_evicted() -> None:
         policy.victims(2, protected={A, B, E})
 
 
-def test_place_reports_what_it_evicted() -> None:
-    policy = CachePolicy(1)
+@pytest.mark.parametrize("rule", [FrequencyPolicy, CachePolicy])
+def test_place_reports_what_it_evicted(rule: type) -> None:
+    policy = rule(1)
     assert policy.place(0, A) is None
     assert policy.place(0, B) == A
     assert policy.slot_of == {B: 0} and policy.holder == [B]
@@ -115,7 +118,7 @@ def test_slot_count_refuses_a_cache_below_one_step() -> None:
         slot_count(100 * MIB, 10 * MIB, 20 * MIB, 3 * MIB, needed=8)  # the reserve exceeds what is free
 
 
-def naive_victims(policy: CachePolicy, n: int, protected: set[ExpertKey]) -> list[int]:
+def naive_victims(policy: FrequencyPolicy, n: int, protected: set[ExpertKey]) -> list[int]:
     """The rule written out: every resident expert sorted by (score, last use, key)."""
     empty = [s for s, k in enumerate(policy.holder) if k is None]
     if len(empty) >= n:
@@ -134,7 +137,7 @@ def test_the_heap_picks_what_sorting_every_resident_expert_picks(seed: int) -> N
     rng = random.Random(seed)
     keys = [ExpertKey(l, e) for l in range(4) for e in range(24)]
     weights = [1 / (i + 1) for i in range(len(keys))]
-    policy = CachePolicy(rng.randint(8, 40))
+    policy = FrequencyPolicy(rng.randint(8, 40))
     for _ in range(3000):
         step = list(dict.fromkeys(rng.choices(keys, weights, k=rng.randint(1, 8))))
         policy.touch(step)
@@ -145,3 +148,59 @@ def test_the_heap_picks_what_sorting_every_resident_expert_picks(seed: int) -> N
             for slot, key in zip(want, misses):
                 policy.place(slot, key)
     assert len(policy._heap) <= 2 * len(policy.slot_of) + 64 + 8  # stale entries are swept at each touch
+
+
+def drive(policy: CachePolicy | FrequencyPolicy, steps: list[list[ExpertKey]]) -> int:
+    """Runs the steps as the expert cache does (touch, victims for the misses, place); returns hits."""
+    hits = 0
+    for step in steps:
+        policy.touch(step)
+        misses = [k for k in step if k not in policy.slot_of]
+        hits += len(step) - len(misses)
+        if misses:
+            for slot, key in zip(policy.victims(len(misses), set(step)), misses):
+                policy.place(slot, key)
+    return hits
+
+
+def lru_hits(n_slots: int, steps: list[list[ExpertKey]]) -> int:
+    resident: list[ExpertKey] = []  # least recent first
+    hits = 0
+    for step in steps:
+        hits += sum(k in resident for k in step)
+        resident = [k for k in resident if k not in step] + step
+        resident = resident[-n_slots:]
+    return hits
+
+
+def test_a_new_working_set_takes_over_once_recency_leads() -> None:
+    """After a long phase on one set of experts, a generation moves to another of the cache's size:
+    the frequency rule keeps the old set (its faded counts still lead) and the new experts evict
+    each other; the recency shadow hits at once, so the policy follows it and hits nearly as LRU."""
+    old = [ExpertKey(0, i) for i in range(8)]
+    new = [ExpertKey(1, i) for i in range(8)]
+    warm = [old[i:i + 4] for i in (0, 4)] * 100
+    phase = [[new[(i + j) % 8] for j in range(3)] for i in range(0, 8 * 40, 3)]  # rotating through the new set
+    frequency, adaptive = FrequencyPolicy(8), CachePolicy(8)
+    drive(frequency, warm)
+    drive(adaptive, warm)
+    assert adaptive.rule == "frequency"  # a tie so far: frequency
+    lru = lru_hits(8, warm + phase) - lru_hits(8, warm)
+    freq_hits, adaptive_hits = drive(frequency, phase), drive(adaptive, phase)
+    assert adaptive.rule == "recency" and set(adaptive.slot_of) == set(new)
+    assert adaptive_hits >= 0.95 * lru, (adaptive_hits, lru)
+    assert freq_hits < 0.8 * lru, (freq_hits, lru)
+
+
+def test_independent_popular_experts_stay_with_frequency() -> None:
+    """Tokens drawing experts independently from fixed popularities: frequency keeps the popular
+    ones and beats LRU; the policy stays with it."""
+    import random
+
+    rng = random.Random(3)
+    keys = [ExpertKey(0, i) for i in range(64)]
+    weights = [1 / (i + 1) ** 1.1 for i in range(64)]
+    steps = [list(dict.fromkeys(rng.choices(keys, weights, k=4))) for _ in range(4000)]
+    freq_hits, adaptive_hits = drive(FrequencyPolicy(16), steps), drive(CachePolicy(16), steps)
+    assert adaptive_hits >= 0.98 * freq_hits
+    assert adaptive_hits > 1.05 * lru_hits(16, steps), (adaptive_hits, lru_hits(16, steps))
