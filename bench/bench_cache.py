@@ -4,7 +4,10 @@
   LRU      evict the least recently selected expert
   LFU      evict the expert selected least often while resident (its count starts over when it
            comes back), the least recent among equals
-  in use   the worker's own CachePolicy (worker/cache_policy.py), driven as the expert cache drives it
+  freq     the policy's frequency rule alone (LRFU: uses fading with a half-life of 32 cache fills,
+           the least recent among equals), which was the policy in use until 2026-12-01
+  in use   the worker's own CachePolicy (worker/cache_policy.py), driven as the expert cache drives it:
+           the frequency rule or LRU, whichever's shadow cache has hit more lately
   LFU*     LFU told each expert's count over the whole trace up front (offline): keeps the most
            popular; where tokens route independently no online policy does better on average
   Belady   the offline optimum: evict the resident expert whose next use lies furthest ahead
@@ -37,7 +40,8 @@ from expertpack.worker.cache_replay import Row, pack_slot_bytes, replay
 from expertpack.worker.routing_trace import Trace, TraceError, read_trace
 
 DEFAULT_FRACTIONS = (0.05, 0.10, 0.25, 0.50)
-COLUMNS = {"lru": "LRU", "lfu": "LFU", "in_use": "in use", "known_counts": "LFU*", "belady": "Belady"}
+COLUMNS = {"lru": "LRU", "lfu": "LFU", "frequency": "freq", "in_use": "in use", "known_counts": "LFU*",
+           "belady": "Belady"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

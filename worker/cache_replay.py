@@ -1,7 +1,8 @@
 """The expert cache replayed on a routing trace, without a device: each MoE layer call asks at once for
 the unique experts its tokens selected (in waves of at most the cache's size), all resident together,
 a miss always loaded, and hits counted as the expert cache counts them. The worker's own policy
-(cache_policy.py) runs beside LRU, LFU, LFU told the whole trace's counts, and Belady's optimum.
+(cache_policy.py) runs beside its frequency rule alone, LRU, LFU, LFU told the whole trace's counts,
+and Belady's optimum.
 `expertpack bench cache` prints these rows; `expertpack plan` predicts hit rates from them, with
 expertd's RAM tier behind the VRAM cache (tiered_hit_rates). Pure bookkeeping: no torch, no
 running daemon."""
@@ -17,7 +18,7 @@ from typing import Callable, Sequence
 from expertpack.packtools.layout import ALIGNMENT, ExpertKey, Manifest
 from expertpack.packtools.units import GIB
 
-from .cache_policy import CachePolicy
+from .cache_policy import CachePolicy, FrequencyPolicy
 from .routing_trace import Trace, unique_experts
 
 Requests = Sequence[Sequence[ExpertKey]]  # per layer call, the unique keys it needs at once
@@ -172,6 +173,7 @@ def belady_hits(requests: Requests, n_slots: int) -> int:
 POLICIES: dict[str, Callable[[Requests, int], int]] = {
     "lru": lambda r, n: online_hits(LRU, r, n),
     "lfu": lambda r, n: online_hits(LFU, r, n),
+    "frequency": lambda r, n: online_hits(lambda m: InUse(m, FrequencyPolicy), r, n),
     "in_use": lambda r, n: online_hits(InUse, r, n),
     "known_counts": known_counts_hits,
     "belady": belady_hits,

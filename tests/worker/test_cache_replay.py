@@ -10,10 +10,11 @@ import random
 import pytest
 
 from expertpack.packtools.layout import ExpertKey
+from expertpack.worker.cache_policy import FrequencyPolicy
 from expertpack.worker.cache_replay import LFU, LRU, InUse, belady_hits, known_counts_hits, online_hits
 
 A, B, C, D = (ExpertKey(0, i) for i in range(4))
-ONLINE = {"lru": LRU, "lfu": LFU, "in_use": InUse}
+ONLINE = {"lru": LRU, "lfu": LFU, "frequency": lambda n: InUse(n, FrequencyPolicy), "in_use": InUse}
 
 
 def singles(*keys: ExpertKey) -> list[list[ExpertKey]]:
@@ -31,13 +32,13 @@ def test_a_loop_one_larger_than_the_cache() -> None:
     """A B C D three times, 3 slots: LRU (and the LFUs, ties going to LRU) always evict the key
     needed next: 0 hits. Belady hits A B (2nd round), D A (3rd after evicting B), C D: 6 of 12."""
     trace = singles(A, B, C, D) * 3
-    assert hits(trace, 3) == {"lru": 0, "lfu": 0, "in_use": 0, "known_counts": 0, "belady": 6}
+    assert hits(trace, 3) == {"lru": 0, "lfu": 0, "frequency": 0, "in_use": 0, "known_counts": 0, "belady": 6}
 
 
 def test_lfu_keeps_the_hot_key_that_lru_drops() -> None:
     """A A B C A, 2 slots: C evicts A under LRU (A is older than B), B under LFU (A was used twice)."""
     trace = singles(A, A, B, C, A)
-    assert hits(trace, 2) == {"lru": 1, "lfu": 2, "in_use": 2, "known_counts": 2, "belady": 2}
+    assert hits(trace, 2) == {"lru": 1, "lfu": 2, "frequency": 2, "in_use": 2, "known_counts": 2, "belady": 2}
 
 
 def test_the_policy_in_use_remembers_counts_across_evictions() -> None:
@@ -49,7 +50,7 @@ def test_the_policy_in_use_remembers_counts_across_evictions() -> None:
     7th the recency rule evicts A: 2 + 5. Knowing the counts (A 3, B and C 4 each), A leaves at the
     first C: 2 + 6, as under Belady."""
     trace = singles(A, A, A, B, C, B, C, B, C, B, C)
-    assert hits(trace, 2) == {"lru": 8, "lfu": 2, "in_use": 7, "known_counts": 8, "belady": 8}
+    assert hits(trace, 2) == {"lru": 8, "lfu": 2, "frequency": 4, "in_use": 7, "known_counts": 8, "belady": 8}
 
 
 def test_a_request_is_resident_together() -> None:
@@ -57,8 +58,8 @@ def test_a_request_is_resident_together() -> None:
     evicted for its own other key. [A B] [C D] [A B]: 0 hits for all, Belady included. With 3
     slots one of A, B survives [C D] under every policy: 1 hit each."""
     trace = [[A, B], [C, D], [A, B]]
-    assert hits(trace, 2) == {"lru": 0, "lfu": 0, "in_use": 0, "known_counts": 0, "belady": 0}
-    assert hits(trace, 3) == {"lru": 1, "lfu": 1, "in_use": 1, "known_counts": 1, "belady": 1}
+    assert hits(trace, 2) == {"lru": 0, "lfu": 0, "frequency": 0, "in_use": 0, "known_counts": 0, "belady": 0}
+    assert hits(trace, 3) == {"lru": 1, "lfu": 1, "frequency": 1, "in_use": 1, "known_counts": 1, "belady": 1}
 
 
 def best_hits(requests: list[list[ExpertKey]], n_slots: int) -> int:
@@ -100,4 +101,4 @@ def test_every_policy_hits_all_but_the_first_uses_when_everything_fits() -> None
     requests = [rng.sample(keys, 4) for _ in range(200)]
     distinct = len({k for r in requests for k in r})
     want = sum(map(len, requests)) - distinct
-    assert hits(requests, len(keys)) == {p: want for p in ("lru", "lfu", "in_use", "known_counts", "belady")}
+    assert hits(requests, len(keys)) == {p: want for p in ("lru", "lfu", "frequency", "in_use", "known_counts", "belady")}
