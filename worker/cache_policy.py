@@ -135,8 +135,9 @@ class FrequencyPolicy:
         return self.score.get(k, -math.inf), self.last_use.get(k, 0), k
 
 
-class _RecencyShadow:
-    """LRU over keys only: the hits an LRU cache of n_slots would have had."""
+class LruKeys:
+    """LRU over keys only: the hits an LRU cache of n_slots would have had (the policy's recency
+    shadow, and the LRU column of `expertpack bench cache`)."""
 
     def __init__(self, n_slots: int) -> None:
         self.n_slots = n_slots
@@ -183,7 +184,7 @@ class CachePolicy:
         self.recency: OrderedDict[ExpertKey, None] = OrderedDict()  # resident, least recently selected first
         self._stride = -(-n_slots // SHADOW_SLOTS)  # the shadows see the layers that are multiples of it
         shadow_slots = n_slots // self._stride
-        self._shadows = (_FrequencyShadow(self.frequency, shadow_slots), _RecencyShadow(shadow_slots))
+        self._shadows = (_FrequencyShadow(self.frequency, shadow_slots), LruKeys(shadow_slots))
         self.lead = [0.0, 0.0]  # fading hits of the frequency and the recency shadow
         self._lead_half_life = lead_fills * shadow_slots
 

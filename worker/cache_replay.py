@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from expertpack.packtools.layout import ALIGNMENT, ExpertKey, Manifest
 from expertpack.packtools.units import GIB
 
-from .cache_policy import CachePolicy, FrequencyPolicy
+from .cache_policy import CachePolicy, FrequencyPolicy, LruKeys
 from .routing_trace import Trace, unique_experts
 
 Requests = Sequence[Sequence[ExpertKey]]  # per layer call, the unique keys it needs at once
@@ -39,23 +38,7 @@ def waves(requests: Requests, n_slots: int) -> list[list[ExpertKey]]:
 
 
 # ---- online policies: access(keys) -> hits, the keys made resident together ---------------------
-class LRU:
-    def __init__(self, n_slots: int) -> None:
-        self.n_slots = n_slots
-        self.resident: OrderedDict[ExpertKey, None] = OrderedDict()  # least recent first
-
-    def access(self, keys: Sequence[ExpertKey]) -> int:
-        hits = 0
-        for k in keys:
-            if k in self.resident:
-                hits += 1
-                self.resident.move_to_end(k)
-        need = len(self.resident) + len(keys) - hits - self.n_slots
-        for _ in range(need):  # the least recent are never this request's: those were just moved last
-            self.resident.popitem(last=False)
-        for k in keys:
-            self.resident[k] = None  # a miss enters as the most recent
-        return hits
+LRU = LruKeys  # a step's keys enter as equally recent, ordered by key
 
 
 class LFU:
