@@ -97,7 +97,7 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
     from expertpack.worker.engine import Engine
     from expertpack.worker.expert_cache import prefetch_rates
 
-    daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64)
+    daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64, ram_cache_gib=args.ram_cache_gib)
     try:
         t0 = time.perf_counter()
         engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
@@ -159,6 +159,8 @@ def main() -> int:
     p.add_argument("--cache-gib", type=float, default=4.0)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     p.add_argument("--decode", type=int, default=32, help="tokens decoded one at a time")
+    p.add_argument("--ram-cache-gib", type=float, default=0.0,
+                   help="expertd's RAM tier (default 0: every miss of the VRAM cache read from the SSD)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit on the device")
     p.add_argument("--prefetch", choices=sorted(MODES), default="both",
                    help="stream with the worker's prefetch off, on, or both side by side (default)")
@@ -217,6 +219,7 @@ def main() -> int:
         "machine": f"{platform.node()} {os.cpu_count()} cpu", "gpu": gpu, "device": args.device,
         "torch": torch.__version__, "model": f"synth {args.preset}" + (f" --layers {args.layers}" if args.layers else ""),
         "expert_bytes": expert_bytes, "cache_bytes": n_slots * slot_bytes, "slots": n_slots, "staging_pinned": pinned,
+        "ram_cache_gib": args.ram_cache_gib,
         "disk_gb_per_s": round(bandwidth, 3), "disk_measured_by": bandwidth_how,
         "streaming": {f"prefetch_{mode}": {"prefill_tokens_per_s": round(r["prefill_tps"], 3),
                                            "decode_tokens_per_s": round(r["decode_tps"], 3), "prefill": r["prefill"],

@@ -13,6 +13,9 @@
 #       peer_llamacpp.py run: a table, the chart, as last line one JSON object; llama-bench's JSON
 #       and log, the chart and the build log into $OUT. TG tokens decoded (default 128), REPS
 #       repetitions of each test (default 3).
+#   bash bench/peer_on_device.sh offload PRESET LAYERS --vram-gib V --ram-gib R [peer_offload.py flags]
+#       the same, then llama.cpp's -ncmoe splits that fit V GiB of VRAM against expertpack streaming,
+#       both under an R GiB memory cgroup, the page cache dropped before each (bench/peer_offload.py).
 # Carry .whl (../shared/device/wheels.sh) and .peer (here: python3 bench/peer_llamacpp.py fetch
 # --dest .peer/llama.cpp; that machine reaches no registry). E.g. run qwen3-30b-a3b 12, gpt-oss-20b 24.
 # COMMIT=<hash> names expertpack's commit in the JSON where the copy there has no .git. DEVICE=cpu
@@ -50,9 +53,10 @@ start-build)
     if building; then echo "already building (pid $(cat "$pid_file")): $log"; exit 0; fi
     start_build
     ;;
-run)
-    preset=${2:?run PRESET LAYERS [TG] [REPS]}
-    layers=${3:?run PRESET LAYERS [TG] [REPS]}
+run | offload)
+    what=$1
+    preset=${2:?$what PRESET LAYERS ...}
+    layers=${3:?$what PRESET LAYERS ...}
     tg=${4:-128}
     reps=${5:-3}
     [ -f "$rc_file" ] || building || start_build  # the machine went back since start-build, or none ran
@@ -80,11 +84,17 @@ run)
         tail -40 "$log" >&2
         exit 1
     fi
+    if [ "$what" = offload ]; then  # the memory budgets: bench/peer_offload.py
+        shift 3
+        python3 bench/peer_offload.py --bin "$build/bin" --preset "$preset" --layers "$layers" --dir bench-out "$@" \
+            2>&1 | tee "$out/offload.log"
+        exit
+    fi
     python3 bench/peer_llamacpp.py run --bin "$build/bin" --gguf "$gguf" --device "$device" --pp 32,512 \
         --tg "$tg" --reps "$reps" --out "$out" ${COMMIT:+--commit "$COMMIT"} 2>&1 | tee "$out/peer.log"
     ;;
 *)
-    sed -n '2,20p' "$0" >&2
+    sed -n '2,22p' "$0" >&2
     exit 2
     ;;
 esac

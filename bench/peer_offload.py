@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Streaming against llama.cpp's best expert offload at the same VRAM and RAM (issue 13): llama.cpp
+keeps the routed experts of its first K layers in host memory (`-ncmoe K`, read through mmap and
+the page cache) and the rest on the GPU; expertpack keeps a VRAM expert cache, expertd's RAM tier
+and the SSD. Both run under one RAM budget (a memory cgroup: bench/memory_budget.py, which charges
+the page cache, shared memory and mlocked pages), the page cache dropped before each process.
+
+The VRAM budget: llama.cpp's split K is one that fits it (the trunk and the GPU layers' experts,
+from the pack's sizes, plus LLAMA_VRAM_MARGIN_GIB for its KV cache and buffers); K is swept over
+every split that fits and the best decode counts. expertpack gets the same budget: the trunk, a
+cache of the rest less OUR_VRAM_MARGIN_GIB, and expertd's RAM tier of the RAM budget less
+HOST_RESERVE_GIB (the worker's own host memory: CUDA's context, the trunk on its way in). Prints
+a table and, last, one JSON line. Needs root (the cgroup) and a llama.cpp build
+(bench/peer_llamacpp.py build).
+
+  sudo python3 bench/peer_offload.py --bin /tmp/llama-build/bin --preset qwen3-30b-a3b --layers 12 \\
+      --vram-gib 4 --ram-gib 8 [--ncmoe 4 8 12] [--pp 32] [--tg 32] [--reps 2] [--dir bench-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+LLAMA_VRAM_MARGIN_GIB = 1.0  # llama.cpp's KV cache and compute buffers beside the weights
+OUR_VRAM_MARGIN_GIB = 1.0  # the worker's KV cache, activations and CUDA's own beside the trunk and cache
+HOST_RESERVE_GIB = 4.0  # the worker's host memory and expertd's staging, out of the RAM budget
+
+
+@dataclass(frozen=True)
+class Split:
+    ncmoe: int  # layers whose routed experts llama.cpp keeps in host memory
+    vram_bytes: int  # what it then puts on the GPU, weights only
+    host_expert_bytes: int  # the experts it reads from host memory (mmap, page cache)
+
+
+def splits(trunk_bytes: int, expert_bytes_by_layer: dict[int, int], n_layer: int) -> list[Split]:
+    """Every -ncmoe K from 0 (all experts on the GPU) to n_layer (none): the experts of layers < K
+    stay in host memory."""
+    total = sum(expert_bytes_by_layer.values())
+    out = []
+    for k in range(n_layer + 1):
+        host = sum(b for layer, b in expert_bytes_by_layer.items() if layer < k)
+        out.append(Split(k, trunk_bytes + total - host, host))
+    return out
+
+
+def fitting(all_splits: list[Split], vram_bytes: int) -> list[Split]:
+    """The splits whose weights and margin fit the VRAM budget."""
+    return [s for s in all_splits if s.vram_bytes + LLAMA_VRAM_MARGIN_GIB * GIB <= vram_bytes]
+
+
+def rates(records: list[dict]) -> dict[str, float]:
+    """llama-bench's `-o json` -> tokens/s by test (pp32, tg32)."""
+    return {(f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"): r["avg_ts"] for r in records}
+
+
+def llama_run(bin_dir: Path, gguf: Path, split: Split, args: argparse.Namespace) -> dict:
+    from expertpack.bench.memory_budget import run
+
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-ngl", "99", "-ncmoe", str(split.ncmoe),
+           "-p", str(args.pp), "-n", str(args.tg), "-r", str(args.reps), "-o", "json"]
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    result = run(cmd, int(args.ram_gib * GIB), capture=True, timeout_s=args.timeout_s)
+    try:
+        result["rates"] = rates(json.loads(result.pop("stdout") or "[]"))
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        result["rates"] = {}
+        result["error"] = f"llama-bench printed no results ({exc})"
+    return result
+
+
+def our_run(args: argparse.Namespace, cache_gib: float, ram_tier_gib: float) -> dict:
+    from expertpack.bench.memory_budget import run
+
+    cmd = [sys.executable, str(REPO / "bench" / "decode_streaming.py"), "--preset", args.preset,
+           *(("--layers", str(args.layers)) if args.layers else ()), "--dir", str(args.dir),
+           "--cache-gib", f"{cache_gib:.3f}", "--ram-cache-gib", f"{ram_tier_gib:.3f}", "--skip-resident",
+           "--prefetch", "on", "--prompt", str(args.pp), "--decode", str(args.tg)]
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    result = run(cmd, int(args.ram_gib * GIB), capture=True, timeout_s=args.timeout_s)
+    lines = (result.pop("stdout") or "").strip().splitlines()
+    try:
+        report = json.loads(lines[-1])["streaming"]["prefetch_on"]
+        result["rates"] = {f"pp{args.pp}": report["prefill_tokens_per_s"], f"tg{args.tg}": report["decode_tokens_per_s"]}
+        result["hit_rate"] = report["decode"]["hit_rate"]
+    except (IndexError, json.JSONDecodeError, KeyError) as exc:
+        result["rates"] = {}
+        result["error"] = f"decode_streaming printed no results ({exc}); its output ended: {lines[-5:]}"
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bin", type=Path, required=True, help="llama.cpp's bin folder (llama-bench)")
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--dir", type=Path, default=REPO / "bench-out", help="where the model and its pack are made")
+    p.add_argument("--vram-gib", type=float, required=True)
+    p.add_argument("--ram-gib", type=float, required=True)
+    p.add_argument("--ncmoe", type=int, nargs="+", help="the splits to try (default: every one that fits the VRAM)")
+    p.add_argument("--pp", type=int, default=32)
+    p.add_argument("--tg", type=int, default=32)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=300, help="per process")
+    args = p.parse_args(argv)
+
+    from expertpack.bench.decode_streaming import prepare_pack
+    from expertpack.packtools.layout import Manifest
+
+    stem, pack = prepare_pack(args.preset, args.layers, args.dir)
+    gguf = args.dir / f"{stem}.gguf"
+    m = Manifest.load(pack)
+    by_layer = {layer.layer: layer.payload_bytes * m.model.n_expert for layer in m.layers}
+    candidates = fitting(splits(m.trunk.size_bytes, by_layer, m.model.n_layer), int(args.vram_gib * GIB))
+    if args.ncmoe:
+        candidates = [s for s in candidates if s.ncmoe in args.ncmoe]
+    if not candidates:
+        print(f"peer_offload: no -ncmoe split of {stem} fits {args.vram_gib:g} GiB of VRAM (the trunk alone is "
+              f"{m.trunk.size_bytes / GIB:.2f} GiB)", file=sys.stderr)
+        return 2
+    llama = [(s, llama_run(args.bin, gguf, s, args)) for s in candidates]
+    cache_gib = args.vram_gib - m.trunk.size_bytes / GIB - OUR_VRAM_MARGIN_GIB
+    ram_tier_gib = max(0.0, args.ram_gib - HOST_RESERVE_GIB)
+    ours = our_run(args, cache_gib, ram_tier_gib)
+
+    tg, pp = f"tg{args.tg}", f"pp{args.pp}"
+    print(f"model {stem}: trunk {m.trunk.size_bytes / GIB:.2f} GiB, experts {sum(by_layer.values()) / GIB:.2f} GiB; "
+          f"budget {args.vram_gib:g} GiB VRAM, {args.ram_gib:g} GiB RAM (cgroup), page cache dropped before each run")
+    print(f"{'':34}{'GPU weights':>12}{pp + ' tok/s':>12}{tg + ' tok/s':>12}{'RAM peak':>10}  notes")
+    for s, r in llama:
+        note = r.get("error", "") + (f" OOM-killed x{r['oom_kills']}" if r["oom_kills"] else "")
+        print(f"{'llama.cpp -ncmoe ' + str(s.ncmoe):34}{s.vram_bytes / GIB:11.2f}G{r['rates'].get(pp, 0):12.2f}"
+              f"{r['rates'].get(tg, 0):12.2f}{(r['peak_bytes'] or 0) / GIB:9.2f}G  {note}")
+    print(f"{f'expertpack: cache {cache_gib:.2f}G, RAM tier {ram_tier_gib:.2f}G':34}{'':12}"
+          f"{ours['rates'].get(pp, 0):12.2f}{ours['rates'].get(tg, 0):12.2f}{(ours['peak_bytes'] or 0) / GIB:9.2f}G  "
+          f"{ours.get('error', '')}{' hit rate %.1f%%' % (100 * ours['hit_rate']) if 'hit_rate' in ours else ''}")
+    best = max(llama, key=lambda sr: sr[1]["rates"].get(tg, 0))
+    ratio = ours["rates"].get(tg, 0) / best[1]["rates"][tg] if best[1]["rates"].get(tg) else None
+    print(f"decode: expertpack / llama.cpp's best split (-ncmoe {best[0].ncmoe}) = "
+          + (f"{ratio:.2f}x" if ratio is not None else "-"))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    print(json.dumps({"bench": "peer_offload", "date": date.today().isoformat(), "commit": commit, "model": stem,
+                      "vram_gib": args.vram_gib, "ram_gib": args.ram_gib, "pp": args.pp, "tg": args.tg,
+                      "llama": [{"ncmoe": s.ncmoe, "gpu_weight_bytes": s.vram_bytes, **r} for s, r in llama],
+                      "expertpack": {"cache_gib": cache_gib, "ram_tier_gib": ram_tier_gib, **ours},
+                      "best_ncmoe": best[0].ncmoe, "decode_ratio": ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
