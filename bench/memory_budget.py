@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +53,11 @@ class MemoryBudget:
                 if "memory" not in enable.read_text().split():
                     enable.write_text("+memory")
             self.path.mkdir()
+        except OSError as exc:  # EACCES without root; EBUSY or EROFS in a container's own cgroup
+            raise BudgetError(f"{exc.filename}: {exc.strerror} (a memory cgroup needs root, and a cgroup v2 "
+                              "whose memory controller this process may enable: in a container, run on the host, "
+                              "or use systemd-run --scope -p MemoryMax=... -p MemorySwapMax=0)") from None
+        try:
             if self.v2:
                 (self.path / "memory.max").write_text(str(self.limit_bytes))
                 if (self.path / "memory.swap.max").exists():
@@ -59,8 +66,9 @@ class MemoryBudget:
                 (self.path / "memory.limit_in_bytes").write_text(str(self.limit_bytes))
                 if (self.path / "memory.memsw.limit_in_bytes").exists():
                     (self.path / "memory.memsw.limit_in_bytes").write_text(str(self.limit_bytes))
-        except PermissionError as exc:
-            raise BudgetError(f"{exc.filename}: permission denied (a memory cgroup needs root)") from None
+        except OSError as exc:
+            self.path.rmdir()
+            raise BudgetError(f"{exc.filename}: {exc.strerror}") from None
         return self
 
     def enter(self) -> None:
@@ -68,10 +76,17 @@ class MemoryBudget:
         (self.path / "cgroup.procs").write_text(str(os.getpid()))
 
     @property
-    def peak_bytes(self) -> int | None:
-        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"  # memory.peak: Linux 5.19 or later
+    def current_bytes(self) -> int | None:
         try:
-            return int((self.path / name).read_text())
+            return int((self.path / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
+        except (OSError, ValueError):
+            return None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The cgroup's own peak (v2 memory.peak, Linux 5.19 or later; v1 memory.max_usage_in_bytes)."""
+        try:
+            return int((self.path / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")).read_text())
         except (OSError, ValueError):
             return None
 
@@ -85,7 +100,23 @@ class MemoryBudget:
             return 0
         return int(fields.get("oom_kill", 0))
 
+    def kill_all(self) -> None:
+        """Ends every process still in the cgroup: a command's children that outlived it (a daemon it
+        started, when it was cut off by its timeout) would hold memory into the next run."""
+        if self.v2 and (self.path / "cgroup.kill").exists():  # Linux 5.14 or later
+            (self.path / "cgroup.kill").write_text("1")
+            return
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def __exit__(self, *exc: object) -> None:
+        try:
+            self.kill_all()
+        except OSError as error:
+            print(f"memory_budget: could not end what is left in {self.path}: {error}", file=sys.stderr)
         for _ in range(50):  # the processes it held must be gone before it can be removed
             try:
                 self.path.rmdir()
@@ -112,13 +143,28 @@ def run(command: list[str], limit_bytes: int, drop_cache: bool = True, capture: 
         drop_page_cache()
     with MemoryBudget(limit_bytes) as budget:
         start = time.monotonic()
+        polled = [0]  # where the kernel keeps no peak: the largest of memory.current, 20 times a second
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.wait(0.05):
+                polled[0] = max(polled[0], budget.current_bytes or 0)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
         try:
             proc = subprocess.run(command, preexec_fn=budget.enter, stdout=subprocess.PIPE if capture else None,
                                   text=True, timeout=timeout_s)
             code, stdout = (proc.returncode if proc.returncode >= 0 else 128 - proc.returncode), proc.stdout
         except subprocess.TimeoutExpired as exc:
             code, stdout = 124, exc.stdout if isinstance(exc.stdout, str) else None
-        return {"budget_bytes": limit_bytes, "peak_bytes": budget.peak_bytes, "oom_kills": budget.oom_kills,
+        finally:
+            done.set()
+            poller.join()
+        peak = budget.peak_bytes
+        return {"budget_bytes": limit_bytes, "peak_bytes": peak if peak is not None else polled[0] or None,
+                "peak_from": "the cgroup" if peak is not None else "memory.current, polled",
+                "oom_kills": budget.oom_kills,
                 "cgroup": "v2" if budget.v2 else "v1", "page_cache_dropped": drop_cache, "returncode": code,
                 "seconds": round(time.monotonic() - start, 3), "command": command,
                 **({"stdout": stdout} if capture else {})}

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -41,14 +43,17 @@ class Split:
     host_expert_bytes: int  # the experts it reads from host memory (mmap, page cache)
 
 
-def splits(trunk_bytes: int, expert_bytes_by_layer: dict[int, int], n_layer: int) -> list[Split]:
-    """Every -ncmoe K from 0 (all experts on the GPU) to n_layer (none): the experts of layers < K
-    stay in host memory."""
+def splits(gpu_trunk_bytes: int, expert_bytes_by_layer: dict[int, int], n_layer: int) -> list[Split]:
+    """Every distinct -ncmoe K from 0 (all experts on the GPU) to n_layer (none): the experts of
+    layers < K stay in host memory (K over leading dense layers moves nothing: the smallest such K
+    stands for them). gpu_trunk_bytes: the trunk less its input embedding, which llama.cpp keeps
+    in host memory whatever K is."""
     total = sum(expert_bytes_by_layer.values())
-    out = []
+    out: list[Split] = []
     for k in range(n_layer + 1):
         host = sum(b for layer, b in expert_bytes_by_layer.items() if layer < k)
-        out.append(Split(k, trunk_bytes + total - host, host))
+        if not out or host != out[-1].host_expert_bytes:
+            out.append(Split(k, gpu_trunk_bytes + total - host, host))
     return out
 
 
@@ -113,21 +118,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from expertpack.bench.decode_streaming import prepare_pack
+    from expertpack.packtools.gguf_source import open_source
     from expertpack.packtools.layout import Manifest
 
     stem, pack = prepare_pack(args.preset, args.layers, args.dir)
     gguf = args.dir / f"{stem}.gguf"
     m = Manifest.load(pack)
     by_layer = {layer.layer: layer.payload_bytes * m.model.n_expert for layer in m.layers}
-    candidates = fitting(splits(m.trunk.size_bytes, by_layer, m.model.n_layer), int(args.vram_gib * GIB))
+    embedding = sum(t.nbytes for t in open_source(pack / m.trunk.file).tensors if t.name.startswith("token_embd."))
+    candidates = fitting(splits(m.trunk.size_bytes - embedding, by_layer, m.model.n_layer), int(args.vram_gib * GIB))
     if args.ncmoe:
         candidates = [s for s in candidates if s.ncmoe in args.ncmoe]
     if not candidates:
         print(f"peer_offload: no -ncmoe split of {stem} fits {args.vram_gib:g} GiB of VRAM (the trunk alone is "
               f"{m.trunk.size_bytes / GIB:.2f} GiB)", file=sys.stderr)
         return 2
-    llama = [(s, llama_run(args.bin, gguf, s, args)) for s in candidates]
     cache_gib = args.vram_gib - m.trunk.size_bytes / GIB - OUR_VRAM_MARGIN_GIB
+    one_layer = m.model.n_expert_used * max(layer.payload_bytes for layer in m.layers) / GIB
+    if cache_gib < one_layer:
+        print(f"peer_offload: {args.vram_gib:g} GiB of VRAM leaves expertpack a cache of {cache_gib:.2f} GiB after the "
+              f"trunk and a {OUR_VRAM_MARGIN_GIB:g} GiB margin, less than one layer's top-k ({one_layer:.2f} GiB)",
+              file=sys.stderr)
+        return 2
+    llama = [(s, llama_run(args.bin, gguf, s, args)) for s in candidates]
     ram_tier_gib = max(0.0, args.ram_gib - HOST_RESERVE_GIB)
     ours = our_run(args, cache_gib, ram_tier_gib)
 
@@ -149,11 +162,22 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(json.dumps({"bench": "peer_offload", "date": date.today().isoformat(), "commit": commit, "model": stem,
-                      "vram_gib": args.vram_gib, "ram_gib": args.ram_gib, "pp": args.pp, "tg": args.tg,
+                      "machine": f"{platform.node()} {os.cpu_count()} cpu", "gpu": _gpu_name(),
+                      "vram_gib": args.vram_gib, "vram_budget": "arithmetic: the splits and the cache sized to it",
+                      "ram_gib": args.ram_gib, "ram_budget": "a memory cgroup per process tree",
+                      "start": "cold: page cache dropped before each process", "pp": args.pp, "tg": args.tg,
                       "llama": [{"ncmoe": s.ncmoe, "gpu_weight_bytes": s.vram_bytes, **r} for s, r in llama],
                       "expertpack": {"cache_gib": cache_gib, "ram_tier_gib": ram_tier_gib, **ours},
                       "best_ncmoe": best[0].ncmoe, "decode_ratio": ratio}))
     return 0
+
+
+def _gpu_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or "none"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
 
 
 if __name__ == "__main__":

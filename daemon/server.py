@@ -287,11 +287,11 @@ class ExpertDaemon:
             self._drain_monitor()  # disconnects that happened before this message come first
             identity = frames[0].bytes
             fd = frames[-1].get(zmq.SRCFD)
-            if fd in self._cut:
-                continue  # left queued by a connection cut for flooding: dropped unread
             # The sender's pid as its own connection recorded it: a closed connection's messages
             # still queued carry its fd, which another process's connection may have by now.
             sender = _sender_pid(frames[-1])
+            if fd in self._cut or (sender is not None and self._banned.get(sender, 0.0) > time.monotonic()):
+                continue  # left queued by a connection cut for flooding (on an fd reused since, too): dropped unread
             holder = self._open_fds.get(fd)
             late = sender is not None and holder is not None and sender != holder
             pid = sender if sender is not None else holder
@@ -310,6 +310,9 @@ class ExpertDaemon:
                 msg = p.decode(frames[1].bytes)
             except p.ProtocolError as exc:
                 self._error(identity, exc.code, exc.message)
+                continue
+            if late and isinstance(msg, p.Hello):  # its client is gone: a session would hold slots for nobody
+                log.debug("HELLO of pid %d read after its connection closed: no session", sender)
                 continue
             self._handle(identity, msg, fd, pid)
         self._after_batch(bool(self.router.get(zmq.EVENTS) & zmq.POLLIN))

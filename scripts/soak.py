@@ -270,8 +270,10 @@ def churner(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: An
                     break
                 msg = decode_reply(sock.recv(), out)
                 if isinstance(msg, p.Ready):
-                    if msg.slot not in welcome.slots:
-                        out.violations.append(f"churner: READY names slot {msg.slot}, not one of its lease")
+                    in_ram_tier = welcome.ram_first_slot <= msg.slot < welcome.ram_first_slot + welcome.ram_slots
+                    if msg.slot not in welcome.slots and not in_ram_tier:
+                        out.violations.append(f"churner: READY names slot {msg.slot}, neither of its lease nor of the "
+                                              "RAM tier")
                         continue
                     at = msg.slot * welcome.slot_bytes
                     out.keys += 1
@@ -436,6 +438,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def start_together(ready: Any, procs: list[Any], timeout_s: float = 120.0) -> str | None:
+    """Waits until every worker is at the start line, then lets them all go (on a loaded machine a
+    process may take seconds to start: the clock starts with all of them). What went wrong, or
+    None: a worker that exited before it got there (an import error, a bad pack) aborts the start
+    at once rather than after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while ready.n_waiting < len(procs):
+        dead = [proc for proc in procs if not proc.is_alive()]
+        if dead or time.monotonic() > deadline:
+            ready.abort()
+            return (f"{len(dead)} worker(s) exited before the start (exit codes {[proc.exitcode for proc in dead]})"
+                    if dead else f"the workers were not all started after {timeout_s:g} s")
+        time.sleep(0.05)
+    ready.wait(timeout_s)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="expertpack-soak-"))
@@ -461,7 +480,16 @@ def main(argv: list[str] | None = None) -> int:
             proc.start()
             procs.append(proc)
             counters.append((role, sent))
-    ready.wait(120)  # on a loaded machine a process may take seconds to start: the clock starts with all
+    problem = start_together(ready, procs)
+    if problem:
+        stop.set()
+        for proc in procs:
+            proc.terminate()
+        if own is not None:
+            own.terminate()
+            own.wait(30)
+        print(f"soak: {problem}; kept {workdir}", file=sys.stderr)
+        return 1
     start = time.monotonic()
     next_progress = start + args.progress_s
     rss_max = rss_start

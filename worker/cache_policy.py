@@ -13,10 +13,11 @@ trace where frequency reached 0.44). So each rule also runs on a shadow cache of
 (keys only, no bytes) fed the same selections; their hits, fading with a half-life of LEAD_FILLS
 fills, say which rule ranks the real cache's victims (frequency on a tie). The shadows of a cache
 of more than SHADOW_SLOTS slots see the steps of every stride-th layer only (stride = slots /
-SHADOW_SLOTS, rounded up) and hold slots / stride experts: a sample of the layers stands for all of
-them, and the shadows cost a stride-th of a whole second cache (the policy's time is on the decode
-step's path, a host sync per layer). An expert of the current step is never evicted. Measured with `expertpack bench cache` (BENCHMARKS.md). Pure bookkeeping: no
-tensors, no devices, no daemon."""
+SHADOW_SLOTS, rounded up; layers counted in the order they are first seen) and hold slots / stride
+experts: a sample of the layers stands for all of them, and the shadows cost a stride-th of a
+whole second cache (the policy's time is on the decode step's path, a host sync per layer). An
+expert of the current step is never evicted. Measured with `expertpack bench cache`
+(BENCHMARKS.md). Pure bookkeeping: no tensors, no devices, no daemon."""
 
 from __future__ import annotations
 
@@ -97,12 +98,29 @@ class FrequencyPolicy:
             self._heap = [self._entry(k) for k in self.slot_of]
             heapq.heapify(self._heap)
 
+    @property
+    def empty_slots(self) -> list[int]:
+        """The slots no expert holds, ascending."""
+        return self._empty
+
     def victims(self, n: int, protected: set[ExpertKey]) -> list[int]:
         """n slots to fill: empty ones first, then the resident experts of the lowest score, the
         least recently used first among equals; never one in `protected` (this step's)."""
         if len(self._empty) >= n:
             return self._empty[:n]
         needed = n - len(self._empty)
+        chosen, met = self._lowest(needed, protected)
+        if len(chosen) < needed and met < len(self.slot_of):  # residents without a current entry: renew all
+            self._heap = [self._entry(k) for k in self.slot_of]
+            heapq.heapify(self._heap)
+            chosen, met = self._lowest(needed, protected)
+        if len(chosen) < needed:
+            raise CacheTooSmall(f"{n} experts to load but only {len(self._empty) + len(chosen)} slots may be reused")
+        return self._empty + [self.slot_of[k] for k in chosen]
+
+    def _lowest(self, needed: int, protected: set[ExpertKey]) -> tuple[list[ExpertKey], int]:
+        """Up to `needed` resident experts off the heap, lowest first, not in `protected`; and how
+        many resident experts were met (a heap entry is current only if renewed at each touch)."""
         chosen: list[tuple[float, int, ExpertKey]] = []
         kept: list[tuple[float, int, ExpertKey]] = []
         seen: set[ExpertKey] = set()
@@ -115,9 +133,7 @@ class FrequencyPolicy:
             (kept if k in protected else chosen).append(entry)
         for entry in chosen + kept:  # still resident until place() replaces them
             heapq.heappush(self._heap, entry)
-        if len(chosen) < needed:
-            raise CacheTooSmall(f"{n} experts to load but only {len(self._empty) + len(chosen)} slots may be reused")
-        return self._empty + [self.slot_of[k] for _, _, k in chosen]
+        return [k for _, _, k in chosen], len(seen)
 
     def place(self, slot: int, key: ExpertKey) -> ExpertKey | None:
         """Puts `key` in `slot`; returns the expert evicted from it, if any."""
@@ -182,7 +198,8 @@ class CachePolicy:
         self.n_slots = n_slots
         self.frequency = FrequencyPolicy(n_slots, half_life)
         self.recency: OrderedDict[ExpertKey, None] = OrderedDict()  # resident, least recently selected first
-        self._stride = -(-n_slots // SHADOW_SLOTS)  # the shadows see the layers that are multiples of it
+        self._stride = -(-n_slots // SHADOW_SLOTS)  # the shadows see every stride-th layer first seen
+        self._layer_index: dict[int, int] = {}  # layer -> the order it was first seen in
         shadow_slots = n_slots // self._stride
         self._shadows = (_FrequencyShadow(self.frequency, shadow_slots), LruKeys(shadow_slots))
         self.lead = [0.0, 0.0]  # fading hits of the frequency and the recency shadow
@@ -211,17 +228,21 @@ class CachePolicy:
         for k in keys:
             if k in self.recency:
                 self.recency.move_to_end(k)
-        # A step is one layer's; one larger than the shadows (a prefill's wave) would not fit them.
-        if keys and keys[0].layer % self._stride == 0 and len(keys) <= self._shadows[1].n_slots:
-            fade = 2 ** (-len(keys) / self._lead_half_life)
-            self.lead = [lead * fade + shadow.access(keys) for lead, shadow in zip(self.lead, self._shadows)]
+        if not keys or self._layer_index.setdefault(keys[0].layer, len(self._layer_index)) % self._stride:
+            return  # a step is one layer's, and this layer is not sampled
+        if len(keys) > self._shadows[1].n_slots:  # a prefill's wave larger than the shadows: not replayed,
+            self._shadows[0].renew(keys)  # but its scores, shared with the frequency shadow, moved
+            return
+        fade = 2 ** (-len(keys) / self._lead_half_life)
+        self.lead = [lead * fade + shadow.access(keys) for lead, shadow in zip(self.lead, self._shadows)]
 
     def victims(self, n: int, protected: set[ExpertKey]) -> list[int]:
         """n slots to fill: empty ones first, then the leading rule's choice; never one in
         `protected` (this step's)."""
-        if self.rule == "frequency" or len(self.frequency._empty) >= n:
+        empty = self.frequency.empty_slots
+        if self.rule == "frequency" or len(empty) >= n:
             return self.frequency.victims(n, protected)
-        needed = n - len(self.frequency._empty)
+        needed = n - len(empty)
         last_use = self.frequency.last_use
         # self.recency is in the order of last use; the experts of one step come in whatever order
         # its caller listed them, so those tied with the last one taken are ordered by key.
@@ -232,10 +253,9 @@ class CachePolicy:
             if k not in protected:
                 candidates.append(k)
         if len(candidates) < needed:
-            raise CacheTooSmall(f"{n} experts to load but only {len(self.frequency._empty) + len(candidates)} slots "
-                                "may be reused")
+            raise CacheTooSmall(f"{n} experts to load but only {len(empty) + len(candidates)} slots may be reused")
         candidates.sort(key=lambda k: (last_use[k], k))
-        return self.frequency._empty[:] + [self.slot_of[k] for k in candidates[:needed]]
+        return empty[:] + [self.slot_of[k] for k in candidates[:needed]]
 
     def place(self, slot: int, key: ExpertKey) -> ExpertKey | None:
         """Puts `key` in `slot`; returns the expert evicted from it, if any."""

@@ -199,9 +199,10 @@ def tiered_hit_rates(requests: Requests, vram_slots: int, ram_slots: int, warmup
     """The worker's VRAM cache (its own policy) over the requests, and expertd's RAM tier (its own
     policy and admission rule, daemon/ram_policy.py) over what the VRAM cache missed, each layer
     call's misses one FETCH: (VRAM hits / keys requested, RAM hits / VRAM misses), counted after
-    the first `warmup` waves. Holds on RAM blocks (a block being copied is not evicted) are not
-    modelled: with one worker a block is held only while its layer's misses are copied, never when
-    the next FETCH comes."""
+    the first `warmup` waves. A block admitted for this FETCH is still being read, so it is not
+    evicted for another of its keys (as in the daemon); holds on RAM blocks being copied are not
+    modelled (with one worker a block is held only while its layer's misses are copied, never when
+    the next FETCH comes), nor are the worker's prefetches, which the daemon counts as requests too."""
     from expertpack.daemon.ram_policy import RamPolicy  # pure bookkeeping; the daemon's own rule
 
     vram = InUse(vram_slots)
@@ -216,16 +217,19 @@ def tiered_hit_rates(requests: Requests, vram_slots: int, ram_slots: int, warmup
         if not missed or not ram_slots:
             continue
         ram.touch(missed)
+        reading: set[ExpertKey] = set()  # admitted for this FETCH: not evicted before it is read
         for k in missed:
             if k in ram.admitted:
                 ram_hits += counted
             elif len(ram.admitted) < ram_slots:
                 ram.admit(k)
+                reading.add(k)
             else:
-                victim = ram.victim(k, lambda _: True)
+                victim = ram.victim(k, lambda v: v not in reading)
                 if victim is not None:
                     ram.forget(victim)
                     ram.admit(k)
+                    reading.add(k)
     return (vram_hits / requested if requested else 0.0, ram_hits / misses if misses else 0.0)
 
 

@@ -1,18 +1,20 @@
 """`expertpack plan PACK`: how a pack would run on a machine, before running it. It sizes the worker's
 VRAM expert cache from the GPU memory left after the trunk and a reserve, and expertd's RAM tier
 behind it; predicts their hit rates (a routing trace, or uniform routing simulated, replayed
-through the worker's cache policy and the daemon's RAM tier policy); and from the bytes a token then reads predicts decode tok/s and which bound
-holds: the disk (expert blocks the RAM tier missed, read whole with O_DIRECT), PCIe (the payloads
-the VRAM cache missed, copied to the GPU) or compute (the resident decode step, when given). Two
-figures: today's worker fetches a layer's misses after its router ran and waits for them (compute
-+ the slower of disk and PCIe); with prefetch overlapping them (the streaming issue's goal), the
-slowest of the three. It can write the `worker.toml` and `expertd.toml` for that split.
+through the worker's cache policy and the daemon's RAM tier policy); and from the bytes a token
+then reads predicts decode tok/s and which bound holds: the disk (expert blocks the RAM tier
+missed, read whole with O_DIRECT), PCIe (the payloads the VRAM cache missed, copied to the GPU) or
+compute (the resident decode step, when given). Two figures: today's worker fetches a layer's
+misses after its router ran and waits for them (compute + the slower of disk and PCIe); with
+prefetch overlapping them (the streaming issue's goal), the slowest of the three. It can write the
+`worker.toml` and `expertd.toml` for that split.
 
 --layers N projects a truncated pack (`expertpack synth --preset NAME --layers 4`, at the real
-model's shapes) onto the whole model of N layers: the expert bytes per token, the experts to cache
-and the compute per token grow with the layers, the trunk by its per-layer tensors, and a trace's
-hit rate is replayed at the same share of each layer's experts. Every input is printed with where
-it came from, so the arithmetic can be checked by hand.
+model's shapes) onto the whole model of N layers: the expert bytes per token and the experts to
+cache grow with the MoE layers, the trunk by its MoE layers' tensors, the compute time by the bytes
+a decode step reads (the trunk less its embedding table, and the top-k experts), and a trace's
+hit rates are replayed at each tier's share of the experts. Every input is printed with where it
+came from, so the arithmetic can be checked by hand.
 
   expertpack plan PACK [--vram-gib G] [--ram-gib R] [--disk-gbps B] [--pcie-gbps P] [--compute-tok-s C]
                        [--layers N] [--trace FILE] [--write DIR] [--json]"""
@@ -30,9 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
-
-from expertpack.daemon.ram_tier import RamBudgetError, ram_slot_count
+from expertpack.daemon.ram_tier import ram_slot_count
+from expertpack.daemon.staging import lockable_bytes
 from expertpack.packtools.errors import ExpertpackError
 from expertpack.packtools.gguf_source import open_source
 from expertpack.packtools.layout import PACK_FILE, Manifest
@@ -154,11 +155,15 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
         if args.layers <= dense:
             raise PlanError(f"--layers {args.layers}: the model's first {dense} layers are dense; give more")
         n_moe = args.layers - dense
+        embedding, moe_trunk = _trunk_parts(args.pack / m.trunk.file, m)
+        read_before = trunk - embedding + payload  # what a decode step reads: one embedding row only
         blocks, payload = blocks * n_moe // moe, payload * n_moe // moe
-        trunk = _projected_trunk_bytes(args.pack / m.trunk.file, m, n_moe)
-        if compute:
-            compute *= m.model.n_layer / args.layers
-            sources["compute"] = f"--compute-tok-s x {m.model.n_layer}/{args.layers} layers"
+        trunk += moe_trunk * n_moe // moe - moe_trunk
+        if compute:  # decode is bound by the bytes it reads
+            read_after = trunk - embedding + payload
+            compute *= read_before / read_after
+            sources["compute"] = (f"--compute-tok-s x {read_before / 1e9:.3f} / {read_after / 1e9:.3f} GB a decode "
+                                  "step reads (the trunk less its embedding table, and the top-k experts)")
         sources["layers"] = (f"--layers {args.layers}: the pack's {moe} MoE layers' figures x {n_moe}/{moe}, the "
                              "trunk's MoE-layer tensors too")
     ram_slot_bytes = m.max_stride
@@ -167,23 +172,24 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
         ram, sources["ram"] = int(args.ram_gib * GIB), "--ram-gib"
     else:
         staging = max(64, 2 * k) * ram_slot_bytes  # what expertd.toml gets (write_configs)
-        try:
-            slots, why = ram_slot_count(None, ram_slot_bytes, staging, psutil.virtual_memory().available, n_blocks)
-        except RamBudgetError as exc:
-            raise PlanError(str(exc)) from None
+        slots, why = ram_slot_count(None, ram_slot_bytes, staging, lockable_bytes()[0], n_blocks)
         ram, sources["ram"] = slots * ram_slot_bytes, f"as expertd would size it on this host: {why}"
     return Inputs(str(args.pack), n_moe, m.model.n_expert, k, blocks, payload, pack_slot_bytes(m), trunk, vram,
                   int(args.reserve_gib * GIB), ram, ram_slot_bytes, moe, disk, args.pcie_gbps or DEFAULT_PCIE_GBPS,
                   compute, sources)
 
 
-def _projected_trunk_bytes(trunk_file: Path, m: Manifest, n_moe: int) -> int:
-    """The trunk of a model with n_moe MoE layers: the pack's trunk.gguf with its MoE layers'
-    tensors (blk.N.* of a MoE layer) in n_moe / (the pack's MoE layers) times; the rest (embeddings,
-    output head, dense layers, the file's header) as it is."""
-    moe = sum(t.nbytes for t in open_source(trunk_file).tensors
-              if t.name.split(".")[0] == "blk" and int(t.name.split(".")[1]) in m.model.moe_layers)
-    return m.trunk.size_bytes - moe + moe * n_moe // len(m.model.moe_layers)
+def _trunk_parts(trunk_file: Path, m: Manifest) -> tuple[int, int]:
+    """The trunk's embedding table (token_embd: a decode step reads one row of it) and its MoE
+    layers' tensors (blk.N.* of a MoE layer), in bytes."""
+    embedding = moe = 0
+    for t in open_source(trunk_file).tensors:
+        parts = t.name.split(".")
+        if t.name.startswith("token_embd."):
+            embedding += t.nbytes
+        elif parts[0] == "blk" and int(parts[1]) in m.model.moe_layers:
+            moe += t.nbytes
+    return embedding, moe
 
 
 def _gpu_memory() -> int:

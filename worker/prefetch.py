@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Collection, Iterable, Iterator
 
-from expertpack.client import ClientError, Expert, ExpertClient, Pending
+from expertpack.client import ClientError, Expert, ExpertClient, Pending, Priority
 from expertpack.packtools.layout import ExpertKey
 
 if TYPE_CHECKING:
@@ -130,21 +130,28 @@ class Prefetches:
     def fetch(self, keys: list[ExpertKey]) -> Iterator[tuple[Expert, bool]]:
         """Every key as a demand fetch would give it, and whether a prefetch brought it: first the
         prefetched ones already in, then the rest fetched at DEMAND priority as they arrive, then
-        the prefetched ones still on the way. A prefetch that failed or died is fetched again on
-        demand (which raises what the daemon says, or reconnects)."""
+        the prefetched ones still on the way. Where prefetched ones are in, the rest are asked for
+        before those are handed over (one FETCH each), so that their copies overlap its reads
+        rather than delay its request. A fetch that failed or died is fetched again on demand
+        (which raises what the daemon says, or reconnects)."""
         with self.link._lock:
-            if self._live() is not None:
+            client = self._live()
+            if client is not None:
                 self._pump()
                 self.taken = [self.entries.pop(key) for key in keys if key in self.entries]
             prefetched = {pending.key for pending in self.taken}
             rest = [key for key in keys if key not in prefetched]
             arrived = [pending for pending in self.taken if pending.answered]
             waiting = [pending for pending in self.taken if not pending.answered]
+            demand = self._ask(client, rest) if arrived and rest else None
             again: list[ExpertKey] = []
             try:
                 for pending in arrived:
                     yield from self._result(pending, again)
-                if rest:
+                if demand is not None:
+                    for pending in demand:
+                        yield from self._result(pending, again, prefetched=False)
+                elif rest:
                     yield from ((expert, False) for expert in self.link.fetch(rest))
                 for pending in waiting:
                     yield from self._result(pending, again)
@@ -155,8 +162,26 @@ class Prefetches:
                     pending.cancel()
                 self.taken = []
 
-    def _result(self, pending: Pending, again: list[ExpertKey]) -> Iterator[tuple[Expert, bool]]:
-        """The prefetched expert, or its key added to `again` when it cannot come from the prefetch."""
+    def _ask(self, client: ExpertClient | None, keys: list[ExpertKey]) -> list[Pending] | None:
+        """Sends a DEMAND FETCH of each key now (taken, as prefetches are: handed over or cancelled
+        by fetch()); None when it cannot be sent (the daemon's link's own fetch then recovers)."""
+        if client is None:
+            return None
+        asked: list[Pending] = []
+        try:
+            for key in keys:
+                asked.append(client.submit(key, Priority.DEMAND))
+        except ClientError as exc:
+            log.debug("demand not sent ahead (%s): fetched after the prefetched ones", exc)
+            for pending in asked:
+                pending.cancel()
+            return None
+        self.taken += asked
+        return asked
+
+    def _result(self, pending: Pending, again: list[ExpertKey], prefetched: bool = True
+                ) -> Iterator[tuple[Expert, bool]]:
+        """The expert, or its key added to `again` when it cannot come from this request."""
         self.taken.remove(pending)
         if pending.client is not self.link.client:
             again.append(pending.key)  # the session it was sent on is gone, and its slot with it
@@ -164,8 +189,9 @@ class Prefetches:
         try:
             expert = pending.result()
         except ClientError as exc:  # FAIL (FetchFailed), the daemon gone, no answer in time
-            log.debug("prefetch of %s not delivered (%s): fetching it on demand", tuple(pending.key), exc)
+            log.debug("%s of %s not delivered (%s): fetching it on demand", "prefetch" if prefetched else "demand",
+                      tuple(pending.key), exc)
             pending.cancel()
             again.append(pending.key)
             return
-        yield expert, True
+        yield expert, prefetched

@@ -6,11 +6,12 @@ that cannot hold one step."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from expertpack.packtools.layout import ExpertKey
-from expertpack.worker.cache_policy import CachePolicy, CacheTooSmall, FrequencyPolicy, slot_count
+from expertpack.worker.cache_policy import SHADOW_SLOTS, CachePolicy, CacheTooSmall, FrequencyPolicy, LruKeys, slot_count
 
 MIB = 2**20
 
@@ -132,8 +133,6 @@ def naive_victims(policy: FrequencyPolicy, n: int, protected: set[ExpertKey]) ->
 def test_the_heap_picks_what_sorting_every_resident_expert_picks(seed: int) -> None:
     """Driven as the expert cache drives it over a long random run with hot and cold experts (and
     evicted experts coming back): every victims() answer equals the sorted rule's."""
-    import random
-
     rng = random.Random(seed)
     keys = [ExpertKey(l, e) for l in range(4) for e in range(24)]
     weights = [1 / (i + 1) for i in range(len(keys))]
@@ -195,8 +194,6 @@ def test_a_new_working_set_takes_over_once_recency_leads() -> None:
 def test_independent_popular_experts_stay_with_frequency() -> None:
     """Tokens drawing experts independently from fixed popularities: frequency keeps the popular
     ones and beats LRU; the policy stays with it."""
-    import random
-
     rng = random.Random(3)
     keys = [ExpertKey(0, i) for i in range(64)]
     weights = [1 / (i + 1) ** 1.1 for i in range(64)]
@@ -204,3 +201,58 @@ def test_independent_popular_experts_stay_with_frequency() -> None:
     freq_hits, adaptive_hits = drive(FrequencyPolicy(16), steps), drive(CachePolicy(16), steps)
     assert adaptive_hits >= 0.98 * freq_hits
     assert adaptive_hits > 1.05 * lru_hits(16, steps), (adaptive_hits, lru_hits(16, steps))
+
+
+class RecencyLeads(CachePolicy):
+    @property
+    def rule(self) -> str:
+        return "recency"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_under_the_recency_rule_the_cache_holds_what_lru_holds(seed: int) -> None:
+    """Driven over a long random run with the recency rule leading: no victim is of the current
+    step or named twice, and the resident experts are always the ones LRU keeps, whatever order
+    a step lists its keys in."""
+    rng = random.Random(seed)
+    keys = [ExpertKey(l, e) for l in range(3) for e in range(20)]
+    n = rng.randint(8, 30)
+    policy, lru = RecencyLeads(n), LruKeys(n)
+    for _ in range(2000):
+        step = rng.sample(keys, rng.randint(1, 8))
+        policy.touch(step)
+        lru.access(step)
+        misses = [k for k in step if k not in policy.slot_of]
+        if misses:
+            slots = policy.victims(len(misses), set(step))
+            assert len(set(slots)) == len(slots) == len(misses)
+            assert not {policy.holder[s] for s in slots} & set(step)
+            for slot, key in zip(slots, misses):
+                policy.place(slot, key)
+        assert set(policy.slot_of) == set(lru.resident) == set(policy.recency)
+
+
+def test_a_prefill_wave_larger_than_the_shadows_leaves_them_working() -> None:
+    """A cache beyond SHADOW_SLOTS samples layers for its shadows, which hold fewer experts than
+    a long prompt's wave of one layer: such a wave skips them, and the decode after it goes on
+    (the frequency shadow shares the scores that wave moved)."""
+    n_expert, layers = 384, 4
+    n_slots = SHADOW_SLOTS + 1
+    policy = CachePolicy(n_slots)
+    rng = random.Random(0)
+    decode = lambda: [[ExpertKey(l, e) for e in rng.sample(range(n_expert), 8)] for l in range(layers)]
+    for _ in range(50):
+        drive(policy, decode())
+    drive(policy, [[ExpertKey(l, e) for e in range(n_expert)] for l in range(layers)])  # one wave a layer
+    for _ in range(50):
+        drive(policy, decode())
+    assert len(policy.slot_of) == n_slots
+
+
+def test_the_shadows_sample_layers_in_the_order_first_seen() -> None:
+    """Layers numbered oddly (MoE on odd layers only) still feed the shadows."""
+    n_slots = 2 * SHADOW_SLOTS  # stride 2
+    policy = CachePolicy(n_slots)
+    old = [ExpertKey(1, i) for i in range(8)]
+    drive(policy, [old[:4], old[4:]] * 40)
+    assert policy.lead[0] > 0 and policy.lead[1] > 0

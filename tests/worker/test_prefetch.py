@@ -196,6 +196,42 @@ def test_a_prefetched_expert_is_copied_in_without_a_second_read(qwen3) -> None:
         cache.close()
 
 
+def test_the_rest_is_asked_for_before_the_prefetched_experts_are_copied(qwen3) -> None:
+    """Two of a layer's four experts were prefetched and are in: the DEMAND FETCHes of the other two
+    go out before the first prefetched expert is copied in (its copy then overlaps their reads),
+    and all four arrive byte for byte the pack's, each read once."""
+    manifest, pack, d = qwen3
+    cache = cache_on(manifest, d, slots=4)
+    direct = PackExperts(pack, manifest)
+    sent: list[p.Message] = []
+    send = cache.link.client._send
+    cache.link.client._send = lambda msg: (sent.append(msg), send(msg))[1]
+    demands_at_copy: list[int] = []
+    copy_in = cache._copy_in
+    cache._copy_in = lambda *a: (demands_at_copy.append(sum(isinstance(m, p.Fetch) and m.prio is p.Priority.DEMAND
+                                                            for m in sent)), copy_in(*a))[1]
+    try:
+        layer = manifest.layers[1].layer
+        cache.prefetch(layer, [0, 1])
+        wait_answered(cache.link, [ExpertKey(layer, 0), ExpertKey(layer, 1)])
+        loaded = cache.load(layer, [0, 1, 2, 3])
+        assert demands_at_copy[0] == 2 and len(demands_at_copy) == 4
+        demands = [m for m in sent if isinstance(m, p.Fetch) and m.prio is p.Priority.DEMAND]
+        assert sorted(key for m in demands for key in m.keys) == [ExpertKey(layer, 2), ExpertKey(layer, 3)]
+        assert cache.link.stats()["counters"]["pack_read_bytes"] == 4 * manifest.layer(layer).stride
+        want = direct.load(layer, [0, 1, 2, 3])
+        for e in range(4):
+            for role, tensor in want[e].items():
+                assert torch.equal(loaded[e][role].raw, tensor.raw), f"{e} {role}"
+        c = cache.counters
+        assert (c.misses, c.prefetch_issued, c.prefetch_used) == (4, 2, 2)
+        cache.layer_done(layer)
+        assert_nothing_held(cache.link)
+    finally:
+        direct.close()
+        cache.close()
+
+
 def test_stale_prefetches_are_cancelled_and_their_slots_come_back(qwen3) -> None:
     manifest, _, d = qwen3
     cache = cache_on(manifest, d)
