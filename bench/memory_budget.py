@@ -77,16 +77,16 @@ class MemoryBudget:
 
     @property
     def current_bytes(self) -> int | None:
-        try:
-            return int((self.path / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
-        except (OSError, ValueError):
-            return None
+        return self._number("memory.current" if self.v2 else "memory.usage_in_bytes")
 
     @property
     def peak_bytes(self) -> int | None:
         """The cgroup's own peak (v2 memory.peak, Linux 5.19 or later; v1 memory.max_usage_in_bytes)."""
+        return self._number("memory.peak" if self.v2 else "memory.max_usage_in_bytes")
+
+    def _number(self, name: str) -> int | None:
         try:
-            return int((self.path / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")).read_text())
+            return int((self.path / name).read_text())
         except (OSError, ValueError):
             return None
 
