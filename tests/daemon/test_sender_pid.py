@@ -37,16 +37,25 @@ def test_a_closed_connections_queued_messages_name_their_sender_after_its_fd_is_
     try:
         gone = subprocess.Popen([sys.executable, "-c", SENDER, endpoint, "late", "500", "0"])
         assert gone.wait(timeout=60) == 0
-        time.sleep(0.3)  # its disconnect is seen: the fd is free for the next connection
-        current = subprocess.Popen([sys.executable, "-c", SENDER, endpoint, "current", "1", "60"])
         senders: dict[bytes, set[int | None]] = {}
         fds: dict[bytes, set[int]] = {}
+
+        def read() -> None:
+            frames = router.recv_multipart(copy=False)
+            senders.setdefault(frames[-1].bytes, set()).add(_sender_pid(frames[-1]))
+            fds.setdefault(frames[-1].bytes, set()).add(frames[-1].get(zmq.SRCFD))
+
+        assert router.poll(30_000)
+        read()  # one of the late ones: the fd its connection had
+        (old_fd,) = fds[b"late"]
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/self/fd/{old_fd}").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # libzmq closes it once it has seen the disconnect: free for the next connection
+        current = subprocess.Popen([sys.executable, "-c", SENDER, endpoint, "current", "1", "60"])
         deadline = time.monotonic() + 30
         while b"current" not in fds and time.monotonic() < deadline:
-            if router.poll(200):  # the late ones first, read after the new connection was accepted
-                frames = router.recv_multipart(copy=False)
-                senders.setdefault(frames[-1].bytes, set()).add(_sender_pid(frames[-1]))
-                fds.setdefault(frames[-1].bytes, set()).add(frames[-1].get(zmq.SRCFD))
+            if router.poll(200):  # the other late ones, read after the new connection was accepted
+                read()
         assert fds[b"late"] == fds[b"current"], fds  # libzmq gave the closed connection's fd to the new one
         (fd,) = fds[b"current"]
         assert {_peer_pid(fd)} == senders[b"current"] == {current.pid}  # the fd is the new connection's now
