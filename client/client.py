@@ -155,6 +155,15 @@ class Pending:
         assert isinstance(msg, p.Ready)
         return self.client._expert(msg)
 
+    def promote(self) -> None:
+        """The key is needed now: expertd reads it at DEMAND priority if it has not answered yet
+        (protocol v5). Nothing to do once its answer is in, taken or cancelled."""
+        inbox = self.client._inbox.get(self.request_id)
+        if inbox is None or inbox or self.prio is p.Priority.DEMAND:
+            return
+        self.prio = p.Priority.DEMAND
+        self.client._send_if_alive(p.Promote(self.request_id))
+
     def cancel(self) -> None:
         """Gives up the key: an answer already in is released now; otherwise expertd is asked to
         cancel, and its answer (FAIL CANCELLED, or the READY of a read already started) is

@@ -1,4 +1,4 @@
-"""Protocol v4 between expertd and its clients: the one module that knows the wire format.
+"""Protocol v5 between expertd and its clients: the one module that knows the wire format.
 
 Transport: ZeroMQ, the daemon a ROUTER, each client a DEALER. Every message is ONE frame holding ONE
 msgpack map with an integer `op`:
@@ -22,6 +22,8 @@ msgpack map with an integer `op`:
     RELEASE{slots: [slot, ...]}       (no reply; leased slots return to the client's free pool; each
                                          listing of a RAM tier slot ends one hold on it)
     CANCEL{id}                        -> FAIL{code=CANCELLED} for each key of id not yet READY
+    PROMOTE{id}                       (v5; no reply: the keys of FETCH id not yet answered are needed
+                                         now, and go at DEMAND priority, queued or already being read)
     STATS                             -> STATS_REPLY{stats}
     PING                              -> PONG
     HEARTBEAT                         (v4; no reply: says only that the client is alive)
@@ -58,6 +60,11 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
        disarms that TTL at each message: a client frozen just after a request kept its leases for
        ever. A v3 client sends no HEARTBEAT and would lose its session whenever idle, hence the new
        version.
+    5  (2026-12-01) PROMOTE{id} (no reply): a FETCH sent at PREFETCH priority whose keys are needed
+       now (the worker's prefetch of a layer that has started and chose them) goes at DEMAND
+       priority, in the client's queue and in the readers' queue. Until v4 such keys waited behind
+       every other client's demand reads. A v4 daemon would answer PROMOTE with ERROR UNKNOWN_OP,
+       which a client reads as the end of its session, hence the new version.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ import msgpack
 
 from expertpack.packtools.layout import ExpertKey
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
 MAX_KEYS = 65536
 MAX_TEXT = 1024
@@ -96,6 +103,7 @@ class Op(IntEnum):
     ERROR = 12
     BYE = 13
     HEARTBEAT = 14  # v4
+    PROMOTE = 15  # v5
 
 
 class ErrorCode(IntEnum):
@@ -304,6 +312,13 @@ class Cancel(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Promote(Message):
+    op = Op.PROMOTE
+    id: int
+    checks = {"id": _ID}
+
+
+@dataclass(frozen=True, slots=True)
 class Stats(Message):
     op = Op.STATS
 
@@ -347,7 +362,8 @@ class Bye(Message):
 
 # The one dispatch table from op to message class.
 MESSAGES: dict[Op, type[Message]] = {cls.op: cls for cls in (
-    Hello, Welcome, Fetch, Ready, Fail, Release, Cancel, Stats, StatsReply, Ping, Pong, Error, Bye, Heartbeat)}
+    Hello, Welcome, Fetch, Ready, Fail, Release, Cancel, Stats, StatsReply, Ping, Pong, Error, Bye, Heartbeat,
+    Promote)}
 
 
 def encode(msg: Message) -> bytes:

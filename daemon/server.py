@@ -427,6 +427,8 @@ class ExpertDaemon:
             self._release(self.sessions[identity], msg)
         elif isinstance(msg, p.Cancel):
             self._cancel(self.sessions[identity], msg)
+        elif isinstance(msg, p.Promote):
+            self._promote(self.sessions[identity], msg)
         else:
             self._error(identity, p.ErrorCode.UNKNOWN_OP, f"{msg.op.name} is sent by the daemon, not to it")
 
@@ -546,6 +548,28 @@ class ExpertDaemon:
                 self._finish(work, p.FailCode.CANCELLED, "cancelled")
         # Answered keys leave the queues now, so repeated FETCH + CANCEL cannot grow them.
         session.pending = tuple(deque(w for w in q if not w.done) for q in session.pending)
+
+    def _promote(self, session: Session, msg: p.Promote) -> None:
+        """PROMOTE (v5): the FETCH's keys not answered yet go at DEMAND priority: those still in the
+        client's queue move to its demand queue (behind the demand already there), those being read
+        move up the readers' queue, and so does the read a key waits on in the RAM tier."""
+        request = session.requests.get(msg.id)
+        if request is None:
+            return  # answered in full already: a promote racing the last READY is not an error
+        promoted = [w for w in request.works if not w.done and not w.cancelled and w.prio is not p.Priority.DEMAND]
+        for work in promoted:
+            work.prio = p.Priority.DEMAND
+            if work.slot is None:
+                continue  # still queued: moved below
+            reader = self._waiting.get(work.slot, [work])[0] if work.ram else work  # whose read fills the slot
+            reader.prio = p.Priority.DEMAND
+            self.readers.promote(reader, int(p.Priority.DEMAND))
+        queued = {id(w) for w in promoted if w.slot is None}
+        if queued:
+            demand, prefetch = session.pending
+            session.pending = (deque([*demand, *(w for w in prefetch if id(w) in queued)]),
+                               deque(w for w in prefetch if id(w) not in queued))
+            self._dispatch(session)
 
     # ---- reads -------------------------------------------------------------------------------
     def _dispatch(self, session: Session) -> None:

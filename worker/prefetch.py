@@ -130,9 +130,9 @@ class Prefetches:
     def fetch(self, keys: list[ExpertKey]) -> Iterator[tuple[Expert, bool]]:
         """Every key as a demand fetch would give it, and whether a prefetch brought it: first the
         prefetched ones already in, then the rest fetched at DEMAND priority as they arrive, then
-        the prefetched ones still on the way. Where prefetched ones are in, the rest are asked for
-        before those are handed over (one FETCH each), so that their copies overlap its reads
-        rather than delay its request. A fetch that failed or died is fetched again on demand
+        the prefetched ones still on the way, promoted to DEMAND priority. Where prefetched ones are
+        in, the rest are asked for before those are handed over (one FETCH each), so that their
+        copies overlap its reads rather than delay its request. A fetch that failed or died is fetched again on demand
         (which raises what the daemon says, or reconnects)."""
         with self.link._lock:
             client = self._live()
@@ -144,6 +144,8 @@ class Prefetches:
             arrived = [pending for pending in self.taken if pending.answered]
             waiting = [pending for pending in self.taken if not pending.answered]
             demand = self._ask(client, rest) if arrived and rest else None
+            for pending in waiting:  # needed now: no longer behind other clients' demand reads
+                pending.promote()
             again: list[ExpertKey] = []
             try:
                 for pending in arrived:

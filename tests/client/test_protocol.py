@@ -28,6 +28,7 @@ EXAMPLES: list[p.Message] = [
     p.Error(p.ErrorCode.BAD_FIELD, "nope"),
     p.Bye("shutting down"),
     p.Heartbeat(),
+    p.Promote(7),
     p.Welcome(4, FP, {"arch": "qwen3moe"}, "expertpack-1-abcd", 1 << 20, 1 << 16, (0, 1), 4, 12, 1000, 10_000),
 ]
 
@@ -64,7 +65,6 @@ def test_version_3_adds_the_ram_tier_to_welcome() -> None:
 def test_version_4_adds_liveness() -> None:
     """v4: HEARTBEAT (op 14, no fields, no reply) and WELCOME's heartbeat interval and timeout; a
     WELCOME without them (a daemon with no liveness rule) decodes as 0 and 0."""
-    assert p.PROTOCOL_VERSION == 4
     assert p.encode(p.Heartbeat()).hex() == "81a26f700e"
     welcome = p.Welcome(4, FP, {}, "s", 8192, 4096, (0,), 0, 0, 1000, 10_000)
     wire = msgpack.unpackb(p.encode(welcome))
@@ -74,6 +74,14 @@ def test_version_4_adds_liveness() -> None:
     assert isinstance(old, p.Welcome) and (old.heartbeat_interval_ms, old.heartbeat_timeout_ms) == (0, 0)
     with pytest.raises(p.ProtocolError, match="heartbeat_timeout_ms"):
         p.decode(msgpack.packb({**wire, "heartbeat_timeout_ms": -1}))
+
+
+def test_version_5_adds_promote() -> None:
+    """v5: PROMOTE{id} (op 15, no reply), an id as CANCEL's."""
+    assert p.PROTOCOL_VERSION == 5
+    assert p.encode(p.Promote(7)).hex() == "82" "a26f70" "0f" "a26964" "07"
+    with pytest.raises(p.ProtocolError, match="PROMOTE.id"):
+        p.decode(msgpack.packb({"op": 15, "id": -1}))
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

@@ -2,7 +2,9 @@
 real expertd: it goes at PREFETCH priority; its answer is kept for it while other requests read the
 socket and taken with result(), byte for byte the pack's; cancel() gives its slot back whether the
 answer was in (released at once) or not (CANCEL, and the late answer released when it comes, which
-`abandoned` counts until then); a Pending ends once."""
+`abandoned` counts until then); a Pending ends once; promote() (v5) sends PROMOTE once, and only
+while the answer is not in, and expertd then reads a promoted key before the prefetches queued
+ahead of it."""
 
 from __future__ import annotations
 
@@ -67,3 +69,39 @@ def test_cancel_gives_the_slot_back_answered_or_not(daemon: Daemon, tiny_pack: P
         assert client.abandoned == 0 and slots_back(client)
         counters = client.stats()["counters"]
         assert counters["keys"] == 5 and counters["ready"] + counters["cancelled"] == 5
+
+
+def test_a_promoted_prefetch_overtakes_the_prefetches_queued_before_it(tiny_pack: Path, tmp_path: Path) -> None:
+    """One staging slot: the first of five prefetches is read, the other four wait in the client's
+    queue. PROMOTE of the last moves it to the demand queue: it is read second, before the three
+    sent ahead of it; the rest follow in order. Promoting an answered one sends nothing."""
+    from ..conftest import start_daemon
+
+    m = Manifest.load(tiny_pack)
+    d = start_daemon(tiny_pack, tmp_path, "--client-slots", "1", "--ram-cache-gib", "0")
+    try:
+        d.wait_for("READY=1")
+        with ExpertClient(d.endpoint) as client:
+            sent: list[p.Message] = []
+            put = client._put  # every message goes out through it
+            client._put = lambda msg: (sent.append(msg), put(msg))[1]
+            layer = m.layers[0].layer
+            pendings = [client.submit((layer, e)) for e in range(5)]
+            pendings[4].promote()
+            pendings[4].promote()  # once is enough
+            assert [msg for msg in sent if isinstance(msg, p.Promote)] == [p.Promote(pendings[4].request_id)]
+            order = []
+            left = list(pendings)
+            deadline = time.monotonic() + 30
+            while left:
+                assert time.monotonic() < deadline
+                client.pump()
+                for pending in [x for x in left if x.answered]:  # one slot: one answer at a time
+                    order.append(pending.key.expert)
+                    left.remove(pending)
+                    pending.result().release()
+            assert order == [0, 4, 1, 2, 3]
+            pendings[4].promote()  # answered and taken: nothing to say
+            assert sum(isinstance(msg, p.Promote) for msg in sent) == 1 and slots_back(client)
+    finally:
+        assert d.stop()[0] == 0

@@ -232,6 +232,50 @@ def test_the_rest_is_asked_for_before_the_prefetched_experts_are_copied(qwen3) -
         cache.close()
 
 
+def test_prefetches_still_on_the_way_are_promoted_when_their_layer_needs_them(qwen3) -> None:
+    """expertd is stopped while a layer's prefetches are sent and the layer asks for them: none has
+    arrived, so each is PROMOTEd to DEMAND priority (protocol v5) before the worker waits; once
+    expertd runs again they arrive, byte for byte the pack's, each read once."""
+    import os
+    import signal
+    import threading
+
+    manifest, pack, d = qwen3
+    cache = cache_on(manifest, d, slots=4)
+    direct = PackExperts(pack, manifest)
+    sent: list[p.Message] = []
+    put = cache.link.client._put
+    cache.link.client._put = lambda msg: (sent.append(msg), put(msg))[1]
+    layer = manifest.layers[1].layer
+    loaded: dict = {}
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        cache.prefetch(layer, [0, 1])
+        worker = threading.Thread(target=lambda: loaded.update(cache.load(layer, [0, 1])))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while sum(isinstance(m, p.Promote) for m in sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    try:
+        worker.join(30)
+        promoted = [m.id for m in sent if isinstance(m, p.Promote)]
+        prefetched = [m.id for m in sent if isinstance(m, p.Fetch) and m.prio is p.Priority.PREFETCH]
+        assert sorted(promoted) == sorted(prefetched) and len(promoted) == 2
+        assert not [m for m in sent if isinstance(m, p.Fetch) and m.prio is p.Priority.DEMAND]
+        assert cache.link.stats()["counters"]["pack_read_bytes"] == 2 * manifest.layer(layer).stride
+        want = direct.load(layer, [0, 1])
+        for e in (0, 1):
+            for role, tensor in want[e].items():
+                assert torch.equal(loaded[e][role].raw, tensor.raw), f"{e} {role}"
+        cache.layer_done(layer)
+        assert_nothing_held(cache.link)
+    finally:
+        direct.close()
+        cache.close()
+
+
 def test_stale_prefetches_are_cancelled_and_their_slots_come_back(qwen3) -> None:
     manifest, _, d = qwen3
     cache = cache_on(manifest, d)
