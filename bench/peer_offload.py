@@ -62,21 +62,17 @@ def fitting(all_splits: list[Split], vram_bytes: int) -> list[Split]:
     return [s for s in all_splits if s.vram_bytes + LLAMA_VRAM_MARGIN_GIB * GIB <= vram_bytes]
 
 
-def rates(records: list[dict]) -> dict[str, float]:
-    """llama-bench's `-o json` -> tokens/s by test (pp32, tg32)."""
-    return {(f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"): r["avg_ts"] for r in records}
-
-
 def llama_run(bin_dir: Path, gguf: Path, split: Split, args: argparse.Namespace) -> dict:
     from expertpack.bench.memory_budget import run
+    from expertpack.bench.peer_llamacpp import parse_llama_bench
 
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-ngl", "99", "-ncmoe", str(split.ncmoe),
            "-p", str(args.pp), "-n", str(args.tg), "-r", str(args.reps), "-o", "json"]
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     result = run(cmd, int(args.ram_gib * GIB), capture=True, timeout_s=args.timeout_s)
     try:
-        result["rates"] = rates(json.loads(result.pop("stdout") or "[]"))
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        result["rates"] = parse_llama_bench(json.loads(result.pop("stdout") or "[]"))[0].tokens_per_s
+    except (json.JSONDecodeError, KeyError, TypeError, IndexError) as exc:
         result["rates"] = {}
         result["error"] = f"llama-bench printed no results ({exc})"
     return result

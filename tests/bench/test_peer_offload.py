@@ -1,5 +1,6 @@
 """bench/peer_offload.py's arithmetic: which llama.cpp `-ncmoe` splits fit a VRAM budget (the
-experts of the first K layers stay in host memory) and how llama-bench's JSON reads. The runs
+experts of the first K layers stay in host memory; llama-bench's JSON reads as in
+bench/peer_llamacpp.py). The runs
 themselves need a GPU, root and a llama.cpp build (BENCHMARKS.md has them)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from expertpack.bench.peer_offload import GIB, LLAMA_VRAM_MARGIN_GIB, Split, fitting, rates, splits
+from expertpack.bench.peer_offload import GIB, LLAMA_VRAM_MARGIN_GIB, Split, fitting, splits
 
 from ..conftest import REPO
 
@@ -23,12 +24,6 @@ def test_only_splits_that_fit_the_vram_with_the_margin_count() -> None:
     all_ = splits(2 * GIB, {0: GIB, 1: GIB, 2: GIB}, 3)  # 5, 4, 3, 2 GiB of weights
     assert [s.ncmoe for s in fitting(all_, 4 * GIB + margin)] == [1, 2, 3]
     assert fitting(all_, 2 * GIB + margin - 1) == []
-
-
-def test_llama_bench_json_reads_as_rates_by_test() -> None:
-    records = [{"n_prompt": 32, "n_gen": 0, "avg_ts": 812.5, "stddev_ts": 3.0},
-               {"n_prompt": 0, "n_gen": 32, "avg_ts": 21.25, "stddev_ts": 0.4}]
-    assert rates(records) == {"pp32": 812.5, "tg32": 21.25}
 
 
 def test_help_says_what_it_compares() -> None:

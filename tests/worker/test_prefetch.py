@@ -159,6 +159,15 @@ def qwen3(fixture_packs, tmp_path: Path):
     assert d.stop()[0] == 0
 
 
+def assert_as_packed(loaded: dict, direct: PackExperts, layer: int, experts: list[int]) -> None:
+    """The cache loaded exactly `experts`, each holding, role by role, the bytes of the pack itself."""
+    assert sorted(loaded) == sorted(experts)
+    want = direct.load(layer, experts)
+    for e in experts:
+        for role, tensor in want[e].items():
+            assert torch.equal(loaded[e][role].raw, tensor.raw), f"expert {e} {role}"
+
+
 def cache_on(manifest: Manifest, d: Daemon, slots: int | None = None) -> ExpertCache:
     link = DaemonLink(d.endpoint, manifest.fingerprint, CPU, timeout_s=10.0, down_timeout_s=5.0)
     n = slots or manifest.model.n_expert_used
@@ -182,10 +191,7 @@ def test_a_prefetched_expert_is_copied_in_without_a_second_read(qwen3) -> None:
         after = cache.link.stats()["counters"]
         assert after["keys"] == before["keys"] == 4  # no demand FETCH: the prefetches delivered
         assert after["pack_read_bytes"] == 4 * manifest.layer(layer).stride  # each block read once
-        want = direct.load(layer, [k.expert for k in keys])
-        for k in keys:
-            for role, tensor in want[k.expert].items():
-                assert torch.equal(loaded[k.expert][role].raw, tensor.raw), f"{k} {role}"
+        assert_as_packed(loaded, direct, layer, [k.expert for k in keys])
         c = cache.counters
         assert (c.misses, c.prefetch_issued, c.prefetch_used, c.prefetch_stale) == (4, 4, 4, 0)
         cache.layer_done(layer)
@@ -219,10 +225,7 @@ def test_the_rest_is_asked_for_before_the_prefetched_experts_are_copied(qwen3) -
         demands = [m for m in sent if isinstance(m, p.Fetch) and m.prio is p.Priority.DEMAND]
         assert sorted(key for m in demands for key in m.keys) == [ExpertKey(layer, 2), ExpertKey(layer, 3)]
         assert cache.link.stats()["counters"]["pack_read_bytes"] == 4 * manifest.layer(layer).stride
-        want = direct.load(layer, [0, 1, 2, 3])
-        for e in range(4):
-            for role, tensor in want[e].items():
-                assert torch.equal(loaded[e][role].raw, tensor.raw), f"{e} {role}"
+        assert_as_packed(loaded, direct, layer, [0, 1, 2, 3])
         c = cache.counters
         assert (c.misses, c.prefetch_issued, c.prefetch_used) == (4, 2, 2)
         cache.layer_done(layer)
@@ -265,10 +268,7 @@ def test_prefetches_still_on_the_way_are_promoted_when_their_layer_needs_them(qw
         assert sorted(promoted) == sorted(prefetched) and len(promoted) == 2
         assert not [m for m in sent if isinstance(m, p.Fetch) and m.prio is p.Priority.DEMAND]
         assert cache.link.stats()["counters"]["pack_read_bytes"] == 2 * manifest.layer(layer).stride
-        want = direct.load(layer, [0, 1])
-        for e in (0, 1):
-            for role, tensor in want[e].items():
-                assert torch.equal(loaded[e][role].raw, tensor.raw), f"{e} {role}"
+        assert_as_packed(loaded, direct, layer, [0, 1])
         cache.layer_done(layer)
         assert_nothing_held(cache.link)
     finally:
