@@ -68,19 +68,21 @@ def run(engine, prompt: list[int], n_decode: int, device: str, on_phase, seed: i
     return {"prefill_tps": len(prompt) / prefill_s, "decode_tps": (n_decode - 1) / decode_s, "tokens": tokens}
 
 
-def prepare_pack(preset: str, layers: int | None, workdir: Path) -> tuple[str, Path]:
-    """(name, pack directory) of the synthetic preset (cut to `layers`), synthesized and packed
-    into `workdir` unless there already; shared with decode_workers.py."""
+def prepare_pack(preset: str, layers: int | None, workdir: Path, routing_skew: float = 0.0) -> tuple[str, Path]:
+    """(name, pack directory) of the synthetic preset (cut to `layers`, its routing skewed by
+    `routing_skew` as `expertpack synth --routing-skew` does), synthesized and packed into
+    `workdir` unless there already; shared with decode_workers.py."""
     from expertpack.packtools.build import BuildOptions, build_pack
     from expertpack.packtools.synth.writer import SynthOptions, write_synth
 
     workdir.mkdir(parents=True, exist_ok=True)
-    stem = f"{preset}{f'-{layers}L' if layers else ''}"
+    stem = f"{preset}{f'-{layers}L' if layers else ''}{f'-skew{routing_skew:g}' if routing_skew else ''}"
     src, pack = workdir / f"{stem}.gguf", workdir / f"{stem}.pack"
     if not (pack / "manifest.json").exists():  # written last: an interrupted build resumes
         if not src.exists():
             print(f"synthesizing {src} ...", file=sys.stderr)
-            write_synth(src, SynthOptions(preset=preset, n_layer=layers, progress=False))
+            write_synth(src, SynthOptions(preset=preset, n_layer=layers, routing_skew=routing_skew,
+                                                  progress=False))
         print(f"packing {pack} ...", file=sys.stderr)
         build_pack(src, pack, BuildOptions(progress=False))
     return stem, pack
@@ -161,6 +163,9 @@ def main() -> int:
     p.add_argument("--decode", type=int, default=32, help="tokens decoded one at a time")
     p.add_argument("--ram-cache-gib", type=float, default=0.0,
                    help="expertd's RAM tier (default 0: every miss of the VRAM cache read from the SSD)")
+    p.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
+                   help="synthesize with `expertpack synth --routing-skew S` (Zipf-like expert popularity; "
+                        "default 0: uniform routing, where any cache's hit rate is its share of the experts)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit on the device")
     p.add_argument("--prefetch", choices=sorted(MODES), default="both",
                    help="stream with the worker's prefetch off, on, or both side by side (default)")
@@ -169,7 +174,7 @@ def main() -> int:
     from expertpack.packtools.layout import Manifest
     from expertpack.worker.engine import Engine
 
-    stem, pack = prepare_pack(args.preset, args.layers, args.dir)
+    stem, pack = prepare_pack(args.preset, args.layers, args.dir, args.routing_skew)
     m = Manifest.load(pack)
     expert_bytes = sum(l.payload_bytes * m.model.n_expert for l in m.layers)
     workdir = Path(tempfile.mkdtemp(prefix="decode-streaming-"))
@@ -217,7 +222,8 @@ def main() -> int:
     print(json.dumps({
         "bench": "decode_streaming", "date": date.today().isoformat(), "commit": commit,
         "machine": f"{platform.node()} {os.cpu_count()} cpu", "gpu": gpu, "device": args.device,
-        "torch": torch.__version__, "model": f"synth {args.preset}" + (f" --layers {args.layers}" if args.layers else ""),
+        "torch": torch.__version__, "model": f"synth {args.preset}" + (f" --layers {args.layers}" if args.layers else "")
+        + (f" --routing-skew {args.routing_skew:g}" if args.routing_skew else ""),
         "expert_bytes": expert_bytes, "cache_bytes": n_slots * slot_bytes, "slots": n_slots, "staging_pinned": pinned,
         "ram_cache_gib": args.ram_cache_gib,
         "disk_gb_per_s": round(bandwidth, 3), "disk_measured_by": bandwidth_how,

@@ -12,7 +12,7 @@
 # visible GPU, on one expertd against one worker alone (bench/decode_workers.py FLAGS): the SSD path
 # (no RAM tier), then expertd's default RAM tier; `workers-test` runs tests/gpu/test_two_workers.py
 # (two GPUs, tiny model, argmax and shared reads); each fits one call.
-# `bash bench/device_check.sh flagship PRESET LAYERS FULL_LAYERS CACHE_GIB` (needs .whl only; one
+# `bash bench/device_check.sh flagship PRESET LAYERS FULL_LAYERS CACHE_GIB [FLAGS]` (needs .whl only; one
 # call each, ~6 min) streams the preset at its real shapes, cut to LAYERS, through expertd with
 # CACHE_GIB of VRAM cache, prefetch off and on, beside every expert resident
 # (bench/decode_streaming.py), then projects it with `expertpack plan --layers FULL_LAYERS` onto
@@ -68,9 +68,10 @@ workers)
 flagship)
     install
     preset=$2 layers=$3 full=$4 cache=$5 out=${OUT:-/tmp}
+    shift 5  # the rest goes to decode_streaming.py (e.g. --routing-skew 0.5, --prefetch on)
     mkdir -p bench-out
-    timeout 420 python3 bench/decode_streaming.py --preset "$preset" --layers "$layers" --cache-gib "$cache" \
-        --prompt 16 --decode 24 2>&1 | grep -v Warn | tee "$out/flagship-$preset.txt" | tail -12
+    timeout "${STREAM_TIMEOUT:-420}" python3 bench/decode_streaming.py --preset "$preset" --layers "$layers" \
+        --cache-gib "$cache" --prompt 16 --decode 24 "$@" 2>&1 | grep -v Warn | tee "$out/flagship-$preset.txt" | tail -12
     resident=$(tail -1 "$out/flagship-$preset.txt" | python3 -c 'import json,sys; print(json.load(sys.stdin)["resident"]["decode_tokens_per_s"])')
     disk=$(tail -1 "$out/flagship-$preset.txt" | python3 -c 'import json,sys; print(json.load(sys.stdin)["disk_gb_per_s"])')
     pack=$(ls -d bench-out/"$preset"-"$layers"L.pack 2>/dev/null || ls -d bench-out/*"$preset"*pack | head -1)
@@ -107,7 +108,7 @@ run | tests)
         --deselect tests/gpu/test_cuda_worker.py::test_resident_experts_equal_read_per_use_on_cuda
         --deselect tests/gpu/test_multi_gpu.py::test_two_gpus_through_expertd_share_one_connection)
     skip+=(--deselect tests/gpu/test_two_workers.py)  # workers-test runs it (several processes; minutes)
-    if [ "$1" = tests ]; then timeout 500 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
+    if [ "$1" = tests ]; then timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
     timeout 240 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
     out=${OUT:-/tmp}
     m=bench-out/qwen3-30b-a3b-12L.gguf
