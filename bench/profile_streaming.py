@@ -101,16 +101,19 @@ def main() -> int:
             decode(engine, feed, args.device)  # reads every key the measured pass needs into the RAM tier
             cache = engine.expert_cache
             before, read_before = cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"]
-            profiler = cProfile.Profile() if prefetch else None
-            rows[name], tokens[name] = decode(engine, feed, args.device, profiler)
+            rows[name], tokens[name] = decode(engine, feed, args.device)
             d = cache.counters.since(before)
             looked = d["hits"] + d["misses"]
             stats[name] = {"hit_rate": d["hits"] / max(1, looked), "misses_per_token": d["misses"] / args.tokens,
                            "stall_ms_per_token": d["stall_s"] / args.tokens * 1000,
                            "ssd_bytes": cache.link.stats()["counters"]["pack_read_bytes"] - read_before}
-            if profiler is not None:
+            if prefetch:  # a pass of its own: the profiler slows Python about twofold
+                profiler = cProfile.Profile()
+                decode(engine, feed, args.device, profiler)
                 out = io.StringIO()
-                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
+                ps = pstats.Stats(profiler, stream=out)
+                ps.sort_stats("tottime").print_stats(args.top)
+                ps.sort_stats("cumulative").print_stats("expertpack", args.top)
                 text = out.getvalue()
             engine.close()
             engine = cache = None
@@ -128,8 +131,8 @@ def main() -> int:
         print(f"{name:28}{s * 1000:10.2f}{1 / s:9.1f}{extra}")
     same = len({tuple(t) for t in tokens.values()}) == 1
     print(f"argmax identical in every run: {same}")
-    print("host time of the streaming run with prefetch (cProfile, by own time):")
-    print("\n".join(line for line in text.splitlines() if line.strip())[:6000])
+    print("host time of a further streaming pass with prefetch (cProfile: by own time, then expertpack's by cumulative time):")
+    print("\n".join(line for line in text.splitlines() if line.strip())[:9000])
     print(json.dumps({"bench": "profile_streaming", "date": date.today().isoformat(), "model": stem,
                       "machine": f"{os.uname().nodename} {os.cpu_count()} cpu", "device": args.device,
                       "cache_gib": args.cache_gib, "tokens": args.tokens,
