@@ -48,7 +48,12 @@ def sync(device: str) -> None:
 def run(engine, prompt: list[int], n_decode: int, device: str, on_phase, seed: int = 0) -> dict:
     """Prefill then decode of a pseudo-random token stream drawn with `seed`, the argmax of every
     step recorded; `on_phase(name)` is called at each phase boundary (counters)."""
-    engine.forward(prompt[:4], engine.new_cache())  # warm-up: kernels, allocator
+    # Warm-up of both shapes, a short prompt and a decode step: kernels compile on their first
+    # call, and a first decode step inside the measured run had made the first of two runs look
+    # slower (by 0.12 s a token on Kimi-K3's shapes, 2026-12-01).
+    warm = engine.new_cache()
+    engine.forward(prompt[:4], warm)
+    engine.forward(prompt[4:5], warm)
     sync(device)
     on_phase("start")
     cache = engine.new_cache()
