@@ -12,6 +12,8 @@
 # visible GPU, on one expertd against one worker alone (bench/decode_workers.py FLAGS): the SSD path
 # (no RAM tier), then expertd's default RAM tier; `workers-test` runs tests/gpu/test_two_workers.py
 # (two GPUs, tiny model, argmax and shared reads); each fits one call.
+# `bash bench/device_check.sh streaming` (needs .whl and set a) runs the expert cache's GPU tests, then
+# bench/profile_streaming.py and decode_streaming.py with a RAM tier on the 12-layer Qwen3-30B-A3B.
 # `bash bench/device_check.sh flagship PRESET LAYERS FULL_LAYERS CACHE_GIB [FLAGS]` (needs .whl only; one
 # call each, ~6 min) streams the preset at its real shapes, cut to LAYERS, through expertd with
 # CACHE_GIB of VRAM cache, prefetch off and on, beside every expert resident
@@ -83,6 +85,17 @@ flagship)
         --compute-tok-s "$(python3 -c "print($resident * 1.79 / 4.8)")" --json | tee "$out/plan-$preset-ref.json" \
         | python3 -c 'import json,sys; p=json.load(sys.stdin)["plan"]; print({k: p[k] for k in ("slots","ram_slots","hit_rate","ram_hit_rate","tok_s_today","tok_s_overlapped","bound")})'
     ;;
+streaming)  # the streaming path's GPU tests, then its host cost and its speed against the I/O bound
+    install
+    export EXPERTPACK_FIXTURES=$PWD/.gpufix
+    out=${OUT:-/tmp}
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_expert_cache_cuda.py tests/gpu/test_multi_gpu.py \
+        2>&1 | tail -3
+    timeout 200 python3 bench/profile_streaming.py --layers 12 --cache-gib 1 --tokens 16 2>&1 | grep -v Warn \
+        | tee "$out/profile_streaming.txt" | head -10
+    timeout 200 python3 bench/decode_streaming.py --layers 12 --cache-gib 1 --ram-cache-gib 4 --prompt 16 --decode 24 \
+        2>&1 | grep -v Warn | tee "$out/decode_streaming.txt" | tail -10
+    ;;
 workers-test)
     install
     timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_two_workers.py 2>&1 | tail -6
@@ -119,7 +132,7 @@ run | tests)
     echo "== peer"; bash bench/peer_on_device.sh run qwen3-30b-a3b 12 64 2 2>&1 | tail -12
     ;;
 *)
-    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,/^set /p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
