@@ -3,9 +3,9 @@ neither the daemon nor the worker."""
 
 from .client import (  # noqa: E402  (the public API, re-exported)
     DEFAULT_ENDPOINT, ClientError, DaemonError, DaemonUnavailable, Expert, ExpertClient, FetchFailed,
-    FingerprintMismatch, Pending,
+    FingerprintMismatch, Pending, release_all,
 )
 from .protocol import Priority  # noqa: E402
 
 __all__ = ["DEFAULT_ENDPOINT", "ClientError", "DaemonError", "DaemonUnavailable", "Expert", "ExpertClient",
-           "FetchFailed", "FingerprintMismatch", "Pending", "Priority"]
+           "FetchFailed", "FingerprintMismatch", "Pending", "Priority", "release_all"]

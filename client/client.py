@@ -126,6 +126,19 @@ class Expert:
         return f"Expert(key={tuple(self.key)}, slot={self.slot}, nbytes={self.nbytes})"
 
 
+def release_all(experts: Iterable[Expert]) -> None:
+    """Gives back the slots of `experts` (those not released yet) with one RELEASE per session,
+    where each release() sends its own: a streaming worker gives back a slot for every miss."""
+    by_client: dict[ExpertClient, list[int]] = {}
+    for expert in experts:
+        if expert._data is not None:
+            expert._data.release()
+            expert._data = None
+            by_client.setdefault(expert._client, []).append(expert.slot)
+    for client, slots in by_client.items():
+        client._release(slots)
+
+
 class Pending:
     """One key's FETCH, sent by ExpertClient.submit without waiting for its answer. Exactly one of
     result() (the caller then owns the Expert) or cancel() ends it."""

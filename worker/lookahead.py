@@ -30,6 +30,9 @@ def look_ahead(source: PrefetchingSource, layer: int, x: torch.Tensor, router: R
             ids = router(target, x)[0]  # [T, k]
         else:
             continue
+        if ids.shape[0] == 1:  # a decode step: k distinct experts, no order by count to make
+            source.prefetch(target, ids.reshape(-1).tolist())
+            continue
         experts, counts = ids.reshape(-1).unique(return_counts=True)
         # the experts most tokens chose first: a prefill's prefetch budget goes to those
         source.prefetch(target, experts[counts.argsort(descending=True, stable=True)].tolist())
