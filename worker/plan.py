@@ -9,6 +9,11 @@ misses after its router ran and waits for them (compute + the slower of disk and
 prefetch overlapping them (the streaming issue's goal), the slowest of the three. It can write the
 `worker.toml` and `expertd.toml` for that split.
 
+Prefill of a --prompt-tokens P prompt, as one chunk: each MoE layer loads the distinct experts its P
+tokens select once (under uniform routing n (1 - (1 - k/n)^P) of its n), found in the tiers at the
+decode hit rates; its compute is the resident prefill of that prompt (--prefill-tok-s, measured at
+the same P), and the same two figures, today's and overlapped, follow.
+
 --layers N projects a truncated pack (`expertpack synth --preset NAME --layers 4`, at the real
 model's shapes) onto the whole model of N layers: the expert bytes per token and the experts to
 cache grow with the MoE layers, the trunk by its MoE layers' tensors, the compute time by the bytes
@@ -17,7 +22,7 @@ hit rates are replayed at each tier's share of the experts. Every input is print
 came from, so the arithmetic can be checked by hand.
 
   expertpack plan PACK [--vram-gib G] [--ram-gib R] [--disk-gbps B] [--pcie-gbps P] [--compute-tok-s C]
-                       [--layers N] [--trace FILE] [--write DIR] [--json]"""
+                       [--prompt-tokens P] [--prefill-tok-s C] [--layers N] [--trace FILE] [--write DIR] [--json]"""
 
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ UNIFORM_LAYERS = 8  # layers simulated for uniform routing's hit rates, each tie
 UNIFORM_TURNOVER = 40  # keys requested per slot of both tiers, at least
 UNIFORM_MIN_TOKENS = 500
 UNIFORM_MAX_KEYS = 2_000_000  # about 10 s of replay
+DEFAULT_PROMPT_TOKENS = 256  # a chat prompt of the reference protocol's size (bench serve: 240-290 tokens)
 MIB = 1 << 20
 
 
@@ -74,6 +80,8 @@ class Inputs:
     disk_gbps: float
     pcie_gbps: float
     compute_tok_s: float | None
+    prompt_tokens: int
+    prefill_tok_s: float | None  # resident prefill of a prompt_tokens prompt (projected with --layers)
     sources: dict[str, str]  # input -> where it came from (flag, measured, ...)
 
 
@@ -95,6 +103,15 @@ class Plan:
     tok_s_today: float | None  # None: nothing bounds it (every expert cached and no compute given)
     tok_s_overlapped: float | None
     bound: str
+    prefill_experts_per_layer: float  # distinct experts a prompt selects in one MoE layer
+    prefill_disk_bytes: float
+    prefill_pcie_bytes: float
+    prefill_disk_s: float
+    prefill_pcie_s: float
+    prefill_compute_s: float | None
+    prefill_tok_s_today: float | None
+    prefill_tok_s_overlapped: float | None
+    prefill_bound: str
 
 
 def measure_disk_gbps(pack: Path, seconds: float = DISK_PROBE_S, threads: int = 8) -> float:
@@ -147,8 +164,9 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
     sources["pcie"] = "--pcie-gbps" if args.pcie_gbps is not None else f"default (PCIe 4.0 x16, {DEFAULT_PCIE_GBPS} GB/s)"
     k, moe = m.model.n_expert_used, len(m.layers)
     blocks, payload = sum(k * l.stride for l in m.layers), sum(k * l.payload_bytes for l in m.layers)
-    trunk, compute = m.trunk.size_bytes, args.compute_tok_s
+    trunk, compute, prefill = m.trunk.size_bytes, args.compute_tok_s, args.prefill_tok_s
     sources["compute"] = "--compute-tok-s" if compute else "not given"
+    sources["prefill"] = "--prefill-tok-s" if prefill else "not given"
     n_moe = moe
     if args.layers is not None and args.layers != m.model.n_layer:
         dense = m.model.n_layer - moe  # the leading dense layers, which a truncation keeps
@@ -164,6 +182,9 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
             compute *= read_before / read_after
             sources["compute"] = (f"--compute-tok-s x {read_before / 1e9:.3f} / {read_after / 1e9:.3f} GB a decode "
                                   "step reads (the trunk less its embedding table, and the top-k experts)")
+        if prefill:  # a prompt's compute grows with the layers that run it
+            prefill *= m.model.n_layer / args.layers
+            sources["prefill"] = f"--prefill-tok-s x {m.model.n_layer} / {args.layers} layers"
         sources["layers"] = (f"--layers {args.layers}: the pack's {moe} MoE layers' figures x {n_moe}/{moe}, the "
                              "trunk's MoE-layer tensors too")
     ram_slot_bytes = m.max_stride
@@ -176,7 +197,7 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
         ram, sources["ram"] = slots * ram_slot_bytes, f"as expertd would size it on this host: {why}"
     return Inputs(str(args.pack), n_moe, m.model.n_expert, k, blocks, payload, pack_slot_bytes(m), trunk, vram,
                   int(args.reserve_gib * GIB), ram, ram_slot_bytes, moe, disk, args.pcie_gbps or DEFAULT_PCIE_GBPS,
-                  compute, sources)
+                  compute, args.prompt_tokens, prefill, sources)
 
 
 def _trunk_parts(trunk_file: Path, m: Manifest) -> tuple[int, int]:
@@ -224,13 +245,29 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
     pcie_bytes = miss * inputs.payload_bytes_per_token  # a RAM hit is copied to the GPU too
     disk_s, pcie_s = disk_bytes / (inputs.disk_gbps * 1e9), pcie_bytes / (inputs.pcie_gbps * 1e9)
     compute_s = 1.0 / inputs.compute_tok_s if inputs.compute_tok_s else None
+    today, overlapped, bound = _figures(disk_s, pcie_s, compute_s, 1, "--compute-tok-s")
+    # Prefill: each layer's distinct experts of the prompt, loaded once, found at the decode hit rates.
+    n, k, tokens = inputs.n_expert, inputs.n_expert_used, inputs.prompt_tokens
+    distinct = n * (1.0 - (1.0 - k / n) ** tokens)
+    pre_disk = distinct / k * miss * (1.0 - ram_hit) * inputs.block_bytes_per_token
+    pre_pcie = distinct / k * miss * inputs.payload_bytes_per_token
+    pre_disk_s, pre_pcie_s = pre_disk / (inputs.disk_gbps * 1e9), pre_pcie / (inputs.pcie_gbps * 1e9)
+    pre_compute_s = tokens / inputs.prefill_tok_s if inputs.prefill_tok_s else None
+    pre_today, pre_overlapped, pre_bound = _figures(pre_disk_s, pre_pcie_s, pre_compute_s, tokens, "--prefill-tok-s")
+    return Plan(slots * inputs.slot_bytes, slots, slots / n_total, ram_slots, ram_slots / n_total, hit, ram_hit,
+                source, disk_bytes, pcie_bytes, disk_s, pcie_s, compute_s, today, overlapped, bound,
+                distinct, pre_disk, pre_pcie, pre_disk_s, pre_pcie_s, pre_compute_s, pre_today, pre_overlapped, pre_bound)
+
+
+def _figures(disk_s: float, pcie_s: float, compute_s: float | None, tokens: int, flag: str
+             ) -> tuple[float | None, float | None, str]:
+    """Tokens/s of `tokens` taking those seconds: today's (compute, then the slower of disk and
+    PCIe: misses wait) and overlapped (the slowest), and the bound (None: nothing bounds it)."""
     terms = {"disk": disk_s, "pcie": pcie_s, **({"compute": compute_s} if compute_s is not None else {})}
     today = (compute_s or 0.0) + max(disk_s, pcie_s)
     overlapped = max(terms.values())
-    bound = max(terms, key=terms.get) if overlapped else "none: every expert is cached; give --compute-tok-s"
-    return Plan(slots * inputs.slot_bytes, slots, slots / n_total, ram_slots, ram_slots / n_total, hit, ram_hit,
-                source, disk_bytes, pcie_bytes, disk_s, pcie_s, compute_s, 1.0 / today if today else None,
-                1.0 / overlapped if overlapped else None, bound)
+    bound = max(terms, key=terms.get) if overlapped else f"none: every expert is cached; give {flag}"
+    return (tokens / today if today else None, tokens / overlapped if overlapped else None, bound)
 
 
 def _trace_hit_rates(path: Path, inputs: Inputs, slots: int, ram_slots: int) -> tuple[float, float]:
@@ -303,6 +340,14 @@ def render(inputs: Inputs, p: Plan) -> str:
                            f"{human_bytes(p.pcie_bytes_per_token)} copied ({p.pcie_s * 1e3:.1f} ms)", ""),
         ("decode today", _rate(p.tok_s_today), "compute + max(disk, PCIe): misses wait"),
         ("decode, I/O overlapped", _rate(p.tok_s_overlapped), f"bound: {p.bound}"),
+        ("prefill, read", f"{inputs.prompt_tokens} tokens: {p.prefill_experts_per_layer:.1f} experts a layer, "
+                          f"{human_bytes(p.prefill_disk_bytes)} of blocks ({p.prefill_disk_s * 1e3:.1f} ms), "
+                          f"{human_bytes(p.prefill_pcie_bytes)} copied ({p.prefill_pcie_s * 1e3:.1f} ms)",
+         "--prompt-tokens; uniform routing, the decode hit rates"),
+        ("compute (resident prefill)", f"{inputs.prefill_tok_s:.6g} tok/s" if inputs.prefill_tok_s else "-",
+         s["prefill"]),
+        ("prefill today", _rate(p.prefill_tok_s_today), "compute + max(disk, PCIe)"),
+        ("prefill, I/O overlapped", _rate(p.prefill_tok_s_overlapped), f"bound: {p.prefill_bound}"),
     ]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{name:<{width}}  {value}" + (f"  ({src})" if src else "") for name, value, src in rows)
@@ -325,6 +370,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pcie-gbps", type=float, help=f"host-to-GPU copy speed (default {DEFAULT_PCIE_GBPS})")
     p.add_argument("--compute-tok-s", type=float,
                    help="resident decode speed on this GPU (bench/peer_llamacpp.py or decode_streaming.py)")
+    p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="P",
+                   help=f"the prompt whose prefill is predicted, in tokens (default {DEFAULT_PROMPT_TOKENS})")
+    p.add_argument("--prefill-tok-s", type=float,
+                   help="resident prefill speed of a --prompt-tokens prompt on this GPU (decode_streaming.py --prompt P)")
     p.add_argument("--layers", type=int, metavar="N",
                    help="project a truncated pack onto the whole model of N layers (sizes and compute grow with the "
                         "layers)")
@@ -332,7 +381,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--write", type=Path, metavar="DIR", help="write worker.toml and expertd.toml there")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args(argv)
-    for name in ("vram_gib", "disk_gbps", "pcie_gbps", "compute_tok_s"):
+    for name in ("vram_gib", "disk_gbps", "pcie_gbps", "compute_tok_s", "prefill_tok_s"):
         value = getattr(args, name)
         if value is not None and not 0 < value < 1e6:
             p.error(f"--{name.replace('_', '-')} must be a positive number, not {value}")
@@ -340,6 +389,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not 0 <= value < 1e6:
             p.error(f"--{name.replace('_', '-')} must be 0 or more, not {value}")
+    if not 1 <= args.prompt_tokens <= 1 << 20:
+        p.error(f"--prompt-tokens must be between 1 and 1048576, not {args.prompt_tokens}")
     if args.layers is not None and not 1 <= args.layers <= 1 << 16:
         p.error(f"--layers must be between 1 and 65536, not {args.layers}")
     if args.layers is not None and args.write is not None:

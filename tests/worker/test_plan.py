@@ -1,5 +1,5 @@
 """`expertpack plan`: its arithmetic on a real pack (cache slots, the RAM tier, hit rates, bytes per
-token, the two tok/s figures and the bound), its disk probe (O_DIRECT on the pack's own file), a
+token, the two tok/s figures and the bound, a prompt's prefill), its disk probe (O_DIRECT on the pack's own file), a
 routing trace's hit rates equal to the replay of the worker's and the daemon's policies, the
 projection of a truncated pack onto more layers, and the config files it writes read back by the
 worker and the daemon."""
@@ -54,6 +54,22 @@ def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     assert p["bound"] == max({"disk": disk_s, "pcie": pcie_s, "compute": compute_s}.items(), key=lambda kv: kv[1])[0]
     assert i["sources"]["disk"] == "--disk-gbps" and i["trunk_bytes"] == trunk
     assert p["ram_slots"] == 0 and p["ram_hit_rate"] == 0
+    # prefill of a prompt: each layer's distinct experts of its tokens, once, at the decode hit rate
+    pre = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5",
+                    "--pcie-gbps", "10", "--ram-gib", "0", "--prompt-tokens", "5", "--prefill-tok-s", "80")["plan"]
+    n = m.model.n_expert
+    distinct = n * (1 - (1 - k / n) ** 5)
+    assert pre["prefill_experts_per_layer"] == pytest.approx(distinct) and k < distinct < min(n, 5 * k)
+    pre_blocks = (1 - pre["hit_rate"]) * distinct * sum(l.stride for l in m.layers)
+    pre_payload = (1 - pre["hit_rate"]) * distinct * sum(l.payload_bytes for l in m.layers)
+    assert pre["prefill_disk_bytes"] == pytest.approx(pre_blocks)
+    assert pre["prefill_pcie_bytes"] == pytest.approx(pre_payload)
+    disk_s, pcie_s, compute_s = pre_blocks / 0.5e9, pre_payload / 10e9, 5 / 80
+    assert pre["prefill_tok_s_today"] == pytest.approx(5 / (compute_s + max(disk_s, pcie_s)))
+    assert pre["prefill_tok_s_overlapped"] == pytest.approx(5 / max(disk_s, pcie_s, compute_s))
+    assert pre["prefill_compute_s"] == pytest.approx(compute_s)
+    proc = run_cli("plan", tiny_pack, "--vram-gib", "2", "--disk-gbps", "1", "--prompt-tokens", "0")
+    assert proc.returncode == 2 and "--prompt-tokens" in proc.stderr
     # a RAM tier of 30 blocks spares the disk what it hits of the VRAM cache's misses (simulated: it
     # sees only those, so it is not independent of the VRAM cache); PCIe still carries them all
     ram = 30 * m.max_stride
@@ -111,7 +127,7 @@ def test_a_truncated_pack_projects_onto_the_whole_model(tiny_pack: Path) -> None
     n = 3 * m.model.n_layer
     base = plan_json(tiny_pack, "--vram-gib", "2", "--disk-gbps", "1", "--ram-gib", "0", "--compute-tok-s", "300")
     got = plan_json(tiny_pack, "--vram-gib", "2", "--disk-gbps", "1", "--ram-gib", "0", "--compute-tok-s", "300",
-                    "--layers", str(n))
+                    "--layers", str(n), "--prefill-tok-s", "900")
     i, b = got["inputs"], base["inputs"]
     n_moe = n - dense
     assert i["n_moe_layers"] == n_moe and i["pack_moe_layers"] == moe
@@ -126,6 +142,7 @@ def test_a_truncated_pack_projects_onto_the_whole_model(tiny_pack: Path) -> None
     read = lambda inputs: inputs["trunk_bytes"] - embedding + inputs["payload_bytes_per_token"]
     assert i["compute_tok_s"] == pytest.approx(300 * read(b) / read(i))
     assert 300 / 3 < i["compute_tok_s"] < 300 * m.model.n_layer / n * 1.5  # under 3x the layers, not by 3x
+    assert i["prefill_tok_s"] == pytest.approx(900 / 3)  # a prompt's compute: by the layers that run it
     assert got["plan"]["share_of_experts"] == pytest.approx(got["plan"]["slots"] / (n_moe * m.model.n_expert))
     assert "--layers" in i["sources"]["layers"]
     proc = run_cli("plan", tiny_pack, "--vram-gib", "2", "--disk-gbps", "1", "--layers", "4", "--write", "x")
