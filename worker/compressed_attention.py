@@ -13,7 +13,15 @@ three key sets:
 A query at position p sees compressed entry w only once its window is complete: w < (p+1)//ratio.
 The caches grow across prefill and decode exactly as one long pass would see them: raw entries
 (the last window - 1), per compressor the tokens of an incomplete window, the last window's first
-series (CSA's overlap) and the entries emitted so far."""
+series (CSA's overlap) and the entries emitted so far.
+
+Once the KV cache is reserved (KVCache.reserve) the state moves into buffers of fixed shape
+(StepBuffers), and a decode step at a device position (`attention` given a tensor) runs the same
+operations at every position without a host sync: raw entries in a ring, the entries of every
+window that can start within the capacity (rows not yet complete are masked), the incomplete
+window's tokens at their offset in it, the indexer's top-k over the whole entry buffer with the
+invalid entries at -inf. A compressed entry is written only when its window completes (a
+torch.where, not a branch), so the buffers hold what reserving an eager state would write."""
 
 from __future__ import annotations
 
@@ -35,12 +43,143 @@ class CompressorState:
 
 
 @dataclass
+class CompressorBuffers:
+    """A compressor's state at a fixed shape, for a static decode step to update in place."""
+    kv: torch.Tensor  # [ratio, c*d]: the incomplete window's projections at their offset, zeros after
+    gate: torch.Tensor
+    entries: torch.Tensor  # [ceil(capacity / ratio), d]: those of complete windows; zeros after
+    overlap: tuple[torch.Tensor, torch.Tensor] | None  # CSA: [ratio, d] each; zeros and -inf before a window
+
+    @classmethod
+    def like(cls, c: CompressorState, ratio: int, capacity: int) -> "CompressorBuffers":
+        """Zeroed buffers for `capacity` positions, shaped as c's tensors (CSA's projection holds
+        two series)."""
+        width, d = c.buf_kv.shape[1], c.entries.shape[1]
+        overlap = (c.entries.new_zeros((ratio, d)), c.entries.new_zeros((ratio, d))) if width == 2 * d else None
+        return cls(c.buf_kv.new_zeros((ratio, width)), c.buf_gate.new_zeros((ratio, width)),
+                   c.entries.new_zeros((-(-capacity // ratio), d)), overlap)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.kv, self.gate, self.entries, *(self.overlap or ())]
+
+    def store(self, c: CompressorState) -> None:
+        """Writes c, an eager compressor's state, into the buffers in place."""
+        for buffer, rows in ((self.kv, c.buf_kv), (self.gate, c.buf_gate), (self.entries, c.entries)):
+            buffer.zero_()
+            buffer[:rows.shape[0]] = rows
+        if self.overlap is not None and c.overlap is None:  # before a first window: half a pool that weighs nothing
+            self.overlap[0].zero_()
+            self.overlap[1].fill_(float("-inf"))
+        elif self.overlap is not None:
+            self.overlap[0].copy_(c.overlap[0])
+            self.overlap[1].copy_(c.overlap[1])
+
+    def load(self, c: CompressorState, length: int, ratio: int) -> None:
+        """Sets c to the state after `length` tokens held here."""
+        c.count, pending = divmod(length, ratio)
+        c.buf_kv, c.buf_gate = self.kv[:pending].clone(), self.gate[:pending].clone()
+        c.entries = self.entries[:c.count].clone()
+        c.overlap = (self.overlap[0].clone(), self.overlap[1].clone()) if self.overlap is not None and c.count else None
+
+
+@dataclass
+class StepBuffers:
+    """A layer's state for positions < capacity, in buffers a captured step reads and writes."""
+    capacity: int
+    raw: torch.Tensor  # [window - 1, d]: the raw entry of position q in row q % (window - 1)
+    compressors: dict[str, CompressorBuffers]
+    ties: torch.Tensor | None  # [capacity] bool where the indexer's last pick was a tie (CSA)
+
+    def tensors(self) -> list[torch.Tensor]:
+        ties = [] if self.ties is None else [self.ties]
+        return [self.raw, *(t for name in sorted(self.compressors) for t in self.compressors[name].tensors()), *ties]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    n_head: int
+    head_dim: int
+    window: int
+    ratio: int  # 0: sliding window only
+    o_groups: int
+    index_heads: int
+    index_dim: int
+    index_topk: int
+    eps: float
+
+
+@dataclass
 class LayerState:
+    shape: AttentionShape
     raw: torch.Tensor | None = None  # [S, d]: the last window - 1 raw (roped) entries
     compressors: dict[str, CompressorState] = field(default_factory=dict)
     # Positions whose last indexer pick was a tie (the k-th and the next score equal, often both
-    # exactly 0 after ReLU): which entry joins there is a convention, not arithmetic.
+    # exactly 0 after ReLU): which entry joins there is a convention, not arithmetic. Static steps
+    # mark theirs in buffers.ties, taken into this list before the next eager pass (ties()).
     indexer_ties: list[int] = field(default_factory=list)
+    # Once reserved, the buffers hold the state: the fields above are rebuilt from them for an
+    # eager pass, which writes its result back in place (a captured step keeps reading them).
+    buffers: StepBuffers | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffers is None else self.buffers.capacity
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a static step updates in place (saved and restored around a graph's warm-up)."""
+        return [] if self.buffers is None else self.buffers.tensors()
+
+    def ties(self) -> list[int]:
+        """Every position whose indexer pick was a tie, eager or static (a host sync)."""
+        marked = [] if self.buffers is None or self.buffers.ties is None else self.buffers.ties.nonzero()
+        return sorted({*self.indexer_ties, *(int(i) for i in marked)})
+
+    def reserve(self, capacity: int, length: int) -> None:
+        """Moves the state after `length` tokens into buffers for `capacity` positions (kept if
+        they hold as many already)."""
+        if self.buffers is not None and self.buffers.capacity >= capacity:
+            return
+        if self.buffers is not None:
+            self.unpack(length)
+        if self.raw is None:
+            raise ValueError("a DeepSeek-V4 layer state is reserved after a first pass, which sets its shapes")
+        compressors = {name: CompressorBuffers.like(c, self.shape.ratio, capacity)
+                       for name, c in self.compressors.items()}
+        ties = torch.zeros(capacity, dtype=torch.bool, device=self.raw.device) if "indexer" in compressors else None
+        self.buffers = StepBuffers(capacity, self.raw.new_zeros((max(self.shape.window - 1, 0), self.raw.shape[1])),
+                                   compressors, ties)
+        self.pack(length)
+
+    def pack(self, length: int) -> None:
+        """Writes the fields (the state after `length` tokens) into the buffers, in place; grows
+        them if an eager pass went past their capacity."""
+        b = self.buffers
+        if length > b.capacity:
+            self.buffers = None
+            self.reserve(max(length, 2 * b.capacity), length)
+            return
+        b.raw.zero_()
+        if b.raw.shape[0]:
+            b.raw[_ring_rows(length, self.raw.shape[0], b.raw.shape[0], b.raw.device)] = self.raw
+        for name, c in b.compressors.items():
+            c.store(self.compressors[name])
+        if b.ties is not None:
+            b.ties.zero_()
+            b.ties[torch.tensor(self.indexer_ties, dtype=torch.int64, device=b.ties.device)] = True
+
+    def unpack(self, length: int) -> None:
+        """Rebuilds the fields from the buffers (the state after `length` tokens)."""
+        b = self.buffers
+        kept = min(b.raw.shape[0], length)
+        self.raw = b.raw[_ring_rows(length, kept, b.raw.shape[0], b.raw.device)] if kept else b.raw[:0].clone()
+        for name, c in b.compressors.items():
+            c.load(self.compressors[name], length, self.shape.ratio)
+        self.indexer_ties = self.ties()
+
+
+def _ring_rows(length: int, kept: int, size: int, device: torch.device) -> torch.Tensor:
+    """The ring rows of the last `kept` positions before `length`, oldest first."""
+    return torch.arange(length - kept, length, device=device) % size
 
 
 def rope_tail(x: torch.Tensor, rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,47 +220,35 @@ def compress(state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, ape: 
     return state.entries
 
 
-@dataclass(frozen=True)
-class AttentionShape:
-    n_head: int
-    head_dim: int
-    window: int
-    ratio: int  # 0: sliding window only
-    o_groups: int
-    index_heads: int
-    index_dim: int
-    index_topk: int
-    eps: float
-
-
-def attention(w: dict, p: str, x: torch.Tensor, tokens_start: int, state: LayerState, shape: AttentionShape,
+def attention(w: dict, p: str, x: torch.Tensor, start: int | torch.Tensor, state: LayerState,
               rope: Rope) -> torch.Tensor:
-    """x [T, D] (the block's normalized input) at positions tokens_start.. -> [T, D]."""
+    """x [T, D] (the block's normalized input) at positions start.. -> [T, D]. `start` a device
+    tensor [1]: one token's static step over the reserved buffers (_step)."""
+    if isinstance(start, torch.Tensor):
+        return _step(w, p, x, start, state, rope)
+    if state.buffers is not None:
+        state.unpack(start)
+    out = _eager(w, p, x, start, state, rope)
+    if state.buffers is not None:
+        state.pack(start + x.shape[0])
+    return out
+
+
+def _project(w: dict, p: str, x: torch.Tensor, shape: AttentionShape, rope: Rope, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query's LoRA input qr [T, q_lora], the queries [T, H, d] and the keys (= values) [T, d]."""
     t, h, d = x.shape[0], shape.n_head, shape.head_dim
-    positions = torch.arange(tokens_start, tokens_start + t)
-    cos, sin = rope.cos_sin(positions, x.device)
     qr = rms_norm(linear(x, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"].dequant(), shape.eps)
     q = rms_norm(linear(qr, w[p + "attn_q_b.weight"]).view(t, h, d), None, shape.eps)
     q = rope_tail(q, rope, cos, sin)
     kv = rms_norm(linear(x, w[p + "attn_kv.weight"]), w[p + "attn_kv_a_norm.weight"].dequant(), shape.eps)
-    kv = rope_tail(kv[:, None, :], rope, cos, sin)[:, 0, :]  # [T, d]
+    return qr, q, rope_tail(kv[:, None, :], rope, cos, sin)[:, 0, :]
 
-    raw = kv if state.raw is None else torch.cat([state.raw, kv])
-    raw_start = tokens_start + t - raw.shape[0]
-    qpos = positions.to(x.device)[:, None]
-    kpos = torch.arange(raw_start, raw_start + raw.shape[0], device=x.device)[None, :]
-    visible = (kpos <= qpos) & (qpos - kpos < shape.window)  # [T, S]
-    keys = raw
-    if shape.ratio:
-        entries = _compressed(w, p, x, qr, positions, state, shape, rope)
-        threshold = (qpos + 1) // shape.ratio  # entries a query may see
-        seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold
-        if p + "indexer.attn_q_b.weight" in w:
-            seen &= _indexer_picks(w, p, x, qr, positions, state, shape, rope, threshold)
-        keys = torch.cat([raw, entries])
-        visible = torch.cat([visible, seen], dim=1)
-    state.raw = raw[-(shape.window - 1):] if shape.window > 1 else raw[:0]
 
+def _attend(w: dict, p: str, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, shape: AttentionShape,
+            rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q [T, H, d] over keys (= values) [S, d] where visible [T, S] -> the block's output [T, D]."""
+    t, h, d = q.shape
     scores = torch.einsum("thd,sd->hts", q, keys) * d ** -0.5
     scores = scores.masked_fill(~visible[None], float("-inf"))
     sinks = w[p + "attn_sinks.weight"].dequant().reshape(h, 1, 1).expand(h, t, 1)
@@ -133,12 +260,100 @@ def attention(w: dict, p: str, x: torch.Tensor, tokens_start: int, state: LayerS
     return linear(grouped.reshape(t, -1), w[p + "attn_output_b.weight"])
 
 
-def _compressed(w: dict, p: str, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, state: LayerState,
-                shape: AttentionShape, rope: Rope) -> torch.Tensor:
-    c = state.compressors.setdefault("attn", CompressorState())
-    return compress(c, linear(x, w[p + "attn_compressor_kv.weight"]), linear(x, w[p + "attn_compressor_gate.weight"]),
-                    w[p + "attn_compressor_ape.weight"].dequant(), w[p + "attn_compressor_norm.weight"].dequant(),
-                    shape.ratio, _overlapping(w, p), rope, shape.eps)
+def _eager(w: dict, p: str, x: torch.Tensor, tokens_start: int, state: LayerState, rope: Rope) -> torch.Tensor:
+    """Any number of tokens, the caches growing as one long pass would see them."""
+    t, shape = x.shape[0], state.shape
+    positions = torch.arange(tokens_start, tokens_start + t)
+    cos, sin = rope.cos_sin(positions, x.device)
+    qr, q, kv = _project(w, p, x, shape, rope, cos, sin)
+
+    raw = kv if state.raw is None else torch.cat([state.raw, kv])
+    raw_start = tokens_start + t - raw.shape[0]
+    qpos = positions.to(x.device)[:, None]
+    kpos = torch.arange(raw_start, raw_start + raw.shape[0], device=x.device)[None, :]
+    visible = (kpos <= qpos) & (qpos - kpos < shape.window)  # [T, S]
+    keys = raw
+    if shape.ratio:
+        c = state.compressors.setdefault("attn", CompressorState())
+        entries = compress(c, *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio, _overlapping(w, p), rope,
+                           shape.eps)
+        threshold = (qpos + 1) // shape.ratio  # entries a query may see
+        seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold
+        if p + "indexer.attn_q_b.weight" in w:
+            seen &= _indexer_picks(w, p, x, qr, positions, state, rope, cos, sin, threshold)
+        keys = torch.cat([raw, entries])
+        visible = torch.cat([visible, seen], dim=1)
+    state.raw = raw[-(shape.window - 1):] if shape.window > 1 else raw[:0]
+    return _attend(w, p, q, keys, visible, shape, rope, cos, sin)
+
+
+def _step(w: dict, p: str, x: torch.Tensor, position: torch.Tensor, state: LayerState, rope: Rope) -> torch.Tensor:
+    """One token at the device position [1] over the reserved buffers: keys are the ring of raw
+    entries, the token's own, and every entry row, masked by position; the same shapes and
+    operations at every position, the buffers updated in place."""
+    shape, b = state.shape, state.buffers
+    if b is None:
+        raise ValueError("a static DeepSeek-V4 step needs its state reserved first (KVCache.reserve)")
+    cos, sin = rope.at(position, b.capacity)
+    qr, q, kv = _project(w, p, x, shape, rope, cos, sin)
+
+    size = b.raw.shape[0]
+    held = position - 1 - (position - 1 - torch.arange(size, device=x.device)) % size  # [S]: each row's position
+    keys = torch.cat([b.raw, kv])
+    visible = torch.cat([held >= 0, torch.ones_like(position, dtype=torch.bool)])[None]  # [1, S + 1]
+    if shape.ratio:
+        entries = _compress_step(b.compressors["attn"], *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio,
+                                 position, rope, shape.eps, b.capacity)
+        threshold = (position[:, None] + 1) // shape.ratio
+        seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold  # [1, n]
+        if p + "indexer.attn_q_b.weight" in w:
+            keys_index = _compress_step(b.compressors["indexer"], *_compressor_inputs(w, p + "indexer_compressor", x),
+                                        shape.ratio, position, rope, shape.eps, b.capacity)
+            index = _index_scores(w, p, x, qr, keys_index, shape, rope, cos, sin)
+            picked, tie = _top(index, seen, shape.index_topk)
+            if tie is not None:
+                b.ties.index_copy_(0, position, tie)
+            seen = picked
+        keys = torch.cat([keys, entries])
+        visible = torch.cat([visible, seen], dim=1)
+    if size:
+        b.raw.index_copy_(0, position % size, kv)  # over the position that just left the window
+    return _attend(w, p, q, keys, visible, shape, rope, cos, sin)
+
+
+def _compressor_inputs(w: dict, prefix: str, x: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A compressor's projections of x (kv, gate [T, c*d]), its ape [ratio, c*d] and norm [d]."""
+    return (linear(x, w[prefix + "_kv.weight"]), linear(x, w[prefix + "_gate.weight"]),
+            w[prefix + "_ape.weight"].dequant(), w[prefix + "_norm.weight"].dequant())
+
+
+def _compress_step(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
+                   ratio: int, position: torch.Tensor, rope: Rope, eps: float, capacity: int) -> torch.Tensor:
+    """compress for one token at a device position: it joins its window at its offset; the
+    window's entry is pooled as compress pools it, at every step, and written (with the overlap
+    moving on and the window's rows cleared) only where the window completes. Returns every
+    entry row [n, d]."""
+    offset = position % ratio
+    c.kv.index_copy_(0, offset, kv)
+    c.gate.index_copy_(0, offset, gate)
+    complete = offset == ratio - 1  # [1]
+    d = norm.shape[0]
+    ckv, cgate = c.kv[None], c.gate[None] + ape  # [1, ratio, c*d]
+    if c.overlap is not None:  # the previous window's first series, then this window's second
+        pool_kv = torch.cat([c.overlap[0][None], ckv[..., d:]], dim=1)  # [1, 2 * ratio, d]
+        pool_gate = torch.cat([c.overlap[1][None], cgate[..., d:]], dim=1)
+        c.overlap[0].copy_(torch.where(complete, ckv[0, :, :d], c.overlap[0]))
+        c.overlap[1].copy_(torch.where(complete, cgate[0, :, :d], c.overlap[1]))
+        ckv, cgate = pool_kv, pool_gate
+    pooled = rms_norm((ckv * torch.softmax(cgate, dim=1)).sum(dim=1), norm, eps)  # [1, d]
+    window = position // ratio
+    cos, sin = rope.at(window * ratio, capacity)
+    pooled = rope_tail(pooled[:, None, :], rope, cos, sin)[:, 0, :]
+    c.entries.index_copy_(0, window, torch.where(complete, pooled, c.entries.index_select(0, window)))
+    c.kv.masked_fill_(complete, 0)
+    c.gate.masked_fill_(complete, 0)
+    return c.entries
 
 
 def _overlapping(w: dict, p: str) -> bool:
@@ -146,35 +361,48 @@ def _overlapping(w: dict, p: str) -> bool:
     return w[p + "attn_compressor_kv.weight"].shape[1] == 2 * w[p + "attn_compressor_norm.weight"].shape[0]
 
 
-def _indexer_picks(w: dict, p: str, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, state: LayerState,
-                   shape: AttentionShape, rope: Rope, threshold: torch.Tensor) -> torch.Tensor:
-    """[T, n_entries] bool: the entries the lightning indexer picks for each query."""
-    c = state.compressors.setdefault("indexer", CompressorState())
-    keys = compress(c, linear(x, w[p + "indexer_compressor_kv.weight"]),
-                    linear(x, w[p + "indexer_compressor_gate.weight"]),
-                    w[p + "indexer_compressor_ape.weight"].dequant(), w[p + "indexer_compressor_norm.weight"].dequant(),
-                    shape.ratio, True, rope, shape.eps)
-    t, n = x.shape[0], keys.shape[0]
-    picked = torch.zeros((t, n), dtype=torch.bool, device=x.device)
-    if n == 0:
-        return picked
-    cos, sin = rope.cos_sin(positions, x.device)
+def _index_scores(w: dict, p: str, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, shape: AttentionShape,
+                  rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer's score [T, n] of each entry (keys [n, d_index]) for each query."""
+    t = x.shape[0]
     q = rope_tail(linear(qr, w[p + "indexer.attn_q_b.weight"]).view(t, shape.index_heads, shape.index_dim),
                   rope, cos, sin)
     scores = torch.relu(torch.einsum("thd,sd->ths", q, keys)) * shape.index_dim ** -0.5
     weights = linear(x, w[p + "indexer.proj.weight"]) * shape.index_heads ** -0.5  # [T, heads]
-    index = (scores * weights[..., None]).sum(dim=1)  # [T, n]
-    future = torch.arange(n, device=x.device)[None, :] >= threshold
-    # torch.topk, as transformers picks. Entries often tie (ReLU makes many scores exactly 0) and
-    # topk leaves ties unspecified: a tie at the last pick may go either way on another device or
-    # tensor shape (prefill vs decode). Those positions are recorded.
-    k = min(shape.index_topk, n)
-    masked = index.masked_fill(future, float("-inf"))
+    return (scores * weights[..., None]).sum(dim=1)  # [T, n]
+
+
+def _top(index: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T, n] bool: the top k of index [T, n] among the valid entries, and [T] where the k-th
+    pick ties with the next valid score (None when there are at most k entries).
+
+    torch.topk, as transformers picks. Entries often tie (ReLU makes many scores exactly 0) and
+    topk leaves ties unspecified: a tie at the last pick may go either way on another device or
+    tensor shape (prefill vs decode), so callers record those positions."""
+    n = index.shape[1]
+    k = min(k, n)
+    masked = index.masked_fill(~valid, float("-inf"))
     top = masked.topk(k, dim=-1).indices
-    picked.scatter_(1, top, True)
+    picked = torch.zeros_like(valid).scatter_(1, top, True)
+    tie = None
     if k < n:
         last = masked.gather(1, top).min(dim=-1).values
         next_best = masked.masked_fill(picked, float("-inf")).max(dim=-1).values
         tie = (last == next_best) & (next_best > float("-inf"))
+    return picked & valid, tie
+
+
+def _indexer_picks(w: dict, p: str, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, state: LayerState,
+                   rope: Rope, cos: torch.Tensor, sin: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """[T, n_entries] bool: the entries the lightning indexer picks for each query."""
+    shape = state.shape
+    c = state.compressors.setdefault("indexer", CompressorState())
+    keys = compress(c, *_compressor_inputs(w, p + "indexer_compressor", x), shape.ratio, True, rope, shape.eps)
+    t, n = x.shape[0], keys.shape[0]
+    if n == 0:
+        return torch.zeros((t, n), dtype=torch.bool, device=x.device)
+    index = _index_scores(w, p, x, qr, keys, shape, rope, cos, sin)
+    picked, tie = _top(index, torch.arange(n, device=x.device)[None, :] < threshold, shape.index_topk)
+    if tie is not None:
         state.indexer_ties.extend(positions[tie.cpu()].tolist())
-    return picked & ~future
+    return picked

@@ -20,6 +20,11 @@ class KdaState:
     conv: dict[str, torch.Tensor]  # "q"/"k"/"v" -> the last kernel-1 projected inputs [kernel-1, d_inner]
     s: torch.Tensor  # [n_head, head_dim (key), head_dim (value)]
 
+    capacity = None  # the same size at every position: nothing to reserve
+
+    def reserve(self, capacity: int, length: int) -> None:
+        """Nothing to move: the state already has its one shape."""
+
     def tensors(self) -> list[torch.Tensor]:
         return [*self.conv.values(), self.s]
 

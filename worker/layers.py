@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -116,6 +117,21 @@ class Rope:
 INITIAL_CAPACITY = 256  # positions a layer's KV buffers start with (then doubled as needed)
 
 
+class LayerCache(Protocol):
+    """An architecture's own per-layer state beside the keys and values (kda.KdaState,
+    compressed_attention.LayerState): what a static decode step updates in place."""
+
+    @property
+    def capacity(self) -> int | None:
+        """Positions its buffers hold; None for a state of one size at every position."""
+
+    def reserve(self, capacity: int, length: int) -> None:
+        """Makes the state after `length` tokens ready for static steps up to `capacity` positions."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a static step writes."""
+
+
 @dataclass
 class KVCache:
     """Keys and values of every layer, in buffers allocated ahead (zeros, grown by doubling) and
@@ -127,7 +143,7 @@ class KVCache:
     keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [capacity, Hkv, d]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     length: int = 0  # tokens before the current forward pass
-    state: dict[int, object] = field(default_factory=dict)  # layer -> an architecture's own cache (compressors)
+    state: dict[int, LayerCache] = field(default_factory=dict)  # layer -> an architecture's own cache
     step_positions: torch.Tensor | None = None
     # step_positions on the other devices of a worker split over several (placement.py), written
     # once per step by the engine
@@ -148,13 +164,19 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return min((k.shape[0] for k in self.keys.values()), default=0)
+        """Positions every layer's buffers hold (a state of one size at every position counts none)."""
+        sizes = [k.shape[0] for k in self.keys.values()]
+        sizes += [s.capacity for s in self.state.values() if s.capacity is not None]
+        return min(sizes, default=0)
 
     def reserve(self, capacity: int) -> None:
-        """Grows every layer's buffers to hold `capacity` positions."""
+        """Grows every layer's buffers, and moves the architectures' states into theirs, to hold
+        `capacity` positions."""
         for layer in self.keys:
             self.keys[layer] = _grown(self.keys[layer], capacity)
             self.values[layer] = _grown(self.values[layer], capacity)
+        for state in self.state.values():
+            state.reserve(capacity, self.length)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k/v [T, Hkv, d] at this pass's positions; returns the keys and values to attend."""
@@ -195,7 +217,8 @@ class KVCache:
                 mine[layer], theirs[layer] = b, a
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The tensors of the architectures' own states (KDA's), which a step updates in place."""
+        """The tensors of the architectures' own states (KDA's, DeepSeek-V4's reserved buffers),
+        which a step updates in place."""
         return [t for layer in sorted(self.state) for t in self.state[layer].tensors()]
 
     def same_shapes(self, other: "KVCache") -> bool:

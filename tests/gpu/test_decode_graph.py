@@ -17,7 +17,8 @@ from ..conftest import FIXTURES
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MODELS = ["gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
-          "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf", "flagship/kimi-k3/k3-tiny.Q2_K.gguf"]  # kimi: KDA states
+          "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf", "flagship/kimi-k3/k3-tiny.Q2_K.gguf",  # kimi: KDA states
+          "flagship/deepseek4/dsv4-tiny.BF16.gguf"]  # DeepSeek-V4: compressed-attention buffers (HCA completes at 511)
 
 
 def decode(engine: Engine, prompt: list[int], feed: list[int]) -> torch.Tensor:

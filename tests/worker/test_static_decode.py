@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from expertpack.worker.engine import Engine
+from expertpack.worker.layers import KVCache
 
 from ..conftest import FIXTURES
 
@@ -19,36 +20,53 @@ MODELS = {  # one GGUF per architecture that declares static_decode
     "gpt-oss": "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
     "deepseek2": "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf",
     "kimi-k3": "flagship/kimi-k3/k3-tiny.Q2_K.gguf",  # KDA states updated in place
+    "deepseek4": "flagship/deepseek4/dsv4-tiny.BF16.gguf",  # compressed-attention buffers updated in place
 }
 PROMPT, FEED = [1, 5, 9, 200], [33, 7, 1000]
+CASES = {arch: (arch, PROMPT, FEED) for arch in MODELS}
+# DeepSeek-V4's tiny model (window 32, CSA 4, HCA 128): steps at 122..131 go round the sliding
+# window's ring, complete three CSA windows (after the prompt's 30 entries, more than the
+# indexer's top 4) and HCA's first window.
+CASES["deepseek4-long"] = ("deepseek4", [(7 * i + 1) % 1000 for i in range(122)],
+                           [33, 7, 1000, 5, 9, 200, 71, 3, 512, 64])
+CASES["deepseek4-first-windows"] = ("deepseek4", PROMPT[:2], FEED + FEED[::-1])  # CSA's first without an overlap
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
-def test_static_steps_equal_eager_decode(arch: str) -> None:
+def static_steps(engine: Engine, cache: KVCache, feed: list[int]) -> torch.Tensor:
+    """Logits [len(feed), V] of one-token steps at a device position, as a captured step runs."""
+    position = torch.zeros(1, dtype=torch.int64)
+    cache.step_positions = position
+    got = []
+    try:
+        with torch.inference_mode():
+            for t in feed:
+                position.fill_(cache.length)
+                got.append(engine.model.forward(torch.tensor([t]), cache).to(torch.float32))
+    finally:
+        cache.step_positions = None
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_static_steps_equal_eager_decode(case: str) -> None:
+    arch, prompt, feed = CASES[case]
     engine = Engine.load(FIXTURES / MODELS[arch], resident_experts=True)
     assert engine.model.static_decode
     eager = engine.new_cache()
-    engine.forward(PROMPT, eager)
-    want = torch.cat([engine.forward([t], eager) for t in FEED])
+    engine.forward(prompt, eager)
+    want = torch.cat([engine.forward([t], eager) for t in feed])
 
     static = engine.new_cache()
-    engine.forward(PROMPT, static)
+    engine.forward(prompt, static)
     static.reserve(300)  # buffers longer than the sequence: the unwritten rows must not count
-    position = torch.zeros(1, dtype=torch.int64)
-    static.step_positions = position
-    got = []
-    with torch.inference_mode():
-        for t in FEED:
-            position.fill_(static.length)
-            got.append(engine.model.forward(torch.tensor([t]), static).to(torch.float32))
-    static.step_positions = None
-    got = torch.cat(got)
-    assert static.length == eager.length == len(PROMPT) + len(FEED)
+    got = static_steps(engine, static, feed)
+    assert static.length == eager.length == len(prompt) + len(feed)
     err = (got - want).abs().max().item()
-    assert err < 1e-5, f"{arch}: max |diff| {err:.2e}"
+    assert err < 1e-5, f"{case}: max |diff| {err:.2e}"
     for layer in eager.keys:  # the same keys in the same rows (the summation order over keys differs)
         torch.testing.assert_close(static.keys[layer][:eager.length], eager.keys[layer][:eager.length],
                                    rtol=1e-5, atol=1e-5)
+    eager.reserve(300)  # states reserved after eager decoding hold what the static steps left
     for mine, theirs in zip(static.state_tensors(), eager.state_tensors(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
@@ -73,3 +91,34 @@ def test_trading_buffers_keeps_each_caches_rows() -> None:
     fresh = engine.new_cache()
     engine.forward(PROMPT, fresh)
     assert torch.equal(engine.forward([FEED[0]], first), engine.forward([FEED[0]], fresh))
+
+
+def test_deepseek4_state_stays_in_its_buffers_between_eager_and_static_passes() -> None:
+    """Once reserved, DeepSeek-V4's layer states live in their buffers: an eager pass of several
+    tokens between static steps starts from them and writes its result back into the same
+    tensors (a captured step keeps reading those), or into larger ones where it goes past their
+    capacity; a larger reservation moves them too. The prompt passes HCA's first window, whose
+    entry the first reservation moves."""
+    engine = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
+    prompt = [(5 * i + 2) % 1000 for i in range(130)]
+    # (No step at an indexer tie: there eager and static picks may differ, either being right.)
+    first, chunks, last = [33, 7, 1000, 5, 9, 200], ([71, 3, 512], [12, 640, 6]), [64, 18, 301]
+    eager = engine.new_cache()
+    engine.forward(prompt, eager)
+    want = torch.cat([engine.forward([t], eager) for t in first] + [engine.forward(c, eager) for c in chunks]
+                     + [engine.forward([t], eager) for t in last])
+
+    static = engine.new_cache()
+    engine.forward(prompt, static)
+    static.reserve(140)
+    buffers = static.state_tensors()
+    got = [static_steps(engine, static, first), engine.forward(chunks[0], static)]  # up to 139: in place
+    assert all(a is b for a, b in zip(buffers, static.state_tensors(), strict=True))
+    got.append(engine.forward(chunks[1], static))  # up to 142: grown
+    assert static.capacity == 280
+    static.reserve(300)
+    assert static.capacity == 300
+    got = torch.cat(got + [static_steps(engine, static, last)])
+    err = (got - want).abs().max().item()
+    ties = sorted({p for state in static.state.values() for p in state.ties()})
+    assert err < 1e-5, f"max |diff| {err:.2e} (indexer ties at {ties})"

@@ -87,7 +87,7 @@ KEYS = {
 
 
 class Model:
-    static_decode = False  # not yet: its compressed-attention caches grow as tokens arrive
+    static_decode = True  # once reserved, the compressed-attention states are buffers updated in place
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         a = self.args = read_args(Args, files.arch, files.metadata, KEYS)
@@ -120,11 +120,12 @@ class Model:
         for i in range(a.n_layer):
             p = f"blk.{i}."
             streams, tokens = self.place.hop(i, streams, tokens)
-            state = cache.state.setdefault(i, LayerState())
+            state = cache.state.setdefault(i, LayerState(self.shapes[i]))
             rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
             pre, post, comb = self.hc_attn[i].weights(streams)
             h = rms_norm(HyperConnection.collapse(streams, pre), w[p + "attn_norm.weight"].dequant(), a.eps)
-            out = attention(w, p, h, cache.length, state, self.shapes[i], rope)
+            start = cache.length if cache.step_positions is None else cache.positions(1, h.device)
+            out = attention(w, p, h, start, state, rope)
             streams = HyperConnection.expand(streams, out, post, comb)
 
             pre, post, comb = self.hc_ffn[i].weights(streams)
