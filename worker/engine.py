@@ -309,6 +309,7 @@ class SegmentedDecode:
         self.pool = None  # the memory pool the graphs share
         self._at = 0  # the stop the pass reaches next
         self._capturing = False
+        self._open: torch.cuda.CUDAGraph | None = None  # the graph being captured
 
     @staticmethod
     def fits(model: Model) -> bool:
@@ -363,9 +364,12 @@ class SegmentedDecode:
         if guess is not None:
             stop.routed[stop.n_pairs:].copy_(guess[1].reshape(-1))
         if self._capturing:
-            self.graphs[-1].capture_end()
-            self.graphs.append(torch.cuda.CUDAGraph())
-            self.graphs[-1].capture_begin(self.pool)
+            self._open.capture_end()
+            self._open = None
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(self.pool)
+            self._open = graph
+            self.graphs.append(graph)
         else:
             self._between(stop)
         return ExpertRows(self.model.moe.source.memory, stop.offsets)
@@ -395,15 +399,18 @@ class SegmentedDecode:
             with torch.cuda.stream(side):
                 self.graphs = [torch.cuda.CUDAGraph()]
                 self.graphs[0].capture_begin(self.pool)
+                self._open = self.graphs[0]
                 try:
                     self.logits = self._pass(capture=True)
                 except BaseException:
-                    with contextlib.suppress(RuntimeError):
-                        self.graphs[-1].capture_end()
+                    if self._open is not None:  # the stream's capture ends, whatever state it is in
+                        with contextlib.suppress(RuntimeError):
+                            self._open.capture_end()
                     raise
-                self.graphs[-1].capture_end()
+                self._open.capture_end()
         except RuntimeError as exc:  # an operation CUDA cannot capture, or no memory for the graphs: the step has run
             self.graphs, self.logits, self.failed = [], None, exc
         finally:
+            self._open = None
             self.cache.length = length
             current.wait_stream(side)

@@ -13,6 +13,7 @@ real expertd, with a cache of the minimum size (it evicts at every layer):
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,8 @@ def test_one_device_read_per_moe_layer(fixture_packs, tmp_path: Path, monkeypatc
                         for token in (7, 11):
                             reads.clear()
                             engine.forward([token], cache)
-                            assert len(reads) == (n_moe if graphs else 2 * n_moe - 1), (graphs, reads)  # eager: the guesses too
+                            # eager: the layer's ids, and apart from them the guesses of all but the last layer
+                            assert len(reads) == (n_moe if graphs else 2 * n_moe - 1), (graphs, reads)
                     if graphs:
                         assert all(a is s.offsets for a, s in zip(buffers, engine._graph.stops, strict=True))
                 finally:
@@ -164,3 +166,71 @@ def test_new_reservations_and_requests_stay_exact(fixture_packs, tmp_path: Path,
     assert runs[True][1] == runs[False][1]
     for step, (a, b) in enumerate(zip(runs[True][0], runs[False][0], strict=True)):
         assert torch.equal(a, b), f"step {step} differs from the eager streaming step"
+
+
+class FakeStream:
+    def wait_stream(self, other: "FakeStream") -> None:
+        pass
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: records when captures begin and end."""
+    log: list[tuple[str, int, object]] = []
+    refuse_at: int | None = None  # the capture_begin (counted from 0) that raises, if any
+
+    def __init__(self) -> None:
+        self.id = sum(1 for event in self.log if event[0] == "begin")
+
+    def capture_begin(self, pool: object = None) -> None:
+        if self.id == self.refuse_at:
+            raise RuntimeError("operation not permitted when stream is capturing (injected)")
+        self.log.append(("begin", self.id, pool))
+
+    def capture_end(self) -> None:
+        self.log.append(("end", self.id, None))
+
+
+@pytest.mark.parametrize("refuse_at", [None, 2], ids=["captured", "refused"])
+def test_capture_splits_the_pass_at_every_stop(refuse_at: int | None, fixture_packs, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """SegmentedDecode's capture, its CUDA calls faked on the CPU (the kernels run instead of
+    being recorded): one graph per segment, each begun in the shared pool and ended once, in
+    order, with no host step inside; the cache's length and the seams put back. A capture refused
+    midway ends the open graph and leaves `failed` set, nothing else changed."""
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    d = daemon_for(pack, tmp_path)
+    FakeGraph.log, FakeGraph.refuse_at = [], refuse_at
+    pool = object()
+    for name, fake in {"synchronize": lambda device=None: None, "empty_cache": lambda: None,
+                       "graph_pool_handle": lambda: pool, "current_stream": lambda device=None: FakeStream(),
+                       "Stream": lambda device=None: FakeStream(), "stream": lambda s: contextlib.nullcontext(),
+                       "CUDAGraph": FakeGraph}.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    try:
+        with kernels_on_cpu():
+            engine = streamed(pack, d.endpoint, prefetch=True, graphs=True)
+            try:
+                cache = engine.new_cache()
+                engine.forward(PROMPT, cache)
+                engine.forward([3], cache)  # the eager pass that makes the stops
+                segmented = engine._graph
+                n_stops, length = len(segmented.stops), cache.length
+                host_steps = []
+                monkeypatch.setattr(segmented, "_between", lambda stop: host_steps.append(stop))
+                with torch.inference_mode():  # as Engine.forward runs it
+                    segmented._capture()
+                assert host_steps == [] and cache.length == length
+                assert engine.model.moe.boundary is None and cache.step_positions is None
+                if refuse_at is None:
+                    assert segmented.failed is None and segmented.logits is not None
+                    assert len(segmented.graphs) == n_stops + 1
+                    assert FakeGraph.log == [event for i in range(n_stops + 1)
+                                             for event in (("begin", i, pool), ("end", i, None))]
+                else:
+                    assert isinstance(segmented.failed, RuntimeError) and segmented.graphs == []
+                    assert FakeGraph.log == [event for i in range(refuse_at)
+                                             for event in (("begin", i, pool), ("end", i, None))]
+            finally:
+                engine.close()
+    finally:
+        assert d.stop()[0] == 0
