@@ -196,9 +196,9 @@ def test_capture_splits_the_pass_at_every_stop(refuse_at: int | None, fixture_pa
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """SegmentedDecode's capture, its CUDA calls faked on the CPU (the kernels run instead of
     being recorded, over slots that hold other experts by then: their results are not looked
-    at, and the KV cache is not decoded further): one graph per segment, each begun in the shared pool and ended once, in
-    order, with no host step inside; the cache's length and the seams put back. A capture refused
-    midway ends the open graph and leaves `failed` set, nothing else changed."""
+    at, and the KV cache is not decoded further): one graph per segment, each begun in the
+    shared pool and ended once, in order, with no host step inside; the cache's length and the
+    seams put back. A capture refused midway ends the open graph and leaves `failed` set."""
     pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
     d = daemon_for(pack, tmp_path)
     FakeGraph.log, FakeGraph.refuse_at = [], refuse_at
