@@ -6,9 +6,12 @@ own overhead (requests, copies, waits, Python). Measured side by side in one run
 token at a time through the KV cache:
 
   resident, CUDA graph      every expert on the device, the step replayed as a graph
-  resident, eager           the same, every kernel launched from Python (what streaming runs)
+  resident, eager           the same, every kernel launched from Python
   streaming, prefetch off   a VRAM cache of --cache-gib fed by expertd, the misses RAM-tier hits
   streaming, prefetch on    the same with the worker's lookahead
+  streaming, ..., eager     the same with the engine's graphs off: every kernel launched from Python
+                            (the streaming rows above take the engine's default: on CUDA, the step
+                            as CUDA graphs split at the MoE layers, engine.SegmentedDecode)
 
 then the host functions that took the most time in the last streaming run (cProfile, by own time).
   python3 bench/profile_streaming.py [--preset qwen3-30b-a3b] [--layers 12] [--cache-gib 1] [--tokens 16]
@@ -54,6 +57,18 @@ def decode(engine, feed: list[int], device: str, profiler: cProfile.Profile | No
     return per_token, argmax
 
 
+def measured(engine, feed: list[int], device: str, n_tokens: int) -> tuple[float, list[int], dict]:
+    """decode() over a streaming engine, with its cache's and expertd's counters over the run."""
+    cache = engine.expert_cache
+    before, read_before = cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"]
+    per_token, argmax = decode(engine, feed, device)
+    d = cache.counters.since(before)
+    looked = d["hits"] + d["misses"]
+    return per_token, argmax, {"hit_rate": d["hits"] / max(1, looked), "misses_per_token": d["misses"] / n_tokens,
+                               "stall_ms_per_token": d["stall_s"] / n_tokens * 1000,
+                               "ssd_bytes": cache.link.stats()["counters"]["pack_read_bytes"] - read_before}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -90,6 +105,7 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="profile-streaming-"))
     stats: dict[str, dict] = {}
+    kinds: dict[str, str] = {}  # streaming row -> how the engine ran its decode steps
     text = ""
     for prefetch in (False, True):
         name = f"streaming, prefetch {'on' if prefetch else 'off'}"
@@ -98,15 +114,16 @@ def main() -> int:
         try:
             engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
                                  name="profile-streaming", prefetch=prefetch)
+            engine.segmented = True  # the segmented graphs (off by default until checked on a GPU)
             decode(engine, feed, args.device)  # reads every key the measured pass needs into the RAM tier
-            cache = engine.expert_cache
-            before, read_before = cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"]
-            rows[name], tokens[name] = decode(engine, feed, args.device)
-            d = cache.counters.since(before)
-            looked = d["hits"] + d["misses"]
-            stats[name] = {"hit_rate": d["hits"] / max(1, looked), "misses_per_token": d["misses"] / args.tokens,
-                           "stall_ms_per_token": d["stall_s"] / args.tokens * 1000,
-                           "ssd_bytes": cache.link.stats()["counters"]["pack_read_bytes"] - read_before}
+            rows[name], tokens[name], stats[name] = measured(engine, feed, args.device, args.tokens)
+            kinds[name] = type(engine._graph).__name__ if engine._graph is not None else "eager"
+            if args.device.startswith("cuda"):  # the same, launched eagerly, for the ratio within this run
+                engine.graphs = False
+                eager = f"{name}, eager"
+                rows[eager], tokens[eager], stats[eager] = measured(engine, feed, args.device, args.tokens)
+                kinds[eager] = "eager"
+                engine.graphs = True
             if prefetch:  # a pass of its own: the profiler slows Python about twofold
                 profiler = cProfile.Profile()
                 decode(engine, feed, args.device, profiler)
@@ -116,7 +133,7 @@ def main() -> int:
                 ps.sort_stats("cumulative").print_stats("expertpack", args.top)
                 text = out.getvalue()
             engine.close()
-            engine = cache = None
+            engine = None
         finally:
             daemon.stop()
         if args.device.startswith("cuda"):
@@ -124,11 +141,13 @@ def main() -> int:
 
     print(f"model {stem} on {args.device}, cache {args.cache_gib} GiB, RAM tier holding every expert; "
           f"{args.tokens} tokens decoded per run")
-    print(f"{'':28}{'ms/token':>10}{'tok/s':>9}{'misses/token':>14}{'stall ms/token':>16}{'SSD bytes':>11}")
+    print(f"{'':36}{'ms/token':>10}{'tok/s':>9}{'misses/token':>14}{'stall ms/token':>16}{'SSD bytes':>11}"
+          f"  decode steps")
     for name, s in rows.items():
         st = stats.get(name)
-        extra = (f"{st['misses_per_token']:14.1f}{st['stall_ms_per_token']:16.2f}{st['ssd_bytes']:11,}" if st else "")
-        print(f"{name:28}{s * 1000:10.2f}{1 / s:9.1f}{extra}")
+        extra = (f"{st['misses_per_token']:14.1f}{st['stall_ms_per_token']:16.2f}{st['ssd_bytes']:11,}"
+                 f"  {kinds[name]}" if st else "")
+        print(f"{name:36}{s * 1000:10.2f}{1 / s:9.1f}{extra}")
     same = len({tuple(t) for t in tokens.values()}) == 1
     print(f"argmax identical in every run: {same}")
     print("host time of a further streaming pass with prefetch (cProfile: by own time, then expertpack's by cumulative time):")
@@ -137,6 +156,7 @@ def main() -> int:
                       "machine": f"{os.uname().nodename} {os.cpu_count()} cpu", "device": args.device,
                       "cache_gib": args.cache_gib, "tokens": args.tokens,
                       "ms_per_token": {k: round(v * 1000, 3) for k, v in rows.items()}, "streaming": stats,
+                      "decode_steps": kinds,
                       "argmax_identical": same}))
     return 0 if same else 1
 

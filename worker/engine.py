@@ -3,6 +3,7 @@ time, greedy or sampled. No HTTP, no daemon: the expert source decides where exp
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from collections import deque
@@ -17,7 +18,7 @@ from .cache_policy import CacheTooSmall
 from .daemon_link import DaemonLink
 from .expert_cache import ExpertCache
 from .layers import KVCache
-from .model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
+from .model_files import ExpertRows, ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .models import Model, model_module
 from .placement import Placement, parse_devices, plan
 from .sampling import Sampler
@@ -36,8 +37,12 @@ class Engine:
     files: ModelFiles
     device: torch.device  # where the tokens go in: the first of place.devices
     place: Placement
-    graphs: bool = True  # capture resident decode steps as CUDA graphs where the model allows it
-    _graph: "DecodeGraph | None" = field(default=None, repr=False)
+    graphs: bool = True  # capture decode steps as CUDA graphs (split at the MoE layers with the expert cache)
+    # Steps over the expert cache as graphs split at the MoE layers (SegmentedDecode): off until a
+    # GPU has replayed them against the eager step (tests/gpu/test_segmented_graphs.py); the tests
+    # and bench/profile_streaming.py turn it on.
+    segmented: bool = False
+    _graph: "DecodeGraph | SegmentedDecode | None" = field(default=None, repr=False)
 
     @classmethod
     def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False,
@@ -131,30 +136,39 @@ class Engine:
     def _static_step(self, token: int, cache: KVCache) -> torch.Tensor:
         """A decode step on the GPU with the same shapes at every position: the KV cache reserved
         ahead and attended whole, masked by position. With every expert resident the step is a
-        CUDA graph, replayed; with the expert cache (a host sync per layer for its misses, which a
-        graph cannot hold) the same operations run eagerly, so both give the same bits. Over several
-        devices the step runs eagerly too (one graph per device range is not written yet)."""
+        CUDA graph, replayed (DecodeGraph); with the expert cache, whose misses need a host sync
+        per MoE layer, a sequence of graphs split at the MoE layers (SegmentedDecode; on the CPU,
+        under Triton's interpreter, the same segments run eagerly); else, or with `graphs` off,
+        the same operations run eagerly. All give the same bits. Over several devices the step
+        runs eagerly (one graph per device range is not written yet)."""
         capacity = cache.capacity
         if capacity <= cache.length or capacity < MIN_STATIC_CAPACITY or capacity & (capacity - 1):
             cache.reserve(max(MIN_STATIC_CAPACITY, 1 << cache.length.bit_length()))  # a power of two > length
-        if (self.graphs and self.device.type == "cuda" and not self.place.split
-                and isinstance(self.files.experts, ResidentExperts)
-                and self.model.moe.routing_log is None):
-            if (self._graph is not None and self._graph.cache is not cache
-                    and self._graph.capacity == cache.capacity and cache.same_shapes(self._graph.cache)):
-                cache.trade_buffers(self._graph.cache)  # the next request: no new capture
-                self._graph.cache = cache
-            if self._graph is None or self._graph.cache is not cache or self._graph.capacity != cache.capacity:
+        kind = self._replayed_kind()
+        if kind is not None:
+            graph = self._graph
+            if (graph is not None and graph.cache is not cache
+                    and graph.capacity == cache.capacity and cache.same_shapes(graph.cache)):
+                cache.trade_buffers(graph.cache)  # the next request: no new capture
+                graph.cache = cache
+            if (graph is None or not isinstance(graph, kind) or graph.cache is not cache
+                    or graph.capacity != cache.capacity
+                    or (isinstance(graph, SegmentedDecode) and graph.prefetch != self.model.moe.prefetch)):
                 self._graph = None  # its memory goes back before the next one is captured
                 try:
-                    self._graph = DecodeGraph(self.model, cache, self.device)
+                    self._graph = kind(self.model, cache, self.device)
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except RuntimeError as exc:  # an operation CUDA cannot capture: the same step, eagerly
                     log.warning("decode step not captured as a CUDA graph (%s); running it eagerly", exc)
                     self.graphs = False
             if self._graph is not None:
-                return self._graph.step(token)
+                logits = self._graph.step(token)
+                if isinstance(self._graph, SegmentedDecode) and self._graph.failed is not None:
+                    log.warning("decode step not captured as CUDA graphs (%s); running it eagerly", self._graph.failed)
+                    self._graph = None
+                    self.graphs = False
+                return logits
         cache.step_positions = torch.full((1,), cache.length, dtype=torch.int64, device=self.device)
         if self.place.split:  # the position written on every range's device once, not copied per layer
             cache.step_copies = {d: torch.full((1,), cache.length, dtype=torch.int64, device=d)
@@ -165,6 +179,18 @@ class Engine:
         finally:
             cache.step_positions = None
             cache.step_copies = {}
+
+    def _replayed_kind(self) -> "type[DecodeGraph] | type[SegmentedDecode] | None":
+        """How this engine's decode steps are replayed, if they are: the whole step as one graph
+        (every expert resident, CUDA), or segments between the MoE layers (the expert cache)."""
+        if not self.graphs or self.place.split or self.model.moe.routing_log is not None:
+            return None
+        source = self.files.experts
+        if isinstance(source, ResidentExperts) and self.device.type == "cuda":
+            return DecodeGraph
+        if isinstance(source, ExpertCache) and self.segmented and SegmentedDecode.fits(self.model):
+            return SegmentedDecode
+        return None
 
     def generate(self, prompt: list[int], n: int, sampler: Sampler, cache: KVCache | None = None,
                  stop: set[int] = frozenset()) -> tuple[list[int], torch.Tensor]:
@@ -235,3 +261,160 @@ class DecodeGraph:
         self.graph.replay()
         self.cache.length += 1
         return self.logits.clone()
+
+
+@dataclass
+class _Stop:
+    """Where a segmented step stops at one MoE layer, and the static buffers the graphs on either
+    side share with the host step between them."""
+    layer: int
+    n_pairs: int  # T*k
+    target: int | None  # the layer the guess is for (prefetch), or None
+    routed: torch.Tensor  # [T*k (+ T*k)] int64, device: the layer's ids, then the next layer's guess
+    offsets: torch.Tensor  # [T*k] int64, device: where each pair's expert sits in the cache's memory
+    staged: torch.Tensor  # [T*k] int64, host (pinned on CUDA): the offsets on their way up
+
+    @classmethod
+    def make(cls, layer: int, n_pairs: int, guess: tuple[int, torch.Tensor] | None, device: torch.device) -> "_Stop":
+        n_routed = n_pairs + (0 if guess is None else guess[1].numel())
+        return cls(layer, n_pairs, None if guess is None else guess[0],
+                   torch.zeros(n_routed, dtype=torch.int64, device=device),
+                   torch.zeros(n_pairs, dtype=torch.int64, device=device),
+                   torch.zeros(n_pairs, dtype=torch.int64, pin_memory=device.type == "cuda"))
+
+
+class SegmentedDecode:
+    """A decode step over the expert cache as CUDA graphs split at the MoE layers (at most one host
+    sync per MoE layer, the GPU fast path's aim): graph 0 runs from the embedding to the first MoE
+    layer's routing, graph i the experts of MoE layer i-1 and everything up to layer i's routing,
+    the last one the last layer's experts and the output head. Between two graphs, on the host:
+    the layer's ids and the lookahead's guess for the next layer, copied to the host together
+    (the one sync), then ExpertFFN.host_step (prefetch, hits, the fetch of misses and their
+    copies, the compute stream waiting on them) and the offsets copied from a pinned buffer into
+    the static one the next graph reads, on the compute stream. The kernels and their inputs are
+    those of the eager step: the same bits.
+
+    The first step runs the segments eagerly (kernels compile; the stops' buffers are made) and is
+    then captured, once per KV cache buffers like DecodeGraph; later steps replay. A capture that
+    fails leaves `failed` set (the engine then steps eagerly). On the CPU (Triton's interpreter,
+    tests) nothing is captured: every step runs the segments eagerly, through the same stops,
+    buffers and host steps."""
+
+    def __init__(self, model: Model, cache: KVCache, device: torch.device) -> None:
+        self.model, self.cache, self.device = model, cache, device
+        self.capacity = cache.capacity
+        self.prefetch = model.moe.prefetch  # captured with or without the guesses' router
+        self.token = torch.zeros(1, dtype=torch.int64, device=device)
+        self.position = torch.zeros(1, dtype=torch.int64, device=device)
+        self.stops: list[_Stop] = []
+        self.graphs: list[torch.cuda.CUDAGraph] = []  # len(stops) + 1 once captured
+        self.logits: torch.Tensor | None = None  # the last graph's output
+        self.failed: RuntimeError | None = None
+        self.pool = None  # the memory pool the graphs share
+        self._at = 0  # the stop the pass reaches next
+        self._capturing = False
+        self._open: torch.cuda.CUDAGraph | None = None  # the graph being captured
+
+    @staticmethod
+    def fits(model: Model) -> bool:
+        """A step's experts fit the cache in one wave (one token's k), and no layer's experts
+        follow from the tokens alone (DeepSeek-V4's hash layers prefetch from a token table,
+        which these graphs do not hold)."""
+        source = model.moe.source
+        return (isinstance(source, ExpertCache) and not model.moe.static_routes
+                and source.capacity >= source.manifest.model.n_expert_used)
+
+    def step(self, token: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.position.fill_(self.cache.length)
+        if not self.graphs:
+            logits = self._pass()
+            if self.device.type == "cuda" and self.failed is None:
+                self._capture()
+            return logits
+        for graph, stop in zip(self.graphs, self.stops):
+            graph.replay()
+            self._between(stop)
+        self.graphs[-1].replay()
+        self.cache.length += 1
+        return self.logits.clone()
+
+    def _pass(self, capture: bool = False) -> torch.Tensor:
+        """One forward pass through the stops: eagerly (each stop's host step runs there), or
+        captured (each stop ends a graph and begins the next)."""
+        moe = self.model.moe
+        self._at, self._capturing = 0, capture
+        self.cache.step_positions, moe.boundary = self.position, self._boundary
+        try:
+            logits = self.model.forward(self.token, self.cache).to(torch.float32)
+        finally:
+            self.cache.step_positions, moe.boundary = None, None
+            self._capturing = False
+        if self._at != len(self.stops):
+            raise RuntimeError(f"the pass stopped at {self._at} MoE layers, the step has {len(self.stops)}")
+        return logits
+
+    def _boundary(self, layer: int, ids: torch.Tensor, guess: tuple[int, torch.Tensor] | None) -> ExpertRows:
+        """ExpertFFN's stop at `layer`: the routing (and the guess) into the stop's buffer, then the
+        host step (eager) or the end of one graph and the start of the next (capture)."""
+        if self._at == len(self.stops) and not self._capturing:
+            self.stops.append(_Stop.make(layer, ids.numel(), guess, self.device))
+        stop = self.stops[self._at] if self._at < len(self.stops) else None
+        target = None if guess is None else guess[0]
+        if stop is None or (stop.layer, stop.n_pairs, stop.target) != (layer, ids.numel(), target):
+            raise RuntimeError(f"MoE layer {layer} is not where the step stopped before")
+        self._at += 1
+        stop.routed[:stop.n_pairs].copy_(ids.reshape(-1))
+        if guess is not None:
+            stop.routed[stop.n_pairs:].copy_(guess[1].reshape(-1))
+        if self._capturing:
+            self._open.capture_end()
+            self._open = None
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(self.pool)
+            self._open = graph
+            self.graphs.append(graph)
+        else:
+            self._between(stop)
+        return ExpertRows(self.model.moe.source.memory, stop.offsets)
+
+    def _between(self, stop: _Stop) -> None:
+        """The host step at a stop. Its first act syncs the compute stream, so the pinned buffer's
+        previous upload (enqueued there a step ago) is done before it is written again."""
+        routed = stop.routed.tolist()  # the one host sync of the layer: its ids, and the guess for the next
+        guess = (stop.target, routed[stop.n_pairs:]) if stop.target is not None and self.prefetch else None
+        offsets = self.model.moe.host_step(stop.layer, routed[:stop.n_pairs], guess)
+        stop.staged.numpy()[:] = offsets
+        stop.offsets.copy_(stop.staged, non_blocking=True)  # on the compute stream, before the next graph
+
+    def _capture(self) -> None:
+        """Captures the step's graphs on a side stream (the eager pass before compiled every
+        kernel), sharing one memory pool: tensors a graph leaves for the next stay where it put
+        them, since the graphs replay in the order they were captured. Capturing runs nothing:
+        only the cache's length, which the model's forward advances, is put back."""
+        length = self.cache.length
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # as torch.cuda.graph does: cached blocks back, for the pool to take
+        self.pool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                self.graphs = [torch.cuda.CUDAGraph()]
+                self.graphs[0].capture_begin(self.pool)
+                self._open = self.graphs[0]
+                try:
+                    self.logits = self._pass(capture=True)
+                except BaseException:
+                    if self._open is not None:  # the stream's capture ends, whatever state it is in
+                        with contextlib.suppress(RuntimeError):
+                            self._open.capture_end()
+                    raise
+                self._open.capture_end()
+        except RuntimeError as exc:  # an operation CUDA cannot capture, or no memory for the graphs: the step has run
+            self.graphs, self.logits, self.failed = [], None, exc
+        finally:
+            self._open = None
+            self.cache.length = length
+            current.wait_stream(side)

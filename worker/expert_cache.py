@@ -149,7 +149,17 @@ class ExpertCache:
         """The step's experts in waves the cache can hold (one, unless the step selected more
         experts than there are slots): one host sync for the step's unique ids, one upload of the
         expert -> slot map per wave."""
-        chosen = ids.reshape(-1).tolist()
+        for offsets, pairs in self.waves(layer, ids.reshape(-1).tolist()):
+            yield ExpertRows(self.memory, torch.tensor(offsets, dtype=torch.int64).to(self.device),
+                             None if pairs is None else torch.tensor(pairs, dtype=torch.int32).to(self.device))
+
+    def waves(self, layer: int, chosen: list[int]) -> Iterator[tuple[list[int], list[int] | None]]:
+        """The host side of expert_rows, for the experts `chosen` [T*k] by a step's pairs: per wave,
+        each pair's byte offset into `memory` (pairs of other waves point at slot 0 and are not
+        run) and the pairs it runs (None: all of them), its slots acquired when the iteration
+        reaches it (after the previous wave's compute was enqueued). A segmented decode step
+        (engine.SegmentedDecode) takes the one wave of a step from here and uploads the offsets
+        itself, into the buffer its graphs read."""
         unique = sorted(set(chosen))
         # The layer's routing is known: what was prefetched for it and not chosen is stale now, and its
         # reads not yet started never compete with this step's.
@@ -157,13 +167,9 @@ class ExpertCache:
         for start in range(0, len(unique), self.n_slots):
             wave = unique[start:start + self.n_slots]
             slot_of = dict(zip(wave, self._acquire(layer, wave)))
-            # [T*k] byte offsets (pairs of other waves point at slot 0 and are not run)
-            offsets = torch.tensor([slot_of.get(e, 0) * self.slot_bytes for e in chosen], dtype=torch.int64)
-            pairs = None
-            if len(wave) < len(unique):
-                pairs = torch.tensor([p for p, e in enumerate(chosen) if e in slot_of], dtype=torch.int32)
-                pairs = pairs.to(self.device)
-            yield ExpertRows(self.memory, offsets.to(self.device), pairs)
+            offsets = [slot_of.get(e, 0) * self.slot_bytes for e in chosen]  # [T*k]
+            pairs = None if len(wave) == len(unique) else [p for p, e in enumerate(chosen) if e in slot_of]
+            yield offsets, pairs
 
     def _acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
         """The slots of `experts`, fetching what is missing; the compute stream waits for their copies."""

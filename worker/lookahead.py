@@ -17,6 +17,18 @@ from .model_files import PrefetchingSource
 Router = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def next_guess(source: PrefetchingSource, layer: int, x: torch.Tensor, router: Router | None
+               ) -> tuple[int, torch.Tensor] | None:
+    """The next MoE layer after `layer` that `source` prefetches for and its router's choice on
+    `x` (ids [T, k], left on the device), as look_ahead computes it; None where there is none.
+    A segmented decode step (engine.SegmentedDecode) computes it inside a graph and sends it from
+    the layer's boundary, with the layer's own routing read in the same host copy."""
+    ahead = source.ahead(layer)
+    if not ahead or router is None:
+        return None
+    return ahead[0], router(ahead[0], x)[0]
+
+
 def look_ahead(source: PrefetchingSource, layer: int, x: torch.Tensor, router: Router | None,
                static_routes: Mapping[int, torch.Tensor], tokens: torch.Tensor | None) -> None:
     """Sends the prefetches for the layers after `layer`: static ones exactly (a layer or two

@@ -11,19 +11,24 @@ tests) the source hands the fused kernels a byte-offset map into its memory and 
 expert runs in two launches (a long prefill: each expert dequantized once and multiplied by all its
 tokens, kernels/moe_dense.py; a short one, each expert decoded once for a tile of its pairs,
 kernels/moe_tiles.py); elsewhere each expert runs through `linear`, a torch loop kept as
-the CPU path and the reference."""
+the CPU path and the reference.
+
+A segmented decode step (engine.SegmentedDecode: CUDA graphs split at the MoE layers) sets
+`boundary`: a call then leaves the host work (the one read of the routing, the fetch of misses,
+the offsets) to the boundary, between two graphs, and reads the offsets from the buffer it names;
+`host_step` is that work, in the order an eager call does it."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .activation import SWIGLU, Activation
 from .expert_roles import ExpertRoles, expert_roles
-from .lookahead import Router, look_ahead
-from .model_files import ExpertSource, ExpertWeights, PrefetchingSource
+from .lookahead import Router, look_ahead, next_guess
+from .model_files import ExpertRows, ExpertSource, ExpertWeights, PrefetchingSource
 from .weights import linear, use_kernels
 
 
@@ -35,6 +40,10 @@ def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Te
         gate, up = linear(x, w["gate"], w.get("gate.bias")), linear(x, w["up"], w.get("up.bias"))
     return linear(act(gate, up), w["down"], w.get("down.bias"))
 
+
+# Where a segmented decode step stops at an MoE layer: (layer, ids [T, k], the next layer's guess
+# (layer, ids [T, k]) or None) -> where the layer's experts sit (offsets in a buffer of the step's own).
+Boundary = Callable[[int, torch.Tensor, "tuple[int, torch.Tensor] | None"], ExpertRows]
 
 DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequantize once and multiply (bench/moe_prefill.py)
 TILES_MIN_PAIRS_PER_EXPERT = 2  # from this many, decode each expert once per tile of its pairs (moe_tiles)
@@ -72,6 +81,7 @@ class ExpertFFN:
         # Look ahead: set by Engine.load (prefetch=...) where the source is the expertd-fed cache.
         self.prefetch = False
         self.tokens: torch.Tensor | None = None  # this pass's token ids, for static routes (begin)
+        self.boundary: Boundary | None = None  # set by engine.SegmentedDecode for the passes it runs
         self._roles: dict[int, ExpertRoles] = {}
 
     def begin(self, tokens: torch.Tensor) -> None:
@@ -84,6 +94,10 @@ class ExpertFFN:
         for layer in layers:
             self._roles[layer] = expert_roles(self.source.layout(layer))
 
+    @property
+    def prefetching(self) -> bool:
+        return self.prefetch and isinstance(self.source, PrefetchingSource)
+
     def act(self, layer: int) -> Activation:
         return self.activation if isinstance(self.activation, Activation) else self.activation[layer]
 
@@ -94,7 +108,12 @@ class ExpertFFN:
         `router_in`: what the router read, where it is not `h` (Kimi-K3's experts take a latent)."""
         if self.routing_log is not None:
             self.routing_log.setdefault(layer, []).append(ids.cpu())
-        prefetching = self.prefetch and isinstance(self.source, PrefetchingSource)
+        prefetching = self.prefetching
+        if self.boundary is not None:  # a segmented decode step: the host work waits for the boundary
+            x = h if router_in is None else router_in
+            guess = next_guess(self.source, layer, x, self.router) if prefetching else None
+            y = self._fused(layer, h, ids, weights, [self.boundary(layer, ids, guess)])
+            return y.sum(dim=1).to(h.dtype) if summed else y
         if prefetching:
             look_ahead(self.source, layer, h if router_in is None else router_in, self.router, self.static_routes,
                        self.tokens)
@@ -107,7 +126,22 @@ class ExpertFFN:
             self.source.layer_done(layer)
         return y
 
-    def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def host_step(self, layer: int, chosen: list[int], guess: tuple[int, list[int]] | None) -> list[int]:
+        """A segmented decode step's host work at `layer`, what an eager call does around its
+        kernels and in the same order: the next layer's guessed experts sent ahead, the experts
+        `chosen` [T*k] acquired in one wave (the compute stream waiting on their copies), the
+        layer's stale prefetches cancelled. -> the pairs' byte offsets [T*k] into the source's memory.
+        Runs over the expert cache only (ExpertCache.waves), for steps it holds in one wave."""
+        if guess is not None:
+            self.source.prefetch(*guess)
+        offsets, pairs = next(self.source.waves(layer, chosen))
+        assert pairs is None, "a segmented step's experts are loaded in one wave"
+        if self.prefetching:
+            self.source.layer_done(layer)
+        return offsets
+
+    def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               rows: Sequence[ExpertRows] | None = None) -> torch.Tensor:
         from .kernels.moe_dense import experts_dense
         from .kernels.moe_tiles import experts_in_tiles
         from .kernels.moe_tl import experts_per_pair
@@ -123,8 +157,8 @@ class ExpertFFN:
         run = {"dense": partial(experts_dense, n_expert=self.n_expert),
                "tiles": partial(experts_in_tiles, n_expert=self.n_expert), "per_pair": experts_per_pair}[path]
         y = None
-        for rows in self.source.expert_rows(layer, ids):
-            y = run(x, rows.pool, rows.offsets, w, roles, self.act(layer), rows.pairs, out=y)
+        for wave in self.source.expert_rows(layer, ids) if rows is None else rows:
+            y = run(x, wave.pool, wave.offsets, w, roles, self.act(layer), wave.pairs, out=y)
         return y.view(t, k, -1)  # summed over k in slot order by the caller: the same sum in every mode
 
     def _per_expert(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
