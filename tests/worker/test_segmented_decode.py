@@ -25,13 +25,17 @@ from expertpack.worker.weights import kernels_on_cpu
 
 from .test_expert_cache import daemon_for, minimal_cache_bytes
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu replays the graphs; "
-                                                                 "the interpreter is for CPUs")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu replays the graphs; "
+                                                                  "the interpreter is for CPUs"),
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
 PROMPT = [1, 5, 9]  # the interpreter takes seconds a token
 N_STEPS = 3
-PACKS = ["qwen3moe-a.Q4_K_M",  # every layer MoE
-         pytest.param("deepseek3-a.Q4_K_M", marks=pytest.mark.slow),  # a dense leading layer, shared experts
-         pytest.param("k3-tiny.Q2_K", marks=pytest.mark.slow)]  # the router reads another input than the experts
+# (pack, prefetch): every layer MoE, both ways; then, with prefetch (its guess and the stops both
+# in play), a dense leading layer with shared experts, and a router that reads another input than
+# the experts. Each interpreter run takes a minute or more: the other two ways add little.
+CASES = [("qwen3moe-a.Q4_K_M", True), ("qwen3moe-a.Q4_K_M", False),
+         pytest.param("deepseek3-a.Q4_K_M", True, marks=pytest.mark.slow),
+         pytest.param("k3-tiny.Q2_K", True, marks=pytest.mark.slow)]
 
 
 @pytest.fixture(autouse=True)
@@ -63,8 +67,7 @@ def streamed(pack: Path, endpoint: str, prefetch: bool, graphs: bool) -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("name", PACKS)
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize(("name", "prefetch"), CASES)
 def test_segments_give_the_eager_steps_bits(name: str, prefetch: bool, fixture_packs, tmp_path: Path) -> None:
     pack = fixture_packs[name][1]
     d = daemon_for(pack, tmp_path)
