@@ -34,6 +34,7 @@ from expertpack.worker.cache_policy import CacheTooSmall
 from expertpack.worker.daemon_link import CorruptExpert, DaemonLost
 from expertpack.worker.engine import Engine
 from expertpack.worker.expert_cache import slot_bytes
+from expertpack.worker.layers import KVCache
 from expertpack.worker.metrics import ServeCounters, render
 
 from ..conftest import FIXTURES, Daemon, start_daemon
@@ -52,9 +53,10 @@ def prompts(model: str) -> list[list[int]]:
     return [first, first[::-1][:12]]
 
 
-def greedy_run(engine: Engine, prompt: list[int], n: int = N_NEW) -> tuple[list[torch.Tensor], list[int]]:
-    """Logits of the prompt and of every decode step, and the greedy tokens."""
-    cache = engine.new_cache()
+def greedy_run(engine: Engine, prompt: list[int], n: int = N_NEW, cache: KVCache | None = None
+               ) -> tuple[list[torch.Tensor], list[int]]:
+    """Logits of the prompt and of every decode step, and the greedy tokens (in `cache`, or a new one)."""
+    cache = cache if cache is not None else engine.new_cache()
     logits = [engine.forward(prompt, cache)]
     tokens: list[int] = []
     for _ in range(n):

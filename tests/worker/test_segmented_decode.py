@@ -23,7 +23,7 @@ from expertpack.worker import engine as engine_module, layers
 from expertpack.worker.engine import Engine, SegmentedDecode
 from expertpack.worker.weights import kernels_on_cpu
 
-from .test_expert_cache import daemon_for, minimal_cache_bytes
+from .test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu replays the graphs; "
                                                                   "the interpreter is for CPUs"),
@@ -43,16 +43,6 @@ def short_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
     """KV buffers of a few positions: the interpreter attends over every reserved position."""
     monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 8)
     monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
-
-
-def greedy(engine: Engine, prompt: list[int], n: int = N_STEPS, cache=None) -> tuple[list[torch.Tensor], list[int]]:
-    cache = cache if cache is not None else engine.new_cache()
-    logits = [engine.forward(prompt, cache)]
-    tokens: list[int] = []
-    for _ in range(n):
-        tokens.append(int(logits[-1][-1].argmax()))
-        logits.append(engine.forward(tokens[-1:], cache))
-    return logits, tokens
 
 
 def counters(engine: Engine) -> tuple[int, ...]:
@@ -75,14 +65,14 @@ def test_segments_give_the_eager_steps_bits(name: str, prefetch: bool, fixture_p
         with kernels_on_cpu():
             eager = streamed(pack, d.endpoint, prefetch, graphs=False)
             try:
-                want, want_tokens = greedy(eager, PROMPT)
+                want, want_tokens = greedy_run(eager, PROMPT, N_STEPS)
                 want_counters = counters(eager)
                 assert eager._graph is None
             finally:
                 eager.close()
             engine = streamed(pack, d.endpoint, prefetch, graphs=True)
             try:
-                got, got_tokens = greedy(engine, PROMPT)
+                got, got_tokens = greedy_run(engine, PROMPT, N_STEPS)
                 segmented = engine._graph
                 assert isinstance(segmented, SegmentedDecode) and not segmented.graphs  # eager segments on the CPU
                 assert counters(engine) == want_counters
@@ -155,11 +145,11 @@ def test_new_reservations_and_requests_stay_exact(fixture_packs, tmp_path: Path,
             for graphs in (False, True):
                 engine = streamed(pack, d.endpoint, prefetch=True, graphs=graphs)
                 try:
-                    first = greedy(engine, PROMPT, n=2)  # positions 3, 4: capacity 4, then 8
+                    first = greedy_run(engine, PROMPT, 2)  # positions 3, 4: capacity 4, then 8
                     if graphs:
                         seen.append(engine._graph)
                         assert engine._graph.capacity == 8
-                    second = greedy(engine, PROMPT[::-1] + [2, 4], n=2)  # positions 5, 6: 8 again, traded
+                    second = greedy_run(engine, PROMPT[::-1] + [2, 4], 2)  # positions 5, 6: 8 again, traded
                     if graphs:
                         assert engine._graph is seen[0]
                     runs[graphs] = [*first[0], *second[0]], first[1] + second[1]
