@@ -114,7 +114,7 @@ run | tests)
     have flagship/deepseek4/reference.json || skip+=(--deselect tests/gpu/test_cuda_worker.py::test_deepseek4_on_cuda_matches_transformers)
     have flagship/kimi-k3/reference.json || skip+=(--deselect tests/gpu/test_cuda_worker.py::test_kimi_k3_on_cuda_matches_its_float64_reference)
     for m in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M gguf/gptoss-a/gptoss-a.MXFP4_MOE gguf/deepseek3-a/deepseek3-a.Q2_K \
-             flagship/kimi-k3/k3-tiny.Q2_K; do
+             flagship/kimi-k3/k3-tiny.Q2_K flagship/deepseek4/dsv4-tiny.BF16; do
         have "$m.gguf" || skip+=(--deselect "tests/gpu/test_decode_graph.py::test_graph_replays_equal_the_eager_static_steps[$m.gguf]")
     done
     have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py

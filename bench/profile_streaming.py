@@ -114,7 +114,6 @@ def main() -> int:
         try:
             engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
                                  name="profile-streaming", prefetch=prefetch)
-            engine.segmented = True  # the segmented graphs (off by default until checked on a GPU)
             decode(engine, feed, args.device)  # reads every key the measured pass needs into the RAM tier
             rows[name], tokens[name], stats[name] = measured(engine, feed, args.device, args.tokens)
             kinds[name] = type(engine._graph).__name__ if engine._graph is not None else "eager"

@@ -38,10 +38,6 @@ class Engine:
     device: torch.device  # where the tokens go in: the first of place.devices
     place: Placement
     graphs: bool = True  # capture decode steps as CUDA graphs (split at the MoE layers with the expert cache)
-    # Steps over the expert cache as graphs split at the MoE layers (SegmentedDecode): off until a
-    # GPU has replayed them against the eager step (tests/gpu/test_segmented_graphs.py); the tests
-    # and bench/profile_streaming.py turn it on.
-    segmented: bool = False
     _graph: "DecodeGraph | SegmentedDecode | None" = field(default=None, repr=False)
 
     @classmethod
@@ -188,7 +184,7 @@ class Engine:
         source = self.files.experts
         if isinstance(source, ResidentExperts) and self.device.type == "cuda":
             return DecodeGraph
-        if isinstance(source, ExpertCache) and self.segmented and SegmentedDecode.fits(self.model):
+        if isinstance(source, ExpertCache) and SegmentedDecode.fits(self.model):
             return SegmentedDecode
         return None
 

@@ -55,7 +55,6 @@ def daemon_on(pack: Path, tmp: Path) -> Daemon:
 def streamed(pack: Path, d: Daemon, prefetch: bool = True, graphs: bool = True) -> Engine:
     engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack), prefetch=prefetch)
     engine.graphs = graphs
-    engine.segmented = True  # off by default until this test has passed on a GPU
     return engine
 
 

@@ -53,7 +53,6 @@ def counters(engine: Engine) -> tuple[int, ...]:
 def streamed(pack: Path, endpoint: str, prefetch: bool, graphs: bool) -> Engine:
     engine = Engine.load(pack, daemon=endpoint, cache_bytes=minimal_cache_bytes(pack), prefetch=prefetch)
     engine.graphs = graphs
-    engine.segmented = True  # off by default until a GPU has replayed the graphs
     return engine
 
 
