@@ -124,10 +124,23 @@ class Engine:
         """Logits [len(tokens), n_vocab] (float32) after each token, continuing the cache; with
         `last`, [1, n_vocab] after the last token only (what a generation's prefill needs)."""
         with self.place.running():
-            if len(tokens) == 1 and cache.length and use_kernels(self.device) and self.model.static_decode:
+            if (len(tokens) == 1 and use_kernels(self.device) and self.model.static_decode
+                    and (cache.length or self._adopt_buffers(cache))):
                 return self._static_step(tokens[0], cache)
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, cache, last).to(torch.float32)
+
+    def _adopt_buffers(self, cache: KVCache) -> bool:
+        """Gives an empty cache buffers of the captured step's shapes (zeros, which it then trades
+        with the graph's cache), so that its first token, a one-token prompt, replays the graph
+        instead of running eagerly (about ten steps' time on the GPU; llama-bench's tg decodes from
+        an empty cache). Caches with an architecture's own states take their shapes from a prompt."""
+        graph = self._graph
+        if graph is None or cache.keys or cache.state or graph.cache.state or not graph.cache.keys:
+            return False
+        cache.keys = {layer: torch.zeros_like(k) for layer, k in graph.cache.keys.items()}
+        cache.values = {layer: torch.zeros_like(v) for layer, v in graph.cache.values.items()}
+        return True
 
     def _static_step(self, token: int, cache: KVCache) -> torch.Tensor:
         """A decode step on the GPU with the same shapes at every position: the KV cache reserved

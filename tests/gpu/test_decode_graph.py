@@ -1,7 +1,8 @@
 """Resident decode steps replayed as CUDA graphs (skipped without a GPU; run on the device machine):
 bit for bit the logits of the same static-shape step run eagerly (the expert cache's mode), across a
 re-capture when the KV cache outgrows its reservation, for each expert activation the fixtures
-hold; and within float32 rounding of the CPU's torch path."""
+hold; and within float32 rounding of the CPU's torch path. An empty cache's first step replays the
+captured graph."""
 
 from __future__ import annotations
 
@@ -46,3 +47,17 @@ def test_graph_replays_equal_the_eager_static_steps(path: str) -> None:
     err = (on_gpu - cpu).abs().max().item()
     print(f"{path}: graph vs CPU torch path, max |diff| {err:.2e}")
     assert err < 1e-4
+
+
+def test_an_empty_caches_first_step_replays_the_graph() -> None:
+    engine = Engine.load(FIXTURES / MODELS[0], "cuda", resident_experts=True)
+    eager_first = engine.forward([1], engine.new_cache())[-1].cpu()  # no graph yet: eagerly
+    feed = [1, *random.Random(1).choices(range(eager_first.shape[-1]), k=7)]
+    first = decode(engine, feed[:1], feed[1:])  # the steps after the one-token prompt capture the graph
+    graph = engine._graph
+    assert graph is not None
+    cache = engine.new_cache()
+    steps = torch.stack([engine.forward([t], cache)[-1] for t in feed]).cpu()
+    assert engine._graph is graph and graph.cache is cache, "the first step should replay, not capture"
+    for got, want in ((steps[0], eager_first), (steps[1:], first)):
+        assert torch.allclose(got, want, atol=1e-4, rtol=0), f"max |diff| {(got - want).abs().max().item():.2e}"

@@ -37,15 +37,15 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split, H,
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
     rowp = w_ptr + ((t % H) * N + n).to(tl.int64)[:, None] * row_bytes
-    acc = tl.zeros([BN, CH], tl.float32)
+    acc = tl.zeros([BN], tl.float32)  # a chunk's products summed per row as decoded: fewer registers
     for i in range(0, chunks_per_split):  # the last split's spare chunks are masked (k >= K)
         c = s * chunks_per_split + i
         k = c * CH + j
         m = (n < N)[:, None] & (k < K)[None, :]
         w = chunk(QT, rowp, c, j[None, :], m)
         xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)
-        acc += w * xv[None, :]
-    tl.store(y_ptr + (t * S + s) * N + n, tl.sum(acc, axis=1), mask=n < N)
+        acc += tl.sum(w * xv[None, :], axis=1)
+    tl.store(y_ptr + (t * S + s) * N + n, acc, mask=n < N)
 
 
 @triton.jit

@@ -70,18 +70,18 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, gate_off, up_off
     rows = n.to(tl.int64)[:, None]
     grow = base + gate_off + rows * gate_rb
     urow = base + up_off + rows * up_rb
-    acc_g = tl.zeros([BN, CH], tl.float32)
-    acc_u = tl.zeros([BN, CH], tl.float32)
+    acc_g = tl.zeros([BN], tl.float32)  # each chunk's products summed per row as decoded: fewer registers
+    acc_u = tl.zeros([BN], tl.float32)
     for step in range(0, chunks_per_split):  # the last split's spare chunks are masked (k >= K)
         c = s * chunks_per_split + step
         k = c * CH + j
         m = (n < F)[:, None] & (k < K)[None, :]
         xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)[None, :]
-        acc_g += chunk(QG, grow, c, j[None, :], m) * xv
-        acc_u += chunk(QU, urow, c, j[None, :], m) * xv
+        acc_g += tl.sum(chunk(QG, grow, c, j[None, :], m) * xv, axis=1)
+        acc_u += tl.sum(chunk(QU, urow, c, j[None, :], m) * xv, axis=1)
     out = gu_ptr + ((s * P + p) * 2) * F + n
-    tl.store(out, tl.sum(acc_g, axis=1), mask=n < F)
-    tl.store(out + F, tl.sum(acc_u, axis=1), mask=n < F)
+    tl.store(out, acc_g, mask=n < F)
+    tl.store(out + F, acc_u, mask=n < F)
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, gate_b, up_b
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
     drow = base + down_off + n.to(tl.int64)[:, None] * down_rb
-    acc = tl.zeros([BN, CH], tl.float32)
+    acc = tl.zeros([BN], tl.float32)
     for c in range(0, tl.cdiv(F, CH)):
         k = c * CH + j
         g = tl.load(gu_ptr + p * 2 * F + k, mask=k < F, other=0.0)
@@ -114,8 +114,8 @@ def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, gate_b, up_b
             u += tl.load((base + up_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
         av = tl.where(k < F, _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
         m = (n < D)[:, None] & (k < F)[None, :]
-        acc += chunk(QD, drow, c, j[None, :], m) * av[None, :]
-    y = tl.sum(acc, axis=1)
+        acc += tl.sum(chunk(QD, drow, c, j[None, :], m) * av[None, :], axis=1)
+    y = acc
     if DOWN_BIAS:
         y += tl.load((base + down_b).to(tl.pointer_type(tl.float32)) + n, mask=n < D, other=0.0)
     tl.store(y_ptr + p * D + n, y * tl.load(w_ptr + p), mask=n < D)
