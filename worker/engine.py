@@ -18,9 +18,11 @@ from .cache_policy import CacheTooSmall
 from .daemon_link import DaemonLink
 from .expert_cache import ExpertCache
 from .layers import KVCache
+from .lookahead import Guesses
 from .model_files import ExpertRows, ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .models import Model, model_module
 from .placement import Placement, parse_devices, plan
+from .prefetch import slots_to_ask
 from .sampling import Sampler
 from .split_experts import CacheGroup, SplitExperts
 from .weights import use_kernels
@@ -80,8 +82,9 @@ class Engine:
             _require_triton(dev)
             model.moe.prepare(sorted(moe_layers))
         if daemon is not None:  # after the trunk is on the devices: each cache takes what its device has left
+            slots = slots_to_ask(files.experts.manifest.model.n_expert_used) if prefetch else 0
             link = DaemonLink(daemon, files.fingerprint, place.devices, name=name, timeout_s=daemon_timeout_s,
-                              down_timeout_s=down_timeout_s)
+                              down_timeout_s=down_timeout_s, slots=slots)
             try:
                 manifest = files.experts.manifest
                 if place.split:
@@ -278,16 +281,16 @@ class _Stop:
     side share with the host step between them."""
     layer: int
     n_pairs: int  # T*k
-    target: int | None  # the layer the guess is for (prefetch), or None
-    routed: torch.Tensor  # [T*k (+ T*k)] int64, device: the layer's ids, then the next layer's guess
+    targets: tuple[int, ...]  # the later layers the lookahead's guesses are for (prefetch), nearest first
+    routed: torch.Tensor  # [T*k (+ T*k per target)] int64, device: the layer's ids, then each guess
     offsets: torch.Tensor  # [T*k] int64, device: where each pair's expert sits in the cache's memory
     staged: torch.Tensor  # [T*k] int64, host (pinned on CUDA): the offsets on their way up
 
     @classmethod
-    def make(cls, layer: int, n_pairs: int, guess: tuple[int, torch.Tensor] | None, device: torch.device) -> "_Stop":
-        n_routed = n_pairs + (0 if guess is None else guess[1].numel())
-        return cls(layer, n_pairs, None if guess is None else guess[0],
-                   torch.zeros(n_routed, dtype=torch.int64, device=device),
+    def make(cls, layer: int, n_pairs: int, guesses: Guesses, device: torch.device) -> "_Stop":
+        assert all(ids.numel() == n_pairs for _, ids in guesses), "a guess is k experts of the step's token"
+        return cls(layer, n_pairs, tuple(target for target, _ in guesses),
+                   torch.zeros(n_pairs * (1 + len(guesses)), dtype=torch.int64, device=device),
                    torch.zeros(n_pairs, dtype=torch.int64, device=device),
                    torch.zeros(n_pairs, dtype=torch.int64, pin_memory=device.type == "cuda"))
 
@@ -297,7 +300,7 @@ class SegmentedDecode:
     sync per MoE layer, the GPU fast path's aim): graph 0 runs from the embedding to the first MoE
     layer's routing, graph i the experts of MoE layer i-1 and everything up to layer i's routing,
     the last one the last layer's experts and the output head. Between two graphs, on the host:
-    the layer's ids and the lookahead's guess for the next layer, copied to the host together
+    the layer's ids and the lookahead's guesses for the layers ahead, copied to the host together
     (the one sync), then ExpertFFN.host_step (prefetch, hits, the fetch of misses and their
     copies, the compute stream waiting on them) and the offsets copied from a pinned buffer into
     the static one the next graph reads, on the compute stream. The kernels and their inputs are
@@ -363,19 +366,20 @@ class SegmentedDecode:
             raise RuntimeError(f"the pass stopped at {self._at} MoE layers, the step has {len(self.stops)}")
         return logits
 
-    def _boundary(self, layer: int, ids: torch.Tensor, guess: tuple[int, torch.Tensor] | None) -> ExpertRows:
-        """ExpertFFN's stop at `layer`: the routing (and the guess) into the stop's buffer, then the
-        host step (eager) or the end of one graph and the start of the next (capture)."""
+    def _boundary(self, layer: int, ids: torch.Tensor, guesses: Guesses) -> ExpertRows:
+        """ExpertFFN's stop at `layer`: the routing (and the lookahead's guesses) into the stop's
+        buffer, then the host step (eager) or the end of one graph and the start of the next (capture)."""
         if self._at == len(self.stops) and not self._capturing:
-            self.stops.append(_Stop.make(layer, ids.numel(), guess, self.device))
+            self.stops.append(_Stop.make(layer, ids.numel(), guesses, self.device))
         stop = self.stops[self._at] if self._at < len(self.stops) else None
-        target = None if guess is None else guess[0]
-        if stop is None or (stop.layer, stop.n_pairs, stop.target) != (layer, ids.numel(), target):
+        targets = tuple(target for target, _ in guesses)
+        if stop is None or (stop.layer, stop.n_pairs, stop.targets) != (layer, ids.numel(), targets):
             raise RuntimeError(f"MoE layer {layer} is not where the step stopped before")
         self._at += 1
-        stop.routed[:stop.n_pairs].copy_(ids.reshape(-1))
-        if guess is not None:
-            stop.routed[stop.n_pairs:].copy_(guess[1].reshape(-1))
+        n = stop.n_pairs
+        stop.routed[:n].copy_(ids.reshape(-1))
+        for i, (_, guess) in enumerate(guesses, start=1):
+            stop.routed[i * n:(i + 1) * n].copy_(guess.reshape(-1))
         if self._capturing:
             self._open.capture_end()
             self._open = None
@@ -390,9 +394,11 @@ class SegmentedDecode:
     def _between(self, stop: _Stop) -> None:
         """The host step at a stop. Its first act syncs the compute stream, so the pinned buffer's
         previous upload (enqueued there a step ago) is done before it is written again."""
-        routed = stop.routed.tolist()  # the one host sync of the layer: its ids, and the guess for the next
-        guess = (stop.target, routed[stop.n_pairs:]) if stop.target is not None and self.prefetch else None
-        offsets = self.model.moe.host_step(stop.layer, routed[:stop.n_pairs], guess)
+        routed = stop.routed.tolist()  # the one host sync of the layer: its ids, and the guesses ahead
+        n = stop.n_pairs
+        guesses = [(target, routed[i * n:(i + 1) * n]) for i, target in enumerate(stop.targets, start=1)
+                   ] if self.prefetch else []
+        offsets = self.model.moe.host_step(stop.layer, routed[:n], guesses)
         stop.staged.numpy()[:] = offsets
         stop.offsets.copy_(stop.staged, non_blocking=True)  # on the compute stream, before the next graph
 

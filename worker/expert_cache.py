@@ -191,7 +191,7 @@ class ExpertCache:
         return slots
 
     # ---- prefetch ------------------------------------------------------------------------------
-    def ahead(self, layer: int, depth: int = 2) -> tuple[int, ...]:
+    def ahead(self, layer: int, depth: int) -> tuple[int, ...]:
         """The next `depth` MoE layers after `layer` that this cache serves, in order: what may be
         prefetched while `layer` runs (none past this cache's range: another device's cache)."""
         if layer not in self.served:

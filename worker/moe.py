@@ -27,7 +27,7 @@ import torch
 
 from .activation import SWIGLU, Activation
 from .expert_roles import ExpertRoles, expert_roles
-from .lookahead import Router, look_ahead, next_guess
+from .lookahead import Guesses, Router, look_ahead, next_guesses
 from .model_files import ExpertRows, ExpertSource, ExpertWeights, PrefetchingSource
 from .weights import linear, use_kernels
 
@@ -41,9 +41,9 @@ def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Te
     return linear(act(gate, up), w["down"], w.get("down.bias"))
 
 
-# Where a segmented decode step stops at an MoE layer: (layer, ids [T, k], the next layer's guess
-# (layer, ids [T, k]) or None) -> where the layer's experts sit (offsets in a buffer of the step's own).
-Boundary = Callable[[int, torch.Tensor, "tuple[int, torch.Tensor] | None"], ExpertRows]
+# Where a segmented decode step stops at an MoE layer: (layer, ids [T, k], the lookahead's guesses
+# for the layers after it) -> where the layer's experts sit (offsets in a buffer of the step's own).
+Boundary = Callable[[int, torch.Tensor, Guesses], ExpertRows]
 
 DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequantize once and multiply (bench/moe_prefill.py)
 TILES_MIN_PAIRS_PER_EXPERT = 2  # from this many, decode each expert once per tile of its pairs (moe_tiles)
@@ -111,8 +111,8 @@ class ExpertFFN:
         prefetching = self.prefetching
         if self.boundary is not None:  # a segmented decode step: the host work waits for the boundary
             x = h if router_in is None else router_in
-            guess = next_guess(self.source, layer, x, self.router) if prefetching else None
-            y = self._fused(layer, h, ids, weights, [self.boundary(layer, ids, guess)])
+            guesses = next_guesses(self.source, layer, x, self.router) if prefetching else ()
+            y = self._fused(layer, h, ids, weights, [self.boundary(layer, ids, guesses)])
             return y.sum(dim=1).to(h.dtype) if summed else y
         if prefetching:
             look_ahead(self.source, layer, h if router_in is None else router_in, self.router, self.static_routes,
@@ -126,14 +126,14 @@ class ExpertFFN:
             self.source.layer_done(layer)
         return y
 
-    def host_step(self, layer: int, chosen: list[int], guess: tuple[int, list[int]] | None) -> list[int]:
+    def host_step(self, layer: int, chosen: list[int], guesses: Sequence[tuple[int, list[int]]]) -> list[int]:
         """A segmented decode step's host work at `layer`, what an eager call does around its
-        kernels and in the same order: the next layer's guessed experts sent ahead, the experts
+        kernels and in the same order: the later layers' guessed experts sent ahead, the experts
         `chosen` [T*k] acquired in one wave (the compute stream waiting on their copies), the
         layer's stale prefetches cancelled. -> the pairs' byte offsets [T*k] into the source's memory.
         Runs over the expert cache only (ExpertCache.waves), for steps it holds in one wave."""
-        if guess is not None:
-            self.source.prefetch(*guess)
+        for target, experts in guesses:
+            self.source.prefetch(target, experts)
         offsets, pairs = next(self.source.waves(layer, chosen))
         assert pairs is None, "a segmented step's experts are loaded in one wave"
         if self.prefetching:

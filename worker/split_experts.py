@@ -80,7 +80,7 @@ class CacheGroup(SplitExperts):
     def n_slots(self) -> int:
         return sum(c.n_slots for c in self.caches)
 
-    def ahead(self, layer: int, depth: int = 2) -> tuple[int, ...]:
+    def ahead(self, layer: int, depth: int) -> tuple[int, ...]:
         """Prefetch stays on the device of `layer`: its cache's next layers (ExpertCache.ahead)."""
         return self.source_of[layer].ahead(layer, depth)
 

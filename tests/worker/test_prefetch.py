@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from expertpack.packtools.layout import ExpertKey, Manifest
 from expertpack.worker.daemon_link import DaemonLink
 from expertpack.worker.engine import Engine
 from expertpack.worker.expert_cache import ExpertCache, slot_bytes
+from expertpack.worker.lookahead import LOOKAHEAD_LAYERS
 from expertpack.worker.metrics import ServeCounters, render
 from expertpack.worker.model_files import PackExperts
-from expertpack.worker.prefetch import prefetch_budget
+from expertpack.worker.prefetch import prefetch_budget, slots_to_ask
 
 from ..conftest import Daemon, start_daemon
 
@@ -147,6 +149,71 @@ def test_prefetch_off_sends_nothing_ahead(fixture_packs, tmp_path: Path) -> None
         assert stats["daemon"]["keys"] == stats["daemon"]["ready"] == stats["cache"]["misses"]
     finally:
         engine.close()
+        assert d.stop()[0] == 0
+
+
+def test_the_lookahead_asks_for_the_next_layers_nearest_first(tiny_pack: Path, tmp_path: Path) -> None:
+    """While MoE layer L runs, the experts of the next LOOKAHEAD_LAYERS MoE layers are asked for
+    (their routers on L's input), in the order they run, and none past the last layer."""
+    pack = tiny_pack  # 4 MoE layers, top-4
+    k = Manifest.load(pack).model.n_expert_used
+    slots = str(2 * k * (1 + LOOKAHEAD_LAYERS))  # room in the prefetch budget for every layer ahead
+    d = start_daemon(pack, tmp_path, "--stage-slots", slots, "--client-slots", slots, "--max-client-slots", slots)
+    d.wait_for("READY=1")
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+    try:
+        cache = engine.expert_cache
+        served = cache.served
+        assert len(served) > LOOKAHEAD_LAYERS >= 2, "the fixture has layers to look ahead over"
+        asked: list[tuple[int, int, int]] = []  # (the layer done before, layer asked for, experts asked)
+        running: list[int] = []
+        prefetch, layer_done = cache.prefetch, cache.layer_done
+
+        def recorded_prefetch(layer: int, experts: list[int]) -> None:
+            asked.append((running[-1] if running else -1, layer, len(experts)))
+            prefetch(layer, experts)
+
+        def recorded_layer_done(layer: int) -> None:
+            running.append(layer)  # the next layer's lookahead runs after this one is done
+            layer_done(layer)
+
+        cache.prefetch, cache.layer_done = recorded_prefetch, recorded_layer_done
+        state = engine.new_cache()
+        engine.forward(PROMPT, state)
+        asked.clear()
+        running[:] = []
+        engine.forward([3], state)
+        want = []
+        for i in range(len(served)):
+            ahead = served[i + 1:i + 1 + LOOKAHEAD_LAYERS]
+            want += [(served[i - 1] if i else -1, target, k) for target in ahead]  # a token's k experts
+        assert asked == want
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
+def test_a_prefetching_worker_leases_room_for_its_lookahead_or_else_the_default(tiny_pack: Path, tmp_path: Path,
+                                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A worker with prefetch asks expertd for the slots its lookahead can use; where the daemon's
+    other clients left fewer, it takes the daemon's default lease instead of failing."""
+    k = Manifest.load(tiny_pack).model.n_expert_used
+    want = slots_to_ask(k)
+    assert want > 8
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", str(want + 8), "--client-slots", "8",
+                     "--max-client-slots", str(want))
+    d.wait_for("READY=1")
+    engines = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="expert-worker"):
+            for _ in range(2):
+                engines.append(Engine.load(tiny_pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(tiny_pack)))
+        assert [e.expert_cache.link.n_staging_slots for e in engines] == [want, 8]
+        assert "NO_SLOTS" in caplog.text and "taking expertd's default lease instead" in caplog.text
+        assert all(torch.equal(a, b) for a, b in zip(run(engines[1]), run(engines[0])))
+    finally:
+        for engine in engines:
+            engine.close()
         assert d.stop()[0] == 0
 
 

@@ -77,8 +77,8 @@ def test_segments_give_the_eager_steps_bits(name: str, prefetch: bool, fixture_p
                 assert counters(engine) == want_counters
                 moe_layers = engine.expert_cache.served
                 assert [s.layer for s in segmented.stops] == moe_layers
-                assert all((s.target is not None) == prefetch for s in segmented.stops[:-1])
-                assert segmented.stops[-1].target is None  # nothing ahead of the last layer
+                assert all(bool(s.targets) == prefetch for s in segmented.stops[:-1])
+                assert not segmented.stops[-1].targets  # nothing ahead of the last layer
             finally:
                 engine.close()
     finally:
