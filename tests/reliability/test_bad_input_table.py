@@ -6,7 +6,9 @@ created are not repeated here (build --safety-margin-gib nan|inf|-1, expert-work
 a chat "seed": 2**64, verify on n_expert = 10**12, the endpoint naming the pack, a permission-denied
 socket, a losing concurrent expertd, truncated GGUFs, a taken port); this table adds the rows that
 were checked for their exit status only, or not at all (a truncated pack at start, --device cuda
-on a host without CUDA, the numbers of `expertpack bench io` and `expertpack plan`)."""
+on a host without CUDA, the numbers of `expertpack bench io` and `expertpack plan`). The
+expert-worker rows listen on a free port: the worker binds it before it checks the device, and a
+taken default port would answer "cannot listen" instead."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import pytest
 
 from expertpack.packtools.layout import PACK_FILE, Manifest
 
-from ..conftest import BIN
+from ..conftest import BIN, free_port
 
 # (program, its arguments after the pack, which pack, the words the one line must hold). expertd
 # and expert-worker take the pack as --pack PACK; `expertpack VERB` as its first argument.
@@ -85,7 +87,7 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(packs: dict[str, Path]
     elif program == "expertd":
         argv = [str(BIN / program), "--pack", str(pack), "--endpoint", endpoint]
     else:
-        argv = [str(BIN / program), "--pack", str(pack), "--daemon", endpoint]
+        argv = [str(BIN / program), "--pack", str(pack), "--daemon", endpoint, "--port", str(free_port())]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no CUDA device, also on a machine that has one
     proc = subprocess.Popen([*argv, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _, stderr = proc.communicate(timeout=120)

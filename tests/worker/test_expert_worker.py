@@ -35,7 +35,7 @@ from expertpack.worker.expert_cache import slot_bytes
 from expertpack.worker.sampling import Sampler
 from expertpack.worker.tokenizer import load_tokenizer
 
-from ..conftest import BIN, Daemon, run_cli, start_daemon
+from ..conftest import BIN, Daemon, free_port, run_cli, start_daemon
 
 PACK = "qwen3moe-a.Q4_K_M"  # carries Qwen's chat template
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
@@ -76,12 +76,6 @@ class Worker:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str, ready: str = "/health") -> Worker:
