@@ -10,12 +10,12 @@ STAMP  := $(VENV)/.installed
 .PHONY: venv system-tools test test-fast demo bench clean
 
 # Debian tools the tests call: systemd-analyze/sysusers/tmpfiles (unit checks), unshare (util-linux),
-# fio (bench io).
-SYSTEM_TOOLS := systemd-analyze systemd-sysusers systemd-tmpfiles unshare fio
+# fio (bench io), strace (stretches expertd's mlock so a test can SIGTERM inside it; skipped without).
+SYSTEM_TOOLS := systemd-analyze systemd-sysusers systemd-tmpfiles unshare fio strace
 
 system-tools:
 	@for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing=1; done; \
-	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq systemd util-linux fio; fi
+	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq systemd util-linux fio strace; fi
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import mmap
 import os
@@ -37,11 +38,25 @@ from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
 
+from expertpack.client import ExpertClient
+from expertpack.daemon.config import RANGES as DAEMON_RANGES
+from expertpack.daemon.reader import PackContractError, open_pack
+from expertpack.packtools.cli import RANGES as OFFLINE_RANGES, check_ranges
+from expertpack.packtools.errors import ExpertpackError
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
 
-from expertpack.client import ExpertClient
-
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# The range of every numeric flag (by argparse dest), checked with one line before anything runs.
+# The reader settings are expertd's own (the daemon is started with them); the bytes stop at a
+# terabyte (a run reads them six times), the timed requests at what a run finishes in minutes.
+RANGES: dict[str, tuple[float, float]] = {
+    "gb": (0.001, 1000.0),
+    "read_threads": DAEMON_RANGES["read_threads"],
+    "read_splits": DAEMON_RANGES["read_splits"],
+    "latency_requests": (1, 100_000),
+    "seed": OFFLINE_RANGES["seed"],
+}
 
 
 @dataclass
@@ -233,14 +248,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-requests", type=int, default=30, help="top-k requests timed one at a time")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    try:
+        check_ranges(args, RANGES)
+        opened = open_pack(args.pack, direct_io=True, read_splits=args.read_splits)  # what expertd checks at start
+        opened.close()
+        m = opened.manifest
+    except (ExpertpackError, PackContractError, OSError) as exc:
+        print(f"expertpack bench io: {exc}", file=sys.stderr)
+        return 2
 
-    m = Manifest.load(args.pack)
     stride = m.max_stride
     everything = [ExpertKey(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]
     rng = random.Random(args.seed)
     rng.shuffle(everything)
     n = max(1, min(len(everything), int(args.gb * 1e9 // stride)))
-    fresh = iter(everything * 6)  # run after run takes experts not read before, while they last
+    # Run after run takes experts not read before while they last, then starts over (a small pack).
+    fresh = itertools.cycle(everything)
     k = m.model.n_expert_used
     piece = -(-stride // args.read_splits // 4096) * 4096
     total = n * stride

@@ -40,6 +40,13 @@ def fixture_id(path: Path) -> str:
     return path.name.removesuffix(".gguf")
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_cli(*args: str | Path, check: bool = False, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Runs the installed `expertpack` console script."""
     proc = subprocess.run([str(BIN / "expertpack"), *map(str, args)], capture_output=True, text=True,

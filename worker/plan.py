@@ -39,6 +39,7 @@ from pathlib import Path
 
 from expertpack.daemon.ram_tier import ram_slot_count
 from expertpack.daemon.staging import lockable_bytes
+from expertpack.packtools.cli import check_ranges
 from expertpack.packtools.errors import ExpertpackError
 from expertpack.packtools.gguf_source import open_source
 from expertpack.packtools.layout import PACK_FILE, Manifest
@@ -56,6 +57,20 @@ UNIFORM_MIN_TOKENS = 500
 UNIFORM_MAX_KEYS = 2_000_000  # about 10 s of replay
 DEFAULT_PROMPT_TOKENS = 256  # a chat prompt of the reference protocol's size (bench serve: 240-290 tokens)
 MIB = 1 << 20
+
+# The range of every numeric flag (by argparse dest), checked with one line before anything is
+# measured: speeds and the VRAM are positive, the reserve and the RAM tier may be 0.
+RANGES: dict[str, tuple[float, float]] = {
+    "vram_gib": (0.001, 1e6),
+    "reserve_gib": (0.0, 1e6),
+    "ram_gib": (0.0, 1e6),
+    "disk_gbps": (0.001, 1e6),
+    "pcie_gbps": (0.001, 1e6),
+    "compute_tok_s": (0.001, 1e6),
+    "prefill_tok_s": (0.001, 1e6),
+    "prompt_tokens": (1, 1 << 20),
+    "layers": (1, 1 << 16),
+}
 
 
 class PlanError(ExpertpackError):
@@ -380,27 +395,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, help="a routing trace (expert-worker --trace) for the hit rates")
     p.add_argument("--write", type=Path, metavar="DIR", help="write worker.toml and expertd.toml there")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    args = p.parse_args(argv)
-    for name in ("vram_gib", "disk_gbps", "pcie_gbps", "compute_tok_s", "prefill_tok_s"):
-        value = getattr(args, name)
-        if value is not None and not 0 < value < 1e6:
-            p.error(f"--{name.replace('_', '-')} must be a positive number, not {value}")
-    for name in ("reserve_gib", "ram_gib"):
-        value = getattr(args, name)
-        if value is not None and not 0 <= value < 1e6:
-            p.error(f"--{name.replace('_', '-')} must be 0 or more, not {value}")
-    if not 1 <= args.prompt_tokens <= 1 << 20:
-        p.error(f"--prompt-tokens must be between 1 and 1048576, not {args.prompt_tokens}")
-    if args.layers is not None and not 1 <= args.layers <= 1 << 16:
-        p.error(f"--layers must be between 1 and 65536, not {args.layers}")
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuses, with one line, a number outside its range and flags that do not go together."""
+    check_ranges(args, RANGES)
     if args.layers is not None and args.write is not None:
-        p.error("--write writes the settings of the pack given, not of a model projected with --layers")
-    return args
+        raise PlanError("--write writes the settings of the pack given, not of a model projected with --layers")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_args(args)
         inputs = inputs_of(args)
         result = plan(inputs, args.trace)
     except (ExpertpackError, OSError) as exc:

@@ -183,3 +183,46 @@ def test_staging_beyond_the_host_memory_is_refused_before_anything_is_made(tiny_
     assert_refused(proc, "bytes of locked memory", "lower stage_slots", "fit now")
     assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("expertpack-")}
     assert not (tmp_path / "s.sock").exists()
+
+
+# expertd with an audit hook that says on stderr when it creates its staging segment: the proof
+# that a start failing after that point had one to remove.
+EXPERTD_SAYING_CREATED = """
+import os, sys
+def seen(event, args):
+    if event == "open" and str(args[0]).startswith("/dev/shm/expertpack-") and args[2] & os.O_CREAT:
+        print(f"created {args[0]}", file=sys.stderr, flush=True)
+sys.addaudithook(seen)
+from expertpack.daemon.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["a taken TCP port", "an ipc path too long for a socket"])
+def test_a_socket_that_cannot_be_bound_leaves_no_staging(tiny_pack: Path, tmp_path: Path, where: str) -> None:
+    """The socket is bound after the staging is created and locked: a bind that fails must take the
+    segment (and the endpoint's lock file) with it."""
+    import socket
+    import sys
+
+    import zmq.auth
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        if where == "a taken TCP port":
+            _, secret = zmq.auth.create_certificates(str(tmp_path), "expertd")
+            endpoint, needle = f"tcp://127.0.0.1:{taken.getsockname()[1]}", "Address already in use"
+            extra: tuple[str, ...] = ("--curve-secret-key-file", secret)
+        else:
+            deep = tmp_path / ("d" * 120)
+            deep.mkdir()
+            endpoint, needle, extra = f"ipc://{deep}/expertd.sock", "is longer than 107 characters", ()
+        before = set(tmp_path.rglob("*"))
+        proc = subprocess.run([sys.executable, "-c", EXPERTD_SAYING_CREATED, "--pack", str(tiny_pack), "--endpoint",
+                               endpoint, "--ram-cache-gib", "0", *extra], capture_output=True, text=True, timeout=30)
+    assert_refused(proc, "cannot start", needle)
+    created = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("created /dev/shm/")]
+    assert created, f"the start failed before the staging was made: {proc.stderr}"
+    assert not [path for path in created if Path(path).exists()], "the staging segment outlived the failed start"
+    assert set(tmp_path.rglob("*")) == before, "a socket or lock file was left behind"

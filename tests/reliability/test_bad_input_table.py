@@ -6,7 +6,9 @@ created are not repeated here (build --safety-margin-gib nan|inf|-1, expert-work
 a chat "seed": 2**64, verify on n_expert = 10**12, the endpoint naming the pack, a permission-denied
 socket, a losing concurrent expertd, truncated GGUFs, a taken port); this table adds the rows that
 were checked for their exit status only, or not at all (a truncated pack at start, --device cuda
-on a host without CUDA)."""
+on a host without CUDA, the numbers of `expertpack bench io` and `expertpack plan`). The
+expert-worker rows listen on a free port: the worker binds it before it checks the device, and a
+taken default port would answer "cannot listen" instead."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import pytest
 
 from expertpack.packtools.layout import PACK_FILE, Manifest
 
-from ..conftest import BIN
+from ..conftest import BIN, free_port
 
-# (program, its arguments after --pack PACK, which pack, the words the one line must hold)
+# (program, its arguments after the pack, which pack, the words the one line must hold). expertd
+# and expert-worker take the pack as --pack PACK; `expertpack VERB` as its first argument.
 ROWS = [
     ("expertd", ("--heartbeat-timeout-s", "inf"), "good", "heartbeat_timeout_s: must lie in"),
     ("expertd", ("--heartbeat-timeout-s", "nan"), "good", "heartbeat_timeout_s: must lie in"),
@@ -38,6 +41,19 @@ ROWS = [
     ("expert-worker", ("--device", "cuda"), "good", "--device cuda"),
     ("expert-worker", ("--device", "cuda:0"), "good", "--device cuda:0"),
     ("expert-worker", ("--daemon-timeout-s", "inf"), "good", "daemon_timeout_s: must lie in"),
+    ("expertpack bench io", ("--gb", "nan"), "good", "--gb must lie in 0.001..1,000, got nan"),
+    ("expertpack bench io", ("--gb", "-1"), "good", "--gb must lie in 0.001..1,000, got -1.0"),
+    ("expertpack bench io", ("--read-splits", "0"), "good", "--read-splits must lie in 1..64, got 0"),
+    ("expertpack bench io", ("--latency-requests", "-5"), "good", "--latency-requests must lie in 1..100,000"),
+    ("expertpack bench io", ("--read-threads", "100000"), "good", "--read-threads must lie in 1..256"),
+    ("expertpack bench io", ("--seed", "-1"), "good", "--seed must lie in 0.."),
+    ("expertpack bench io", (), "truncated", "bytes but the manifest says"),
+    ("expertpack bench io", (), "manifest-only", "missing"),
+    ("expertpack plan", ("--vram-gib", "-1"), "good", "--vram-gib must lie in 0.001..1,000,000, got -1.0"),
+    ("expertpack plan", ("--disk-gbps", "nan"), "good", "--disk-gbps must lie in"),
+    ("expertpack plan", ("--ram-gib", "inf"), "good", "--ram-gib must lie in 0..1,000,000, got inf"),
+    ("expertpack plan", ("--prompt-tokens", "0"), "good", "--prompt-tokens must lie in 1..1,048,576, got 0"),
+    ("expertpack plan", ("--layers", "4", "--write", "x"), "good", "--write writes the settings of the pack given"),
 ]
 
 
@@ -66,8 +82,12 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(packs: dict[str, Path]
     pack = packs[which]
     before = snapshot(pack)
     endpoint = f"ipc://{tmp_path}/expertd.sock"
-    argv = [str(BIN / program), "--pack", str(pack)]
-    argv += ["--endpoint", endpoint] if program == "expertd" else ["--daemon", endpoint]
+    if program.startswith("expertpack "):
+        argv = [str(BIN / "expertpack"), *program.split()[1:], str(pack)]
+    elif program == "expertd":
+        argv = [str(BIN / program), "--pack", str(pack), "--endpoint", endpoint]
+    else:
+        argv = [str(BIN / program), "--pack", str(pack), "--daemon", endpoint, "--port", str(free_port())]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no CUDA device, also on a machine that has one
     proc = subprocess.Popen([*argv, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _, stderr = proc.communicate(timeout=120)

@@ -5,6 +5,8 @@ model's pack, spoken to with the official `openai` client (nobody here wrote it)
 - usage carries the token counts, the rates, the hit rate and the bytes read;
 - /metrics parses with prometheus_client's own parser and counts what happened;
 - bad requests get OpenAI-style 400/404 errors and the server keeps serving;
+- --max-body-mib and --max-prompt-chars hold at their edges (413, 400 naming the limit); /health
+  answers while a prompt is being tokenized (in this process, with a tokenizer slowed down);
 - the daemon killed during a generation: restarted, the request completes with the same text;
   left dead, the request fails with a clear 503 and the worker stays up and serves again once
   the daemon is back; SIGTERM stops the worker cleanly.
@@ -35,7 +37,7 @@ from expertpack.worker.expert_cache import slot_bytes
 from expertpack.worker.sampling import Sampler
 from expertpack.worker.tokenizer import load_tokenizer
 
-from ..conftest import BIN, Daemon, run_cli, start_daemon
+from ..conftest import BIN, Daemon, free_port, run_cli, start_daemon
 
 PACK = "qwen3moe-a.Q4_K_M"  # carries Qwen's chat template
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
@@ -76,12 +78,6 @@ class Worker:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str, ready: str = "/health") -> Worker:
@@ -472,6 +468,95 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(served) 
         client.chat.completions.create(model="fixture", messages=[{"role": "user", "content": "b" * n_chars}])
     assert err.value.body["param"] == "messages"
     assert time.monotonic() - start < 5
+
+
+def padded_completion(size_bytes: int) -> bytes:
+    """A valid completions request of exactly size_bytes: JSON whitespace pads it."""
+    body = b'{"model": "fixture", "prompt": "hi", "max_tokens": 1}'
+    return body[:1] + b" " * (size_bytes - len(body)) + body[1:]
+
+
+def test_configured_body_and_prompt_limits_hold_at_their_edges(served, tmp_path: Path) -> None:
+    """--max-body-mib 1: a body of 1 MiB is served, one byte more gets 413 (announced, and chunked
+    with no length given); --max-prompt-chars 100: 100 characters are served, 101 get 400 naming
+    the limit and the flag, on both endpoints."""
+    _, daemon, _ = served
+    worker = start_worker(served[0], daemon.endpoint, tmp_path, "--max-body-mib", "1", "--max-prompt-chars", "100")
+    try:
+        limit = 1 << 20
+        assert worker.post("/v1/completions", padded_completion(limit))[0] == 200
+        status, body = raw_http(worker, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                                        f"\r\nContent-Length: {limit + 1}\r\n\r\n")
+        assert status == 413 and f"exceeds {limit:,} bytes" in body["error"]["message"], body
+        over = padded_completion(limit + 1)
+        chunks = [b"%x\r\n%b\r\n" % (len(over[i:i + 0x10000]), over[i:i + 0x10000]) for i in range(0, len(over), 0x10000)]
+        status, body = raw_http(worker, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                        "Transfer-Encoding: chunked\r\n\r\n", [*chunks, b"0\r\n\r\n"])
+        assert status == 413 and body["error"]["code"] == "request_too_large", body
+
+        client = worker.client()
+        assert client.completions.create(model="fixture", prompt="a" * 100, max_tokens=1).usage.completion_tokens == 1
+        with pytest.raises(openai.BadRequestError, match="the prompt has 101 characters; this worker takes at most "
+                                                         "100 \\(--max-prompt-chars") as err:
+            client.completions.create(model="fixture", prompt="a" * 101, max_tokens=1)
+        assert err.value.body["param"] == "prompt"
+        with pytest.raises(openai.BadRequestError, match="at most 100") as err:
+            client.chat.completions.create(model="fixture", messages=[{"role": "user", "content": "b" * 101}])
+        assert err.value.body["param"] == "messages"
+        assert worker.get("/health")[0] == 200
+    finally:
+        assert worker.stop() == 0, worker.log
+
+
+TOKENIZE_S = 3.0
+
+
+def test_health_answers_while_a_prompt_is_being_tokenized(local, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizing runs off the event loop: with a tokenizer made to take TOKENIZE_S per prompt (a
+    very long prompt's cost), /health answers at once while a completion waits for its tokens. The
+    app runs in this process under uvicorn, on the in-process engine (no daemon)."""
+    import uvicorn
+
+    from expertpack.worker.api import WorkerService, create_app
+    from expertpack.worker.generation import Generator
+
+    engine, tokenizer = local
+    encode, tokenizing = tokenizer.encode, threading.Event()
+
+    def slow_encode(text: str, add_special: bool = True) -> list[int]:
+        tokenizing.set()
+        time.sleep(TOKENIZE_S)
+        return encode(text, add_special)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    service = WorkerService(Generator(engine, tokenizer), "fixture")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    worker = Worker(None, port, Path("/dev/null"))  # only its HTTP helpers
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert serving.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        answer: list[tuple[int, dict]] = []
+        body = json.dumps({"model": "fixture", "prompt": "The quick brown fox", "max_tokens": 1}).encode()
+        asking = threading.Thread(target=lambda: answer.append(worker.post("/v1/completions", body)))
+        start = time.monotonic()
+        asking.start()
+        assert tokenizing.wait(10), "the completion never reached the tokenizer"
+        asked = time.monotonic()
+        assert worker.get("/health")[0] == 200
+        health_s = time.monotonic() - asked
+        asking.join(60)
+        assert answer and answer[0][0] == 200, answer
+        assert time.monotonic() - start >= TOKENIZE_S  # the tokenizing was in flight throughout
+        assert health_s < TOKENIZE_S / 3, f"/health took {health_s:.2f} s behind a {TOKENIZE_S} s tokenization"
+    finally:
+        server.should_exit = True
+        serving.join(30)
+        service.shutdown()
 
 
 def test_a_corrupt_pack_answers_500_expert_corrupt_streamed_or_not(fixture_packs, tmp_path: Path) -> None:
