@@ -4,9 +4,11 @@ behind it; predicts their hit rates (a routing trace, or uniform routing simulat
 through the worker's cache policy and the daemon's RAM tier policy); and from the bytes a token
 then reads predicts decode tok/s and which bound holds: the disk (expert blocks the RAM tier
 missed, read whole with O_DIRECT), PCIe (the payloads the VRAM cache missed, copied to the GPU) or
-compute (the resident decode step, when given). Two figures: today's worker fetches a layer's
-misses after its router ran and waits for them (compute + the slower of disk and PCIe); with
-prefetch overlapping them (the streaming issue's goal), the slowest of the three. It can write the
+compute (the resident decode step, when given, plus the worker's host time for each miss: its
+fetch, copies and bookkeeping between two segments of the step, which the GPU waits for). Two
+figures: a worker that fetches a layer's misses after its router ran and waits for them (compute
++ host + the slower of disk and PCIe); with prefetch overlapping the reads (the streaming issue's
+goal), the slowest of the three. It can write the
 `worker.toml` and `expertd.toml` for that split.
 
 Prefill of a --prompt-tokens P prompt, as one chunk: each MoE layer loads the distinct experts its P
@@ -22,7 +24,7 @@ hit rates are replayed at each tier's share of the experts. Every input is print
 came from, so the arithmetic can be checked by hand.
 
   expertpack plan PACK [--vram-gib G] [--ram-gib R] [--disk-gbps B] [--pcie-gbps P] [--compute-tok-s C]
-                       [--prompt-tokens P] [--prefill-tok-s C] [--layers N] [--trace FILE] [--write DIR] [--json]"""
+                       [--miss-host-ms MS] [--prompt-tokens P] [--prefill-tok-s C] [--layers N] [--trace FILE] [--write DIR] [--json]"""
 
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ from .routing_trace import TraceError, read_trace
 
 DEFAULT_RESERVE_GIB = 1.5  # VRAM kept for the KV cache, activations and CUDA's own (the worker's cache_reserve)
 DEFAULT_PCIE_GBPS = 25.0  # a PCIe 4.0 x16 link's practical pinned copy rate; PCIe 5.0 about twice
+# The worker's host time per miss of its VRAM cache, with the step as segmented CUDA graphs:
+# bench/profile_streaming.py on the H200 machine (2026-12-01, BENCHMARKS.md), every miss a RAM-tier
+# hit, (15.26 ms a token - 1.61 ms resident) / 75.5 misses.
+DEFAULT_MISS_HOST_MS = 0.18
 DISK_PROBE_S = 2.0
 UNIFORM_LAYERS = 8  # layers simulated for uniform routing's hit rates, each tier at its share of the experts
 UNIFORM_TURNOVER = 40  # keys requested per slot of both tiers, at least
@@ -67,6 +73,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "disk_gbps": (0.001, 1e6),
     "pcie_gbps": (0.001, 1e6),
     "compute_tok_s": (0.001, 1e6),
+    "miss_host_ms": (0.0, 1000.0),
     "prefill_tok_s": (0.001, 1e6),
     "prompt_tokens": (1, 1 << 20),
     "layers": (1, 1 << 16),
@@ -95,6 +102,7 @@ class Inputs:
     disk_gbps: float
     pcie_gbps: float
     compute_tok_s: float | None
+    miss_host_s: float  # the worker's host time per VRAM cache miss
     prompt_tokens: int
     prefill_tok_s: float | None  # resident prefill of a prompt_tokens prompt (projected with --layers)
     sources: dict[str, str]  # input -> where it came from (flag, measured, ...)
@@ -115,6 +123,7 @@ class Plan:
     disk_s: float
     pcie_s: float
     compute_s: float | None
+    host_s: float  # the worker's host time for a token's misses
     tok_s_today: float | None  # None: nothing bounds it (every expert cached and no compute given)
     tok_s_overlapped: float | None
     bound: str
@@ -124,6 +133,7 @@ class Plan:
     prefill_disk_s: float
     prefill_pcie_s: float
     prefill_compute_s: float | None
+    prefill_host_s: float
     prefill_tok_s_today: float | None
     prefill_tok_s_overlapped: float | None
     prefill_bound: str
@@ -181,6 +191,8 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
     blocks, payload = sum(k * l.stride for l in m.layers), sum(k * l.payload_bytes for l in m.layers)
     trunk, compute, prefill = m.trunk.size_bytes, args.compute_tok_s, args.prefill_tok_s
     sources["compute"] = "--compute-tok-s" if compute else "not given"
+    sources["host"] = ("--miss-host-ms" if args.miss_host_ms is not None
+                       else "measured on the H200 machine with segmented graphs (BENCHMARKS.md, profile_streaming)")
     sources["prefill"] = "--prefill-tok-s" if prefill else "not given"
     n_moe = moe
     if args.layers is not None and args.layers != m.model.n_layer:
@@ -212,7 +224,8 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
         ram, sources["ram"] = slots * ram_slot_bytes, f"as expertd would size it on this host: {why}"
     return Inputs(str(args.pack), n_moe, m.model.n_expert, k, blocks, payload, pack_slot_bytes(m), trunk, vram,
                   int(args.reserve_gib * GIB), ram, ram_slot_bytes, moe, disk, args.pcie_gbps or DEFAULT_PCIE_GBPS,
-                  compute, args.prompt_tokens, prefill, sources)
+                  compute, (DEFAULT_MISS_HOST_MS if args.miss_host_ms is None else args.miss_host_ms) / 1e3,
+                  args.prompt_tokens, prefill, sources)
 
 
 def _trunk_parts(trunk_file: Path, m: Manifest) -> tuple[int, int]:
@@ -260,7 +273,8 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
     pcie_bytes = miss * inputs.payload_bytes_per_token  # a RAM hit is copied to the GPU too
     disk_s, pcie_s = disk_bytes / (inputs.disk_gbps * 1e9), pcie_bytes / (inputs.pcie_gbps * 1e9)
     compute_s = 1.0 / inputs.compute_tok_s if inputs.compute_tok_s else None
-    today, overlapped, bound = _figures(disk_s, pcie_s, compute_s, 1, "--compute-tok-s")
+    host_s = miss * inputs.n_expert_used * inputs.n_moe_layers * inputs.miss_host_s
+    today, overlapped, bound = _figures(disk_s, pcie_s, compute_s, host_s, 1, "--compute-tok-s")
     # Prefill: each layer's distinct experts of the prompt, loaded once, found at the decode hit rates.
     n, k, tokens = inputs.n_expert, inputs.n_expert_used, inputs.prompt_tokens
     distinct = n * (1.0 - (1.0 - k / n) ** tokens)
@@ -268,18 +282,26 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
     pre_pcie = distinct / k * miss * inputs.payload_bytes_per_token
     pre_disk_s, pre_pcie_s = pre_disk / (inputs.disk_gbps * 1e9), pre_pcie / (inputs.pcie_gbps * 1e9)
     pre_compute_s = tokens / inputs.prefill_tok_s if inputs.prefill_tok_s else None
-    pre_today, pre_overlapped, pre_bound = _figures(pre_disk_s, pre_pcie_s, pre_compute_s, tokens, "--prefill-tok-s")
+    pre_host_s = distinct * miss * inputs.n_moe_layers * inputs.miss_host_s
+    pre_today, pre_overlapped, pre_bound = _figures(pre_disk_s, pre_pcie_s, pre_compute_s, pre_host_s, tokens,
+                                                    "--prefill-tok-s")
     return Plan(slots * inputs.slot_bytes, slots, slots / n_total, ram_slots, ram_slots / n_total, hit, ram_hit,
-                source, disk_bytes, pcie_bytes, disk_s, pcie_s, compute_s, today, overlapped, bound,
-                distinct, pre_disk, pre_pcie, pre_disk_s, pre_pcie_s, pre_compute_s, pre_today, pre_overlapped, pre_bound)
+                source, disk_bytes, pcie_bytes, disk_s, pcie_s, compute_s, host_s, today, overlapped, bound,
+                distinct, pre_disk, pre_pcie, pre_disk_s, pre_pcie_s, pre_compute_s, pre_host_s, pre_today,
+                pre_overlapped, pre_bound)
 
 
-def _figures(disk_s: float, pcie_s: float, compute_s: float | None, tokens: int, flag: str
+def _figures(disk_s: float, pcie_s: float, compute_s: float | None, host_s: float, tokens: int, flag: str
              ) -> tuple[float | None, float | None, str]:
-    """Tokens/s of `tokens` taking those seconds: today's (compute, then the slower of disk and
-    PCIe: misses wait) and overlapped (the slowest), and the bound (None: nothing bounds it)."""
-    terms = {"disk": disk_s, "pcie": pcie_s, **({"compute": compute_s} if compute_s is not None else {})}
-    today = (compute_s or 0.0) + max(disk_s, pcie_s)
+    """Tokens/s of `tokens` taking those seconds: today's (compute and the host's work per miss, then
+    the slower of disk and PCIe: misses wait) and overlapped (the slowest; reads overlap compute,
+    not the host's work between the step's segments, which the GPU waits for), and the bound
+    ("compute" counts the host's share; None: nothing bounds it)."""
+    worker = (compute_s or 0.0) + host_s
+    terms = {"disk": disk_s, "pcie": pcie_s}
+    if compute_s is not None or host_s:
+        terms["compute" if compute_s is not None else "host"] = worker
+    today = worker + max(disk_s, pcie_s)
     overlapped = max(terms.values())
     bound = max(terms, key=terms.get) if overlapped else f"none: every expert is cached; give {flag}"
     return (tokens / today if today else None, tokens / overlapped if overlapped else None, bound)
@@ -351,9 +373,10 @@ def render(inputs: Inputs, p: Plan) -> str:
         ("disk", f"{inputs.disk_gbps:.2f} GB/s", s["disk"]),
         ("PCIe", f"{inputs.pcie_gbps:.1f} GB/s", s["pcie"]),
         ("compute (resident decode)", f"{inputs.compute_tok_s} tok/s" if inputs.compute_tok_s else "-", s["compute"]),
+        ("worker host per miss", f"{inputs.miss_host_s * 1e3:.3g} ms: {p.host_s * 1e3:.1f} ms a token", s["host"]),
         ("read per token", f"{human_bytes(p.disk_bytes_per_token)} of blocks ({p.disk_s * 1e3:.1f} ms), "
                            f"{human_bytes(p.pcie_bytes_per_token)} copied ({p.pcie_s * 1e3:.1f} ms)", ""),
-        ("decode today", _rate(p.tok_s_today), "compute + max(disk, PCIe): misses wait"),
+        ("decode today", _rate(p.tok_s_today), "compute + host + max(disk, PCIe): misses wait"),
         ("decode, I/O overlapped", _rate(p.tok_s_overlapped), f"bound: {p.bound}"),
         ("prefill, read", f"{inputs.prompt_tokens} tokens: {p.prefill_experts_per_layer:.1f} experts a layer, "
                           f"{human_bytes(p.prefill_disk_bytes)} of blocks ({p.prefill_disk_s * 1e3:.1f} ms), "
@@ -361,7 +384,7 @@ def render(inputs: Inputs, p: Plan) -> str:
          "--prompt-tokens; uniform routing, the decode hit rates"),
         ("compute (resident prefill)", f"{inputs.prefill_tok_s:.6g} tok/s" if inputs.prefill_tok_s else "-",
          s["prefill"]),
-        ("prefill today", _rate(p.prefill_tok_s_today), "compute + max(disk, PCIe)"),
+        ("prefill today", _rate(p.prefill_tok_s_today), "compute + host + max(disk, PCIe)"),
         ("prefill, I/O overlapped", _rate(p.prefill_tok_s_overlapped), f"bound: {p.prefill_bound}"),
     ]
     width = max(len(r[0]) for r in rows)
@@ -385,6 +408,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pcie-gbps", type=float, help=f"host-to-GPU copy speed (default {DEFAULT_PCIE_GBPS})")
     p.add_argument("--compute-tok-s", type=float,
                    help="resident decode speed on this GPU (bench/peer_llamacpp.py or decode_streaming.py)")
+    p.add_argument("--miss-host-ms", type=float, metavar="MS",
+                   help=f"the worker's host time per VRAM cache miss (default {DEFAULT_MISS_HOST_MS}, measured on the "
+                        "H200 machine by bench/profile_streaming.py)")
     p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="P",
                    help=f"the prompt whose prefill is predicted, in tokens (default {DEFAULT_PROMPT_TOKENS})")
     p.add_argument("--prefill-tok-s", type=float,

@@ -36,7 +36,7 @@ def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     trunk = m.trunk.size_bytes
     vram = trunk + 20 * slot + 1000  # twenty slots' worth once the trunk is in
     got = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5",
-                    "--pcie-gbps", "10", "--compute-tok-s", "400", "--ram-gib", "0")
+                    "--pcie-gbps", "10", "--compute-tok-s", "400", "--ram-gib", "0", "--miss-host-ms", "0.5")
     p, i = got["plan"], got["inputs"]
     n_total = len(m.layers) * m.model.n_expert
     k = m.model.n_expert_used
@@ -49,14 +49,18 @@ def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     payload = (1 - hit) * sum(k * l.payload_bytes for l in m.layers)
     assert p["disk_bytes_per_token"] == pytest.approx(blocks) and p["pcie_bytes_per_token"] == pytest.approx(payload)
     disk_s, pcie_s, compute_s = blocks / 0.5e9, payload / 10e9, 1 / 400
-    assert p["tok_s_today"] == pytest.approx(1 / (compute_s + max(disk_s, pcie_s)))
-    assert p["tok_s_overlapped"] == pytest.approx(1 / max(disk_s, pcie_s, compute_s))
-    assert p["bound"] == max({"disk": disk_s, "pcie": pcie_s, "compute": compute_s}.items(), key=lambda kv: kv[1])[0]
-    assert i["sources"]["disk"] == "--disk-gbps" and i["trunk_bytes"] == trunk
+    host_s = (1 - hit) * k * len(m.layers) * 0.5e-3  # the worker's host time for a token's misses
+    assert p["host_s"] == pytest.approx(host_s) and host_s > 0
+    assert p["tok_s_today"] == pytest.approx(1 / (compute_s + host_s + max(disk_s, pcie_s)))
+    assert p["tok_s_overlapped"] == pytest.approx(1 / max(disk_s, pcie_s, compute_s + host_s))
+    terms = {"disk": disk_s, "pcie": pcie_s, "compute": compute_s + host_s}
+    assert p["bound"] == max(terms.items(), key=lambda kv: kv[1])[0]
+    assert i["sources"]["disk"] == "--disk-gbps" and i["trunk_bytes"] == trunk and i["sources"]["host"] == "--miss-host-ms"
     assert p["ram_slots"] == 0 and p["ram_hit_rate"] == 0
     # prefill of a prompt: each layer's distinct experts of its tokens, once, at the decode hit rate
     pre = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5",
-                    "--pcie-gbps", "10", "--ram-gib", "0", "--prompt-tokens", "5", "--prefill-tok-s", "80")["plan"]
+                    "--pcie-gbps", "10", "--ram-gib", "0", "--prompt-tokens", "5", "--prefill-tok-s", "80",
+                    "--miss-host-ms", "0")["plan"]
     n = m.model.n_expert
     distinct = n * (1 - (1 - k / n) ** 5)
     assert pre["prefill_experts_per_layer"] == pytest.approx(distinct) and k < distinct < min(n, 5 * k)
