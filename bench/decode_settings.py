@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Decode speed of the resident CUDA-graph step under kernel settings, one model load for all: each
-setting assigns module constants of worker/kernels (tile rows, warps, split-K), the step's graph is
-captured anew with them, and the best of a few timed runs of 64 steps is printed with the argmax of
-the last run (settings that change sums may change a late argmax; a different one says look
-closer). The first setting is run again at the end, as a check of the machine's drift. Used to
-choose the kernels' constants from the whole step rather than from kernels timed alone (whose
-launches dominate at decode sizes).
+setting assigns integer module constants of worker/kernels (tile rows, warps, split-K) or of the
+worker's own modules (`layers.DECODE_MAX_QUERIES`, `moe.TILES_MIN_PAIRS_PER_EXPERT`: which path a
+shape takes), the step's graph is captured anew with them, and the best of a few timed runs of 64
+steps is printed with the argmax of the last run (settings that change sums may change a late
+argmax; a different one says look closer). The first setting is run again at the end, as a check
+of the machine's drift. Used to choose the constants from the whole step rather than from kernels
+timed alone (whose launches dominate at decode sizes). `--prefill N` times a prompt of N tokens
+from an empty cache instead (as llama-bench's ppN), where the paths by shape and the launches from
+Python decide.
   python3 bench/decode_settings.py MODEL.gguf "moe_tl.BN=16" "moe_tl.BN=8 moe_tl.WARPS=2" ...
+  python3 bench/decode_settings.py MODEL.gguf --prefill 32 "" "linear_tl.MATVEC_MAX_ROWS=32" ...
 (no setting: the defaults alone). Prints a table, then one JSON line."""
 
 from __future__ import annotations
@@ -25,23 +29,31 @@ import torch
 from expertpack.worker.engine import Engine
 
 
+def module_of(name: str):
+    """worker/kernels/<name>.py, else worker/<name>.py."""
+    try:
+        return importlib.import_module(f"expertpack.worker.kernels.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"expertpack.worker.{name}")
+
+
 def parse_setting(text: str) -> dict[tuple[str, str], int]:
     """"moe_tl.BN=8 linear_tl.MATVEC_WARPS=4" -> {(module, name): value}, each name an existing
-    integer constant of worker/kernels/<module>.py."""
+    integer constant of worker/kernels/<module>.py or worker/<module>.py."""
     out = {}
     for item in text.split():
         target, _, value = item.partition("=")
         module, _, name = target.partition(".")
-        mod = importlib.import_module(f"expertpack.worker.kernels.{module}")
+        mod = module_of(module)
         if not isinstance(getattr(mod, name, None), int) or not value.lstrip("-").isdigit():
-            raise ValueError(f"{item!r}: want MODULE.CONSTANT=INTEGER for an integer constant of worker/kernels")
+            raise ValueError(f"{item!r}: want MODULE.CONSTANT=INTEGER for an integer constant of worker/kernels or worker")
         out[(module, name)] = int(value)
     return out
 
 
 def apply(setting: dict[tuple[str, str], int]) -> None:
     for (module, name), value in setting.items():
-        setattr(importlib.import_module(f"expertpack.worker.kernels.{module}"), name, value)
+        setattr(module_of(module), name, value)
 
 
 def decode_tps(engine: Engine, stream: list[int], reps: int) -> tuple[float, list[int]]:
@@ -60,32 +72,54 @@ def decode_tps(engine: Engine, stream: list[int], reps: int) -> tuple[float, lis
     return best, argmax
 
 
+def prefill_tps(engine: Engine, stream: list[int], n: int, reps: int) -> tuple[float, list[int]]:
+    """Best of `reps` prompts of n tokens, each from an empty cache after one warm-up of the shape;
+    the argmax after the prompt."""
+    engine.forward(stream[:n], engine.new_cache(), last=True)
+    best, argmax = 0.0, []
+    for _ in range(reps):
+        cache = engine.new_cache()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = engine.forward(stream[:n], cache, last=True)
+        torch.cuda.synchronize()
+        best = max(best, n / (time.perf_counter() - t0))
+        argmax = [int(logits[-1].argmax())]
+    return best, argmax
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path, help="a GGUF (or pack directory)")
     p.add_argument("settings", nargs="*", help='e.g. "moe_tl.BN=8 moe_tl.WARPS=2"')
     p.add_argument("--reps", type=int, default=3, help="timed runs of 64 steps per setting (the best counts)")
-    args = p.parse_args(argv)
+    p.add_argument("--prefill", type=int, metavar="N", help="time a prompt of N tokens instead of decode steps")
+    args = p.parse_intermixed_args(argv)  # the settings may follow --prefill N
     try:
         settings = [parse_setting(s) for s in args.settings] or [{}]
     except (ValueError, ImportError) as e:
         p.error(str(e))
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    defaults = {key: getattr(importlib.import_module(f"expertpack.worker.kernels.{key[0]}"), key[1])
-                for s in settings for key in s}
+    if args.prefill is not None and not 1 <= args.prefill <= 4096:
+        p.error("--prefill: give 1 to 4096 tokens")
+    defaults = {key: getattr(module_of(key[0]), key[1]) for s in settings for key in s}
     engine = Engine.load(args.model, device="cuda", resident_experts=True)
-    stream = random.Random(0).choices(range(1000, 30000), k=80)
+    stream = random.Random(0).choices(range(1000, 30000), k=max(80, args.prefill or 0))
     rows = []
     names = args.settings or ["defaults"]
     for text, setting in [*zip(names, settings), (f"{names[0]} (again)", settings[0])]:
         apply(defaults)
         apply(setting)
         engine._graph = None  # captured anew with these constants
-        tps, argmax = decode_tps(engine, stream, args.reps)
-        rows.append({"setting": text, "decode_tps": tps, "argmax": hash(tuple(argmax)) % 10**8})
+        if args.prefill:
+            tps, argmax = prefill_tps(engine, stream, args.prefill, args.reps)
+        else:
+            tps, argmax = decode_tps(engine, stream, args.reps)
+        rows.append({"setting": text, "tok_s": tps, "argmax": hash(tuple(argmax)) % 10**8})
         print(f"{text:60s} {tps:9.1f} tok/s  argmax {rows[-1]['argmax']}", flush=True)
     print(json.dumps({"bench": "decode_settings", "date": date.today().isoformat(), "model": args.model.name,
+                      "measured": f"prefill of {args.prefill} tokens" if args.prefill else "decode, 64 steps",
                       "gpu": torch.cuda.get_device_name(), "rows": rows}))
     return 0
 
