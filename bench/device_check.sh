@@ -6,7 +6,7 @@
 #   bash ../shared/device/wheels.sh jinja2 markupsafe openai httpx2 httpcore2 truststore distro jiter sniffio certifi idna
 #       # .whl (the machine reaches no registry; openai: tests/worker helpers that tests/kernels import)
 #   .venv/bin/python bench/peer_llamacpp.py fetch --dest .peer/llama.cpp
-#   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 26 MiB) or b (41 MiB)
+#   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 31 MiB) or b (41 MiB)
 # and on the device: COMMIT=<hash> bash bench/device_check.sh run
 # `bash bench/device_check.sh workers [FLAGS]` (needs .whl only) measures N worker processes, one per
 # visible GPU, on one expertd against one worker alone (bench/decode_workers.py FLAGS): the SSD path
@@ -39,7 +39,8 @@ fixtures)
     if [ "${2:-a}" = a ]; then
         for f in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf gguf/qwen3moe-a/qwen3moe-a.BF16.gguf \
                  gguf/gptoss-a/gptoss-a.MXFP4.gguf gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf \
-                 gguf/deepseek3-a/deepseek3-a.Q2_K.gguf flagship/kimi-k3/k3-tiny.Q2_K.gguf; do copy "$f"; done
+                 gguf/deepseek3-a/deepseek3-a.Q2_K.gguf flagship/kimi-k3/k3-tiny.Q2_K.gguf \
+                 flagship/deepseek4/dsv4-tiny.Q2_K.gguf; do copy "$f"; done
         for m in qwen3moe-a gptoss-a; do
             for f in hf_logits_f32.npy hf_ref.json prompt_ids.npy; do copy "ref/$m/$f"; done
         done
@@ -120,6 +121,8 @@ run | tests)
     have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py
         --deselect tests/gpu/test_cuda_worker.py::test_resident_experts_equal_read_per_use_on_cuda
         --deselect tests/gpu/test_multi_gpu.py::test_two_gpus_through_expertd_share_one_connection)
+    { have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf && have flagship/deepseek4/dsv4-tiny.Q2_K.gguf; } \
+        || skip+=(--deselect tests/gpu/test_segmented_graphs.py)  # its packs are set a's
     skip+=(--deselect tests/gpu/test_two_workers.py)  # workers-test runs it (several processes; minutes)
     if [ "$1" = tests ]; then timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
     timeout 240 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6

@@ -199,9 +199,7 @@ class Pending:
 
 class ExpertClient:
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, name: str | None = None, timeout_s: float = 30.0,
-                 expect_fingerprint: str | None = None, curve_server_key: bytes | None = None, slots: int = 0) -> None:
-        """`slots`: the staging slots HELLO asks for (granted up to the daemon's max_client_slots;
-        0: the daemon's client_slots)."""
+                 expect_fingerprint: str | None = None, curve_server_key: bytes | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         # The process-wide context: it is never terminated, so a client dropped without close()
@@ -240,7 +238,7 @@ class ExpertClient:
         self._abandoned: set[int] = set()  # cancelled submits whose answer has not arrived
         self._map: mmap.mmap | None = None
         try:
-            self._send(p.Hello(p.PROTOCOL_VERSION, name or f"pid-{os.getpid()}", expect_fingerprint or "", slots))
+            self._send(p.Hello(p.PROTOCOL_VERSION, name or f"pid-{os.getpid()}", expect_fingerprint or ""))
             try:
                 welcome = self._expect(p.Welcome, "HELLO")
             except DaemonError as exc:

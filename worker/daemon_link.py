@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import torch
 import zmq
 
-from expertpack.client import ClientError, DaemonError, DaemonUnavailable, Expert, ExpertClient, FetchFailed
+from expertpack.client import ClientError, DaemonUnavailable, Expert, ExpertClient, FetchFailed
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
@@ -60,18 +60,15 @@ class CorruptExpert(FetchFailed):
 
 class DaemonLink:
     def __init__(self, endpoint: str, fingerprint: str | None, pin_for: torch.device | Sequence[torch.device],
-                 name: str = "expert-worker", timeout_s: float = 30.0, down_timeout_s: float = 60.0,
-                 slots: int = 0) -> None:
+                 name: str = "expert-worker", timeout_s: float = 30.0, down_timeout_s: float = 60.0) -> None:
         """`pin_for`: the device, or every device, that copies out of the staging (a worker
-        spanning several GPUs shares one link: the staging is registered once for all of them).
-        `slots`: the staging slots to ask expertd for at each HELLO (0: its client_slots)."""
+        spanning several GPUs shares one link: the staging is registered once for all of them)."""
         self.endpoint = endpoint
         self.fingerprint = fingerprint
         self.pin_for = (pin_for,) if isinstance(pin_for, torch.device) else tuple(pin_for)
         self.name = name
         self.timeout_s = timeout_s
         self.down_timeout_s = down_timeout_s
-        self.slots = slots
         self.reconnects = 0
         self.client: ExpertClient | None = None
         self.staging: torch.Tensor | None = None  # the whole segment, uint8
@@ -85,17 +82,8 @@ class DaemonLink:
 
     # ---- connection ---------------------------------------------------------------------------
     def _connect(self, timeout_s: float | None = None) -> None:
-        """A session with the lease this link asks for; where expertd's other clients left too few
-        staging slots for it, the daemon's default lease (less room to prefetch, nothing else lost)."""
-        try:
-            client = ExpertClient(self.endpoint, name=self.name, timeout_s=timeout_s or self.timeout_s,
-                                  expect_fingerprint=self.fingerprint, slots=self.slots)
-        except DaemonError as exc:
-            if exc.code is not p.ErrorCode.NO_SLOTS or not self.slots:
-                raise
-            log.warning("%s; taking expertd's default lease instead", exc)
-            client = ExpertClient(self.endpoint, name=self.name, timeout_s=timeout_s or self.timeout_s,
-                                  expect_fingerprint=self.fingerprint)
+        client = ExpertClient(self.endpoint, name=self.name, timeout_s=timeout_s or self.timeout_s,
+                              expect_fingerprint=self.fingerprint)
         client.timeout_s = self.timeout_s
         self.client = client
         self.staging = torch.frombuffer(self.client.staging, dtype=torch.uint8)

@@ -22,7 +22,6 @@ from .lookahead import Guesses
 from .model_files import ExpertRows, ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .models import Model, model_module
 from .placement import Placement, parse_devices, plan
-from .prefetch import slots_to_ask
 from .sampling import Sampler
 from .split_experts import CacheGroup, SplitExperts
 from .weights import use_kernels
@@ -82,9 +81,8 @@ class Engine:
             _require_triton(dev)
             model.moe.prepare(sorted(moe_layers))
         if daemon is not None:  # after the trunk is on the devices: each cache takes what its device has left
-            slots = slots_to_ask(files.experts.manifest.model.n_expert_used) if prefetch else 0
             link = DaemonLink(daemon, files.fingerprint, place.devices, name=name, timeout_s=daemon_timeout_s,
-                              down_timeout_s=down_timeout_s, slots=slots)
+                              down_timeout_s=down_timeout_s)
             try:
                 manifest = files.experts.manifest
                 if place.split:
@@ -329,12 +327,10 @@ class SegmentedDecode:
 
     @staticmethod
     def fits(model: Model) -> bool:
-        """A step's experts fit the cache in one wave (one token's k), and no layer's experts
-        follow from the tokens alone (DeepSeek-V4's hash layers prefetch from a token table,
-        which these graphs do not hold)."""
+        """A step's experts fit the cache in one wave (one token's k). (DeepSeek-V4's hash layers,
+        whose experts follow from the token, are looked up in the graph from its token buffer.)"""
         source = model.moe.source
-        return (isinstance(source, ExpertCache) and not model.moe.static_routes
-                and source.capacity >= source.manifest.model.n_expert_used)
+        return isinstance(source, ExpertCache) and source.capacity >= source.manifest.model.n_expert_used
 
     def step(self, token: int) -> torch.Tensor:
         self.token.fill_(token)

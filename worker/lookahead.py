@@ -24,14 +24,21 @@ Guesses = tuple[tuple[int, torch.Tensor], ...]
 LOOKAHEAD_LAYERS = 3  # MoE layers ahead of the running one whose experts are asked for
 
 
-def next_guesses(source: PrefetchingSource, layer: int, x: torch.Tensor, router: Router | None) -> Guesses:
-    """The router's choice on `x` (ids [T, k], left on the device) for each of the next MoE layers
-    after `layer` that `source` prefetches for, as look_ahead predicts them. A segmented decode
-    step (engine.SegmentedDecode) computes them inside a graph and reads them with the layer's own
-    routing in one host copy."""
-    if router is None:
-        return ()
-    return tuple((target, router(target, x)[0]) for target in source.ahead(layer, LOOKAHEAD_LAYERS))
+def next_guesses(source: PrefetchingSource, layer: int, x: torch.Tensor, router: Router | None,
+                 static_routes: Mapping[int, torch.Tensor], tokens: torch.Tensor | None) -> Guesses:
+    """The experts (ids [T, k], left on the device) of each of the next MoE layers after `layer`
+    that `source` prefetches for, as look_ahead finds them: a static layer's from the tokens, the
+    others' by their router on `x`. A segmented decode step (engine.SegmentedDecode) computes them
+    inside a graph (from its token buffer) and reads them with the layer's own routing in one host
+    copy."""
+    out = []
+    for target in source.ahead(layer, LOOKAHEAD_LAYERS):
+        table = static_routes.get(target)
+        if table is not None and tokens is not None:
+            out.append((target, table[tokens.to(table.device)]))
+        elif router is not None:
+            out.append((target, router(target, x)[0]))
+    return tuple(out)
 
 
 def look_ahead(source: PrefetchingSource, layer: int, x: torch.Tensor, router: Router | None,

@@ -111,7 +111,8 @@ class ExpertFFN:
         prefetching = self.prefetching
         if self.boundary is not None:  # a segmented decode step: the host work waits for the boundary
             x = h if router_in is None else router_in
-            guesses = next_guesses(self.source, layer, x, self.router) if prefetching else ()
+            guesses = (next_guesses(self.source, layer, x, self.router, self.static_routes, self.tokens)
+                       if prefetching else ())
             y = self._fused(layer, h, ids, weights, [self.boundary(layer, ids, guesses)])
             return y.sum(dim=1).to(h.dtype) if summed else y
         if prefetching:

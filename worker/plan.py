@@ -52,9 +52,10 @@ from .routing_trace import TraceError, read_trace
 
 DEFAULT_RESERVE_GIB = 1.5  # VRAM kept for the KV cache, activations and CUDA's own (the worker's cache_reserve)
 DEFAULT_PCIE_GBPS = 25.0  # a PCIe 4.0 x16 link's practical pinned copy rate; PCIe 5.0 about twice
-# The worker's host time per miss of its VRAM cache, with the step as segmented CUDA graphs:
-# bench/profile_streaming.py on the H200 machine (2026-12-01, BENCHMARKS.md), every miss a RAM-tier
-# hit, (15.26 ms a token - 1.61 ms resident) / 75.5 misses.
+# The worker's time per miss of its VRAM cache beyond the resident step, with decode steps as
+# segmented CUDA graphs: bench/profile_streaming.py on the H200 machine (2026-12-01, BENCHMARKS.md),
+# every miss a RAM-tier hit, (15.26 ms a token - 1.61 ms resident) / 75.5 misses. It includes the
+# copy each miss waits for, which the PCIe term counts again: predictions err low by that much.
 DEFAULT_MISS_HOST_MS = 0.18
 DISK_PROBE_S = 2.0
 UNIFORM_LAYERS = 8  # layers simulated for uniform routing's hit rates, each tier at its share of the experts
@@ -296,11 +297,12 @@ def _figures(disk_s: float, pcie_s: float, compute_s: float | None, host_s: floa
     """Tokens/s of `tokens` taking those seconds: today's (compute and the host's work per miss, then
     the slower of disk and PCIe: misses wait) and overlapped (the slowest; reads overlap compute,
     not the host's work between the step's segments, which the GPU waits for), and the bound
-    ("compute" counts the host's share; None: nothing bounds it)."""
+    (the worker's term, compute and host together, is named after the larger part; None: nothing
+    bounds it)."""
     worker = (compute_s or 0.0) + host_s
     terms = {"disk": disk_s, "pcie": pcie_s}
-    if compute_s is not None or host_s:
-        terms["compute" if compute_s is not None else "host"] = worker
+    if worker:
+        terms["compute" if (compute_s or 0.0) >= host_s else "host"] = worker
     today = worker + max(disk_s, pcie_s)
     overlapped = max(terms.values())
     bound = max(terms, key=terms.get) if overlapped else f"none: every expert is cached; give {flag}"

@@ -20,22 +20,12 @@ from typing import TYPE_CHECKING, Collection, Iterable, Iterator
 from expertpack.client import ClientError, Expert, ExpertClient, Pending, Priority
 from expertpack.packtools.layout import ExpertKey
 
-from .lookahead import LOOKAHEAD_LAYERS
-
 if TYPE_CHECKING:
     from .daemon_link import DaemonLink
 
 log = logging.getLogger("expert-worker")
 
 SETTLE_TIMEOUT_S = 5.0  # at close, how long the answers of cancelled prefetches are waited for
-
-
-def slots_to_ask(n_expert_used: int) -> int:
-    """The staging slots a prefetching worker asks expertd for: a decode step's k misses of a layer
-    for demand, and as many for prefetch as the lookahead predicts (k for each of
-    LOOKAHEAD_LAYERS layers), doubled so that each half of the budget rule below has its share;
-    expertd grants at most its max_client_slots (half its staging by default)."""
-    return 2 * n_expert_used * max(1, LOOKAHEAD_LAYERS)
 
 
 def prefetch_budget(n_staging_slots: int) -> int:

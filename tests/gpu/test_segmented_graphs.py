@@ -28,11 +28,12 @@ from ..worker.test_expert_cache import minimal_cache_bytes
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
-MODELS = {  # one of each expert activation the fixtures hold; a dense leading layer; a latent MoE with KDA states
+MODELS = {  # one of each expert activation the fixtures hold; a dense leading layer; a latent MoE with KDA states;
     "qwen3moe-a": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",
     "gptoss-a": "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
     "deepseek3-a": "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf",
     "k3-tiny": "flagship/kimi-k3/k3-tiny.Q2_K.gguf",
+    "dsv4-tiny": "flagship/deepseek4/dsv4-tiny.Q2_K.gguf",  # hash layers: experts looked up from the token
 }
 
 

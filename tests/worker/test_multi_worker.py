@@ -44,8 +44,7 @@ def expertctl_stats(endpoint: str, *flags: str) -> str:
 
 
 def test_two_workers_share_one_expertd(tiny_pack: Path, tmp_path: Path) -> None:
-    daemon = start_daemon(tiny_pack, tmp_path, "--stage-slots", "8", "--client-slots", "2", "--max-client-slots", "2",
-                          "--ram-cache-gib", "1")
+    daemon = start_daemon(tiny_pack, tmp_path, "--stage-slots", "8", "--client-slots", "2", "--ram-cache-gib", "1")
     daemon.wait_for("READY=1")
     workers: list[Worker] = []
     try:
