@@ -199,11 +199,13 @@ class ExpertCache:
         at = self.served.index(layer) + 1
         return tuple(self.served[at:at + depth])
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int], running: int | None = None) -> None:
         """Sends the keys of `experts` (most wanted first) that are not resident ahead of `layer`'s
-        step, as far as the staging the prefetches may hold allows."""
+        step, as far as the staging the prefetches may hold allows (those of the `running` layer,
+        taken or cancelled next, not counted)."""
         keys = [ExpertKey(layer, e) for e in experts]
-        self.counters.prefetch_issued += self.link.ahead.submit(k for k in keys if k not in self.policy.slot_of)
+        self.counters.prefetch_issued += self.link.ahead.submit((k for k in keys if k not in self.policy.slot_of),
+                                                                running)
 
     def layer_done(self, layer: int) -> None:
         """`layer`'s step has run: its prefetches it did not take are stale, cancelled now."""

@@ -63,10 +63,10 @@ def look_ahead(source: PrefetchingSource, layer: int, x: torch.Tensor, router: R
         flat = torch.cat([ids.reshape(-1) for ids in predicted]).tolist()
         at = 0
         for target, ids in zip(targets, predicted):
-            source.prefetch(target, flat[at:at + ids.numel()])
+            source.prefetch(target, flat[at:at + ids.numel()], running=layer)
             at += ids.numel()
         return
     for target, ids in zip(targets, predicted):
         experts, counts = ids.reshape(-1).unique(return_counts=True)
         # the experts most tokens chose first: a prefill's prefetch budget goes to those
-        source.prefetch(target, experts[counts.argsort(descending=True, stable=True)].tolist())
+        source.prefetch(target, experts[counts.argsort(descending=True, stable=True)].tolist(), running=layer)

@@ -134,7 +134,7 @@ class ExpertFFN:
         layer's stale prefetches cancelled. -> the pairs' byte offsets [T*k] into the source's memory.
         Runs over the expert cache only (ExpertCache.waves), for steps it holds in one wave."""
         for target, experts in guesses:
-            self.source.prefetch(target, experts)
+            self.source.prefetch(target, experts, running=layer)
         offsets, pairs = next(self.source.waves(layer, chosen))
         assert pairs is None, "a segmented step's experts are loaded in one wave"
         if self.prefetching:

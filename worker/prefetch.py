@@ -59,14 +59,18 @@ class Prefetches:
         return client
 
     # ---- sending and cancelling --------------------------------------------------------------
-    def submit(self, keys: Iterable[ExpertKey]) -> int:
+    def submit(self, keys: Iterable[ExpertKey], running: int | None = None) -> int:
         """Sends a prefetch for each key not already on its way, while the budget allows; returns
-        how many were sent. Never raises for the daemon's sake: demand finds out and recovers."""
+        how many were sent. The prefetches of the `running` layer, whose step is under way and
+        takes or cancels them next, do not count against the budget: else they would keep the
+        furthest layers ahead from being asked for. Never raises for the daemon's sake: demand
+        finds out and recovers."""
         with self.link._lock:
             client = self._live()
             if client is None:
                 return 0
-            room = prefetch_budget(len(client.slots)) - self.held
+            leaving = sum(key.layer == running for key in self.entries) if running is not None else 0
+            room = prefetch_budget(len(client.slots)) - self.held + leaving
             sent = 0
             try:
                 for key in keys:

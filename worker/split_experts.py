@@ -84,8 +84,8 @@ class CacheGroup(SplitExperts):
         """Prefetch stays on the device of `layer`: its cache's next layers (ExpertCache.ahead)."""
         return self.source_of[layer].ahead(layer, depth)
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        self.source_of[layer].prefetch(layer, experts)
+    def prefetch(self, layer: int, experts: Sequence[int], running: int | None = None) -> None:
+        self.source_of[layer].prefetch(layer, experts, running)
 
     def layer_done(self, layer: int) -> None:
         self.source_of[layer].layer_done(layer)

@@ -94,9 +94,9 @@ def test_prefetch_is_bit_exact_and_counted(name: str, fixture_packs, tmp_path: P
         stale_by_layer: dict[int, int] = {}
         prefetch, layer_done = cache.prefetch, cache.layer_done
 
-        def counted_prefetch(layer: int, experts: list[int]) -> None:
+        def counted_prefetch(layer: int, experts: list[int], running: int | None = None) -> None:
             before = cache.counters.prefetch_issued
-            prefetch(layer, experts)
+            prefetch(layer, experts, running)
             issued_by_layer[layer] = issued_by_layer.get(layer, 0) + cache.counters.prefetch_issued - before
 
         def counted_layer_done(layer: int) -> None:
@@ -156,7 +156,7 @@ def test_the_lookahead_asks_for_the_next_layers_nearest_first(tiny_pack: Path, t
     (their routers on L's input), in the order they run, and none past the last layer."""
     pack = tiny_pack  # 4 MoE layers, top-4
     k = Manifest.load(pack).model.n_expert_used
-    slots = str(2 * k * (1 + LOOKAHEAD_LAYERS))  # prefetch budget (half): the running layer's k and k a layer ahead
+    slots = str(2 * k * LOOKAHEAD_LAYERS)  # a prefetch budget (half) of k for each layer ahead
     d = start_daemon(pack, tmp_path, "--stage-slots", slots, "--client-slots", slots, "--max-client-slots", slots)
     d.wait_for("READY=1")
     engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
@@ -165,22 +165,22 @@ def test_the_lookahead_asks_for_the_next_layers_nearest_first(tiny_pack: Path, t
         served = cache.served
         assert len(served) > LOOKAHEAD_LAYERS >= 2, "the fixture has layers to look ahead over"
         asked: list[tuple[int, int, int]] = []  # (the layer done before, layer asked for, experts asked)
-        running: list[int] = []
+        done: list[int] = []
         prefetch, layer_done = cache.prefetch, cache.layer_done
 
-        def recorded_prefetch(layer: int, experts: list[int]) -> None:
-            asked.append((running[-1] if running else -1, layer, len(experts)))
-            prefetch(layer, experts)
+        def recorded_prefetch(layer: int, experts: list[int], running: int | None = None) -> None:
+            asked.append((done[-1] if done else -1, layer, len(experts)))
+            prefetch(layer, experts, running)
 
         def recorded_layer_done(layer: int) -> None:
-            running.append(layer)  # the next layer's lookahead runs after this one is done
+            done.append(layer)  # the next layer's lookahead runs after this one is done
             layer_done(layer)
 
         cache.prefetch, cache.layer_done = recorded_prefetch, recorded_layer_done
         state = engine.new_cache()
         engine.forward(PROMPT, state)
         asked.clear()
-        running[:] = []
+        done.clear()
         engine.forward([3], state)
         want = []
         for i in range(len(served)):
@@ -388,6 +388,35 @@ def test_demand_is_served_while_prefetches_hold_all_they_may(qwen3) -> None:
         demands = [m for m in fetches if m.prio is p.Priority.DEMAND]
         assert [m.keys for m in prefetches] == [(key,) for key in held]
         assert sorted(key for m in demands for key in m.keys) == [ExpertKey(now, e) for e in range(2 * k)]
+        cache.layer_done(ahead)
+        assert_nothing_held(cache.link)
+    finally:
+        cache.close()
+
+
+def test_the_running_layers_prefetches_leave_the_budget_to_the_layers_ahead(qwen3) -> None:
+    """A step's own prefetches are taken or cancelled by that step: prefetches it sends for later
+    layers may use the budget they hold, and only from that step (else the lookahead could not
+    reach past the next layer); demand for the running layer still completes with every staging
+    slot held by prefetches."""
+    manifest, _, d = qwen3
+    k = manifest.model.n_expert_used
+    cache = cache_on(manifest, d, slots=2 * k)
+    try:
+        now, ahead = manifest.layers[0].layer, manifest.layers[1].layer
+        budget = prefetch_budget(8)  # the client's 8 slots
+        cache.prefetch(now, list(range(budget)))
+        entries = cache.link.ahead.entries
+        assert sorted(entries) == [ExpertKey(now, e) for e in range(budget)]
+        cache.prefetch(ahead, list(range(budget)))  # not sent from `now`'s step: no room
+        assert not any(key.layer == ahead for key in entries)
+        cache.prefetch(ahead, list(range(budget)), running=now)
+        assert sorted(key for key in entries if key.layer == ahead) == [ExpertKey(ahead, e) for e in range(budget)]
+        assert len(entries) == 8  # every staging slot of the client held or about to be
+        wait_answered(cache.link, list(entries))
+        loaded = cache.load(now, list(range(2 * k)))  # its prefetched 4 taken, the rest read into the slots they free
+        assert sorted(loaded) == list(range(2 * k)) and cache.counters.prefetch_used == budget
+        cache.layer_done(now)
         cache.layer_done(ahead)
         assert_nothing_held(cache.link)
     finally:
