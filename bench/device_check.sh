@@ -14,6 +14,8 @@
 # (two GPUs, tiny model, argmax and shared reads); each fits one call.
 # `bash bench/device_check.sh streaming` (needs .whl and set a) runs the expert cache's GPU tests, then
 # bench/profile_streaming.py and decode_streaming.py with a RAM tier on the 12-layer Qwen3-30B-A3B.
+# `bash bench/device_check.sh prefill` (needs .whl only) sweeps which kernels a prompt of 32 and of 512
+# tokens takes (attention, trunk matvec rows, expert paths) on the 12-layer Qwen3-30B-A3B.
 # `bash bench/device_check.sh flagship PRESET LAYERS FULL_LAYERS CACHE_GIB [FLAGS]` (needs .whl only; one
 # call each, ~6 min) streams the preset at its real shapes, cut to LAYERS, through expertd with
 # CACHE_GIB of VRAM cache, prefetch off and on, beside every expert resident
@@ -96,6 +98,20 @@ streaming)  # the streaming path's GPU tests, then its host cost and its speed a
         | tee "$out/profile_streaming.txt" | head -10
     timeout 200 python3 bench/decode_streaming.py --layers 12 --cache-gib 1 --ram-cache-gib 4 --prompt 16 --decode 24 \
         2>&1 | grep -v Warn | tee "$out/decode_streaming.txt" | tail -10
+    ;;
+prefill)  # the paths a prompt's shape takes, swept on the resident step (bench/decode_settings.py --prefill)
+    install
+    out=${OUT:-/tmp}
+    m=bench-out/qwen3-30b-a3b-12L.gguf
+    mkdir -p bench-out && { [ -f $m ] || expertpack synth --preset qwen3-30b-a3b --layers 12 -o $m -q; }
+    experts=("moe.TILES_MIN_PAIRS_PER_EXPERT=3" "moe.DENSE_MIN_PAIRS_PER_EXPERT=2")  # pp32: per pair, dense
+    for n in 32 512; do
+        echo "== prefill of $n tokens"
+        timeout 250 python3 bench/decode_settings.py $m --prefill $n "" "layers.DECODE_MAX_QUERIES=$n" \
+            "linear_tl.MATVEC_MAX_ROWS=$n" "layers.DECODE_MAX_QUERIES=$n linear_tl.MATVEC_MAX_ROWS=$n" \
+            "${experts[@]}" 2>&1 | grep -v Warn | tee "$out/prefill-$n.txt"
+        experts=("moe.DENSE_MIN_PAIRS_PER_EXPERT=64")  # pp512 (32 pairs an expert): tiles instead of dense
+    done
     ;;
 workers-test)
     install
