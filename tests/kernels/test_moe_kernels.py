@@ -181,19 +181,40 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)
 
 
-def test_expert_tiles_cover_each_experts_rows_in_tiles_of_one_expert() -> None:
-    """The device-built tile table: every sorted row in exactly one tile, a tile holding at most
-    `rows` rows of a single expert, the experts' ranks and blocks in sorted order."""
-    from expertpack.worker.kernels.expert_tiles import tile_table
+@pytest.mark.parametrize("build", ["kernel", "ops"])
+def test_expert_tiles_cover_each_experts_rows_in_tiles_of_one_expert(build: str, device: torch.device) -> None:
+    """The device-built tile table, by the one-launch kernel and by torch operations: every sorted
+    row in exactly one tile, a tile holding at most `rows` rows of a single expert, the experts'
+    ranks and blocks in sorted order."""
+    from expertpack.worker.kernels.expert_tiles import tile_table, tile_table_ops
 
-    sorted_blocks = torch.tensor([0, 0, 0, 0, 0, 0, 4096, 8192, 8192, 8192, 8192, 12288])
-    blocks, n, tiles = tile_table(sorted_blocks, max_experts=6, rows=4)
+    table_of = tile_table if build == "kernel" else tile_table_ops
+    sorted_blocks = torch.tensor([0, 0, 0, 0, 0, 0, 4096, 8192, 8192, 8192, 8192, 12288], device=device)
+    blocks, n, tiles = table_of(sorted_blocks, max_experts=6, rows=4)
     assert n.tolist() == [4]
     assert blocks[:4].tolist() == [0, 4096, 8192, 12288]
     used = [t for t in tiles.tolist() if t[2] > t[1]]
     assert used == [[0, 0, 4], [0, 4, 6], [1, 6, 7], [2, 7, 11], [3, 11, 12]]
     assert all(t == [0, 0, 0] for t in tiles.tolist()[len(used):])
-    assert tiles.shape[0] == -(-12 // 4) + 6
+    assert tiles.shape[0] == -(-12 // 4) + 6 and tiles.dtype == torch.int32
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_the_one_launch_tile_table_equals_the_torch_operations(rows: int, device: torch.device) -> None:
+    """Random routings of a prompt (many experts of one or a few pairs, some of many): the kernel's
+    blocks, expert count and tiles are the torch operations' (but for the sink entry, which the
+    operations overwrite with some row's block)."""
+    from expertpack.worker.kernels.expert_tiles import tile_table, tile_table_ops
+
+    gen = torch.Generator().manual_seed(rows)
+    for n_pairs, n_expert in ((1, 8), (37, 8), (256, 128), (4096, 128), (3000, 900)):
+        ids = torch.randint(0, n_expert, (n_pairs,), generator=gen)
+        ids[: n_pairs // 3] = ids[0]  # one expert of many pairs
+        sorted_blocks = torch.sort(ids * 4096)[0].to(device)
+        max_experts = min(n_pairs, n_expert)
+        got, want = tile_table(sorted_blocks, max_experts, rows), tile_table_ops(sorted_blocks, max_experts, rows)
+        assert torch.equal(got[0][:-1], want[0][:-1]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[2], want[2]), (n_pairs, n_expert)
 
 
 def test_the_layers_expert_count_bounds_the_tiles_of_a_cache_pool() -> None:

@@ -45,10 +45,56 @@ def expert_tiles(offsets: torch.Tensor, pairs: torch.Tensor | None, k_top: int, 
     return ExpertTiles(order, (order // k_top).contiguous(), blocks, n_experts, table, max_experts)
 
 
+SCAN_MAX_PAIRS = 8192  # up to this many pairs, the table is one launch (one program scans them all)
+
+
 def tile_table(sorted_blocks: torch.Tensor, max_experts: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the pairs' blocks in sorted order: each distinct expert's block by rank ([max_experts +
     1], the last entry a sink), their number [1], and the tile table [ceil(P/rows) + max_experts, 3]
-    int32 of (rank, first row, end row), a tile holding up to `rows` rows of one expert."""
+    int32 of (rank, first row, end row), a tile holding up to `rows` rows of one expert. A prompt's
+    pairs take one kernel (a prompt is launched from Python, so the two dozen small torch
+    operations of tile_table_ops would cost more than its experts' work at tens of tokens)."""
+    p = sorted_blocks.shape[0]
+    if p > SCAN_MAX_PAIRS:
+        return tile_table_ops(sorted_blocks, max_experts, rows)
+    dev = sorted_blocks.device
+    max_tiles = triton.cdiv(p, rows) + max_experts
+    blocks = torch.zeros(max_experts + 1, dtype=torch.int64, device=dev)
+    start = torch.empty(max_experts + 1, dtype=torch.int64, device=dev)
+    n_experts = torch.empty(1, dtype=torch.int64, device=dev)
+    table = torch.zeros((max_tiles, 3), dtype=torch.int32, device=dev)
+    _tile_table_kernel[(1,)](sorted_blocks.contiguous(), blocks, start, n_experts, table, p,
+                             ROWS=rows, BP=triton.next_power_of_2(p), num_warps=8)
+    return blocks, n_experts, table
+
+
+@triton.jit
+def _tile_table_kernel(sorted_ptr, blocks_ptr, start_ptr, n_ptr, table_ptr, P, ROWS: tl.constexpr, BP: tl.constexpr):
+    """tile_table in one program over all P rows: a new expert where the block changes, its rank
+    the running count of those, its block and first row stored by rank; then, with the ranks'
+    first rows read back, the rows that start a tile of ROWS write its (rank, first, end) entry."""
+    i = tl.arange(0, BP)
+    valid = i < P
+    b = tl.load(sorted_ptr + i, mask=valid, other=0)
+    before = tl.load(sorted_ptr + i - 1, mask=valid & (i > 0), other=0)
+    new = valid & ((i == 0) | (b != before))
+    rank = tl.cumsum(new.to(tl.int32), 0) - 1
+    tl.store(blocks_ptr + rank, b, mask=new)
+    tl.store(start_ptr + rank, i.to(tl.int64), mask=new)
+    n = tl.max(tl.where(valid, rank, -1), 0) + 1
+    tl.debug_barrier()  # every rank's first row stored before any is read
+    first = tl.load(start_ptr + rank, mask=valid, other=0).to(tl.int32)
+    end = tl.load(start_ptr + rank + 1, mask=valid & (rank + 1 < n), other=P).to(tl.int32)  # the next expert's first
+    opens = valid & ((i - first) % ROWS == 0)
+    tile = tl.cumsum(opens.to(tl.int32), 0) - 1
+    tl.store(table_ptr + 3 * tile, rank, mask=opens)
+    tl.store(table_ptr + 3 * tile + 1, i, mask=opens)
+    tl.store(table_ptr + 3 * tile + 2, tl.minimum(i + ROWS, end), mask=opens)
+    tl.store(n_ptr, n.to(tl.int64))
+
+
+def tile_table_ops(sorted_blocks: torch.Tensor, max_experts: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tile_table in torch operations, for more pairs than one program scans."""
     p = sorted_blocks.shape[0]
     dev = sorted_blocks.device
     row = torch.arange(p, device=dev)
