@@ -46,27 +46,17 @@ def look_ahead(source: PrefetchingSource, layer: int, x: torch.Tensor, router: R
     """Sends the prefetches for the layers after `layer`, nearest first (what the prefetch budget
     cuts is the furthest): static ones exactly, the others by their router on `x`; a decode step's
     ids come to the host in one copy, a prompt's experts in order of how many tokens chose them."""
-    targets, predicted = [], []
-    for target in source.ahead(layer, LOOKAHEAD_LAYERS):
-        table = static_routes.get(target)
-        if table is not None and tokens is not None:
-            ids = table[tokens.to(table.device)]  # [T, k]
-        elif router is not None:
-            ids = router(target, x)[0]  # [T, k]
-        else:
-            continue
-        targets.append(target)
-        predicted.append(ids)
-    if not predicted:
+    guesses = next_guesses(source, layer, x, router, static_routes, tokens)
+    if not guesses:
         return
-    if all(ids.shape[0] == 1 for ids in predicted):  # a decode step: k distinct experts a layer
-        flat = torch.cat([ids.reshape(-1) for ids in predicted]).tolist()
+    if all(ids.shape[0] == 1 for _, ids in guesses):  # a decode step: k distinct experts a layer
+        flat = torch.cat([ids.reshape(-1) for _, ids in guesses]).tolist()
         at = 0
-        for target, ids in zip(targets, predicted):
+        for target, ids in guesses:
             source.prefetch(target, flat[at:at + ids.numel()], running=layer)
             at += ids.numel()
         return
-    for target, ids in zip(targets, predicted):
+    for target, ids in guesses:
         experts, counts = ids.reshape(-1).unique(return_counts=True)
         # the experts most tokens chose first: a prefill's prefetch budget goes to those
         source.prefetch(target, experts[counts.argsort(descending=True, stable=True)].tolist(), running=layer)
