@@ -5,6 +5,7 @@ torch's elementwise ops, reductions, copies, cuBLAS, attention), from torch.prof
 decode steps after a warm-up. Prints a table, then one JSON line.
   python3 bench/profile_decode.py MODEL.gguf [--steps 8] [--prompt 32] [--eager] [--prefill N]
 With --prefill N it profiles `--steps` prompts of N tokens each (a fresh KV cache per prompt) instead.
+`--setting "linear_tl.MATVEC_MAX_ROWS=32 ..."` first assigns worker constants as decode_settings.py does.
 (synthesize one with `expertpack synth --preset qwen3-30b-a3b --layers 12 -o MODEL.gguf`)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from decode_settings import apply, parse_setting  # bench/, beside this script
 from expertpack.worker.engine import Engine
 
 CLASSES = [  # (class, substrings of kernel names), first match wins
@@ -59,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="launch every kernel from Python instead of replaying the step's CUDA graph")
     p.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="profile prompts of N tokens (a fresh cache each) instead of decode steps")
+    p.add_argument("--setting", default="", metavar='"MODULE.CONST=INT ..."',
+                   help="worker constants to assign first (bench/decode_settings.py's syntax)")
     args = p.parse_args(argv)
+    apply(parse_setting(args.setting))
     engine = Engine.load(args.model, device="cuda", resident_experts=True)
     engine.graphs = not args.eager
     n_vocab = engine.forward([1], engine.new_cache()).shape[-1]
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"bench": "profile_decode", "date": date.today().isoformat(), "commit": commit,
                       "model": args.model.name, "trunk_types": types,
                       "argmax_sha256": hashlib.sha256(str(argmax).encode()).hexdigest()[:16],
-                      "steps": args.steps, "eager": args.eager, "prefill": args.prefill,
+                      "steps": args.steps, "setting": args.setting, "eager": args.eager, "prefill": args.prefill,
                       "launches_per_step": len(kernels) / args.steps, "gpu_busy_ms": busy_us / 1000,
                       "wall_ms": wall_s * 1000, "gpu": torch.cuda.get_device_name(),
                       "classes": {k: {"launches": launches[k] / args.steps, "ms": v / args.steps / 1000}

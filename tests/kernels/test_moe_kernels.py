@@ -217,13 +217,13 @@ def test_the_one_launch_tile_table_equals_the_torch_operations(rows: int, device
         assert torch.equal(got[2], want[2]), (n_pairs, n_expert)
 
 
-def test_the_layers_expert_count_bounds_the_tiles_of_a_cache_pool() -> None:
+def test_the_layers_expert_count_bounds_the_tiles_of_a_cache_pool(device: torch.device) -> None:
     """A cache's pool holds every layer's slots: the layer's routed experts bound the launches."""
     from expertpack.worker.kernels.expert_tiles import block_extent, expert_tiles
 
     lay = layout(T.Q4_K, T.Q6_K, False, False)
     roles = expert_roles(lay)
-    offsets = torch.tensor([0, 1, 2, 1, 0, 2] * 20) * lay.stride
+    offsets = (torch.tensor([0, 1, 2, 1, 0, 2] * 20) * lay.stride).to(device)
     pool_bytes = 1000 * lay.stride  # room for 1,000 blocks
     loose = expert_tiles(offsets, None, 2, pool_bytes, roles, rows=16)
     tight = expert_tiles(offsets, None, 2, pool_bytes, roles, rows=16, n_expert=N_EXPERT)
