@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,10 @@ from .weights import use_kernels
 log = logging.getLogger("expert-worker")
 
 MIN_STATIC_CAPACITY = 512  # positions a GPU decode step's KV cache is reserved for, at least
+# a generation's prompt up to this many tokens takes the decode step's static shapes, and with
+# every expert resident on CUDA replays a graph captured at the first prompt of its length: its
+# launches from Python cost more than its kernels at tens of tokens (BENCHMARKS.md, pp32)
+PROMPT_GRAPH_MAX_TOKENS = 64
 
 
 @dataclass
@@ -40,6 +44,10 @@ class Engine:
     place: Placement
     graphs: bool = True  # capture decode steps as CUDA graphs (split at the MoE layers with the expert cache)
     _graph: "DecodeGraph | SegmentedDecode | None" = field(default=None, repr=False)
+    # prompt length -> its graph; every graph of the engine (these and _graph) reads the same KV
+    # buffers, held by one cache at a time (_bind)
+    _prompt_graphs: "OrderedDict[int, DecodeGraph]" = field(default_factory=OrderedDict, repr=False)
+    _prompt_pool: object = field(default=None, repr=False)  # the memory pool the prompt graphs share
 
     @classmethod
     def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False,
@@ -114,7 +122,7 @@ class Engine:
     def close(self) -> None:
         """Waits for the cache's copies, gives the staging back and leaves the daemon; closes the
         files experts are read from."""
-        self._graph = None
+        self._drop_graphs()
         self.files.experts.close()
 
     def new_cache(self) -> KVCache:
@@ -125,9 +133,12 @@ class Engine:
         """Logits [len(tokens), n_vocab] (float32) after each token, continuing the cache; with
         `last`, [1, n_vocab] after the last token only (what a generation's prefill needs)."""
         with self.place.running():
-            if (len(tokens) == 1 and use_kernels(self.device) and self.model.static_decode
-                    and (cache.length or self._adopt_buffers(cache))):
-                return self._static_step(tokens[0], cache)
+            if use_kernels(self.device) and self.model.static_decode:
+                if len(tokens) == 1 and (cache.length or self._adopt_buffers(cache)):
+                    return self._static_step(tokens[0], cache)
+                if (last and 1 < len(tokens) <= PROMPT_GRAPH_MAX_TOKENS and self.model.static_prompt
+                        and not self.place.split):
+                    return self._static_prompt(tokens, cache)
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, cache, last).to(torch.float32)
 
@@ -136,12 +147,82 @@ class Engine:
         with the graph's cache), so that its first token, a one-token prompt, replays the graph
         instead of running eagerly (about ten steps' time on the GPU; llama-bench's tg decodes from
         an empty cache). Caches with an architecture's own states take their shapes from a prompt."""
-        graph = self._graph
-        if graph is None or cache.keys or cache.state or graph.cache.state or not graph.cache.keys:
+        holder = self._holder()
+        if holder is None or cache.keys or cache.state or holder.state or not holder.keys:
             return False
-        cache.keys = {layer: torch.zeros_like(k) for layer, k in graph.cache.keys.items()}
-        cache.values = {layer: torch.zeros_like(v) for layer, v in graph.cache.values.items()}
+        cache.keys = {layer: torch.zeros_like(k) for layer, k in holder.keys.items()}
+        cache.values = {layer: torch.zeros_like(v) for layer, v in holder.values.items()}
         return True
+
+    def _captured(self) -> list["DecodeGraph | SegmentedDecode"]:
+        return ([self._graph] if self._graph is not None else []) + list(self._prompt_graphs.values())
+
+    def _holder(self) -> KVCache | None:
+        """The cache holding the buffers the captured graphs read."""
+        graphs = self._captured()
+        return graphs[0].cache if graphs else None
+
+    def _drop_graphs(self) -> None:
+        """Their memory goes back (before the next capture)."""
+        self._graph = None
+        self._prompt_graphs.clear()
+        self._prompt_pool = None
+
+    def _bind(self, cache: KVCache) -> None:
+        """Makes `cache` hold the buffers the captured graphs read, trading rows with the cache
+        that held them (each keeps its own rows: the next request needs no new capture); where it
+        cannot (another capacity; a cache with an architecture's states), or where the buffers
+        grew since the graphs were captured, the graphs are dropped, to be captured anew."""
+        holder = self._holder()
+        if holder is None:
+            return
+        if holder is not cache:
+            if holder.capacity != cache.capacity or not cache.same_shapes(holder):
+                self._drop_graphs()
+                return
+            cache.trade_buffers(holder)
+            for graph in self._captured():
+                graph.cache = cache
+        if any(graph.capacity != cache.capacity for graph in self._captured()):
+            self._drop_graphs()
+
+    def _static_prompt(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
+        """A generation's prompt of a few tokens (logits of its last) with the decode step's
+        static shapes: keys and values written at device positions, attention over the reserved
+        buffers masked by position. With every expert resident on CUDA it is a CUDA graph per
+        prompt length, captured at the first prompt of that length (two warm-up passes, then a
+        capture that runs nothing) and replayed after; else the same operations run eagerly, so
+        that every expert source gives the same bits."""
+        t = len(tokens)
+        if not cache.length:
+            self._adopt_buffers(cache)
+        need = cache.length + t
+        capacity = cache.capacity
+        if capacity < need or capacity < MIN_STATIC_CAPACITY or capacity & (capacity - 1):
+            cache.reserve(max(MIN_STATIC_CAPACITY, 1 << (need - 1).bit_length()))  # a power of two >= need
+        if self._replayed_kind() is DecodeGraph:
+            self._bind(cache)
+            graph = self._prompt_graphs.get(t)
+            if graph is None:
+                if self._prompt_pool is None:
+                    self._prompt_pool = torch.cuda.graph_pool_handle()
+                try:
+                    graph = DecodeGraph(self.model, cache, self.device, t, last=True, pool=self._prompt_pool)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except RuntimeError as exc:  # an operation CUDA cannot capture: the same prompt, eagerly
+                    log.warning("prompt not captured as a CUDA graph (%s); running it eagerly", exc)
+                    self.graphs = False
+                else:
+                    self._prompt_graphs[t] = graph
+            if graph is not None:
+                return graph.step(tokens)
+        cache.step_positions = torch.arange(cache.length, need, dtype=torch.int64, device=self.device)
+        try:
+            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            return self.model.forward(ids, cache, True).to(torch.float32)
+        finally:
+            cache.step_positions = None
 
     def _static_step(self, token: int, cache: KVCache) -> torch.Tensor:
         """A decode step on the GPU with the same shapes at every position: the KV cache reserved
@@ -156,11 +237,8 @@ class Engine:
             cache.reserve(max(MIN_STATIC_CAPACITY, 1 << cache.length.bit_length()))  # a power of two > length
         kind = self._replayed_kind()
         if kind is not None:
+            self._bind(cache)  # the next request: no new capture
             graph = self._graph
-            if (graph is not None and graph.cache is not cache
-                    and graph.capacity == cache.capacity and cache.same_shapes(graph.cache)):
-                cache.trade_buffers(graph.cache)  # the next request: no new capture
-                graph.cache = cache
             if (graph is None or not isinstance(graph, kind) or graph.cache is not cache
                     or graph.capacity != cache.capacity
                     or (isinstance(graph, SegmentedDecode) and graph.prefetch != self.model.moe.prefetch)):
@@ -235,16 +313,20 @@ def _require_triton(device: torch.device) -> None:
 
 
 class DecodeGraph:
-    """One model's decode step captured as a CUDA graph over one KV cache (its buffers reserved
-    ahead: `capacity` positions), replayed per token: the token and its position are written into
-    static device buffers and the step runs as one launch instead of hundreds from Python. Captured
-    after a warm-up on a side stream (kernels compile, vectors are made), as torch.cuda.graph asks."""
+    """One model's decode step (or a prompt of `tokens` tokens, logits of its last with `last`)
+    captured as a CUDA graph over one KV cache (its buffers reserved ahead: `capacity` positions),
+    replayed per step: the tokens and their positions are written into static device buffers and
+    the step runs as one launch instead of hundreds from Python. Captured after a warm-up on a side
+    stream (kernels compile, vectors are made), as torch.cuda.graph asks; into `pool` where given
+    (graphs that never run at once can share one)."""
 
-    def __init__(self, model: Model, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: Model, cache: KVCache, device: torch.device, tokens: int = 1, last: bool = False,
+                 pool: object = None) -> None:
         self.model, self.cache = model, cache
         self.capacity = cache.capacity
-        self.token = torch.zeros(1, dtype=torch.int64, device=device)
-        self.position = torch.full((1,), cache.length, dtype=torch.int64, device=device)
+        self.token = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self._offsets = torch.arange(tokens, dtype=torch.int64, device=device)
+        self.position = self._offsets + cache.length
         length = cache.length
         states = [t.clone() for t in cache.state_tensors()]  # the warm-up steps advance them: put back after
         cache.step_positions = self.position
@@ -252,24 +334,29 @@ class DecodeGraph:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                for _ in range(2):  # writes the next position's keys, which the first replay overwrites
-                    model.forward(self.token, cache)
+                for _ in range(2):  # writes the next positions' keys, which the first replay overwrites
+                    model.forward(self.token, cache, last)
                     cache.length = length
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = model.forward(self.token, cache).to(torch.float32)
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.logits = model.forward(self.token, cache, last).to(torch.float32)
         finally:
             cache.step_positions = None
             cache.length = length
             for live, saved in zip(cache.state_tensors(), states):
                 live.copy_(saved)
 
-    def step(self, token: int) -> torch.Tensor:
-        self.token.fill_(token)
-        self.position.fill_(self.cache.length)
+    def step(self, tokens: int | list[int]) -> torch.Tensor:
+        """Logits after a token (a decode step's) or after the prompt's `tokens`."""
+        if isinstance(tokens, int):
+            self.token.fill_(tokens)
+            self.position.fill_(self.cache.length)
+        else:
+            self.token.copy_(torch.tensor(tokens, dtype=torch.int64))
+            torch.add(self._offsets, self.cache.length, out=self.position)
         self.graph.replay()
-        self.cache.length += 1
+        self.cache.length += self.token.shape[0]
         return self.logits.clone()
 
 

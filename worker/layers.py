@@ -148,6 +148,7 @@ class KVCache:
     # step_positions on the other devices of a worker split over several (placement.py), written
     # once per step by the engine
     step_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    reserved: int = 0  # positions reserve() asked for: the size of a static pass's buffers made anew
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """Positions [T] of the tokens of this pass, on the device."""
@@ -167,11 +168,12 @@ class KVCache:
         """Positions every layer's buffers hold (a state of one size at every position counts none)."""
         sizes = [k.shape[0] for k in self.keys.values()]
         sizes += [s.capacity for s in self.state.values() if s.capacity is not None]
-        return min(sizes, default=0)
+        return min(sizes, default=self.reserved)
 
     def reserve(self, capacity: int) -> None:
         """Grows every layer's buffers, and moves the architectures' states into theirs, to hold
         `capacity` positions."""
+        self.reserved = max(self.reserved, capacity)
         for layer in self.keys:
             self.keys[layer] = _grown(self.keys[layer], capacity)
             self.values[layer] = _grown(self.values[layer], capacity)
@@ -195,6 +197,9 @@ class KVCache:
         """Layer's key and value buffers [capacity, ...], made or grown to hold this pass's T tokens,
         and how many leading rows its queries attend (all of them in a captured step)."""
         if self.step_positions is not None:
+            if layer not in self.keys:  # a static prompt into an empty cache: its reserved size
+                self.keys[layer] = like.new_zeros((self.reserved, *k_shape))
+                self.values[layer] = like.new_zeros((self.reserved, *v_shape))
             return self.keys[layer], self.values[layer], self.keys[layer].shape[0]
         end = self.length + t
         if layer not in self.keys:

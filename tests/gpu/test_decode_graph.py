@@ -2,7 +2,7 @@
 bit for bit the logits of the same static-shape step run eagerly (the expert cache's mode), across a
 re-capture when the KV cache outgrows its reservation, for each expert activation the fixtures
 hold; and within float32 rounding of the CPU's torch path. An empty cache's first step replays the
-captured graph."""
+captured graph. Short prompts replay graphs of their lengths, bit for bit their eager static form."""
 
 from __future__ import annotations
 
@@ -61,3 +61,41 @@ def test_an_empty_caches_first_step_replays_the_graph() -> None:
     assert engine._graph is graph and graph.cache is cache, "the first step should replay, not capture"
     for got, want in ((steps[0], eager_first), (steps[1:], first)):
         assert torch.allclose(got, want, atol=1e-4, rtol=0), f"max |diff| {(got - want).abs().max().item():.2e}"
+
+
+@pytest.mark.parametrize("path", MODELS[:3])  # the architectures without a state a prompt advances
+def test_short_prompts_replay_graphs_equal_to_the_eager_static_prompts(path: str) -> None:
+    """A generation's short prompt is a CUDA graph per length, captured at its first prompt and
+    then replayed (a second request of that length, a second turn's prompt into a filled cache):
+    bit for bit the same static-shape prompt run eagerly (the expert cache's mode); the decode
+    graph and the prompt graphs read one set of buffers, traded between requests, never captured
+    twice."""
+    rng = random.Random(2)
+    graphed = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
+    n_vocab = graphed.forward([1], graphed.new_cache()).shape[-1]
+    requests = [rng.choices(range(n_vocab), k=n) for n in (2, 17, 64, 17)]
+    turn = rng.choices(range(n_vocab), k=9)
+
+    def run(engine: Engine) -> torch.Tensor:
+        out = []
+        for prompt in requests:
+            cache = engine.new_cache()
+            logits = engine.forward(prompt, cache, last=True)
+            out.append(logits[-1])
+            for _ in range(3):
+                logits = engine.forward([int(logits[-1].argmax())], cache)
+                out.append(logits[-1])
+            out.append(engine.forward(turn, cache, last=True)[-1])  # the next turn, into the same cache
+        return torch.stack(out).cpu()
+
+    got = run(graphed)
+    assert sorted(graphed._prompt_graphs) == [2, 9, 17, 64]
+    captured = graphed._graph, dict(graphed._prompt_graphs)
+    again = run(graphed)
+    assert (graphed._graph, graphed._prompt_graphs) == captured, "a prompt or the decode step was captured again"
+    eager = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
+    eager.graphs = False
+    want = run(eager)
+    assert eager._graph is None and not eager._prompt_graphs
+    for name, a in (("first run", got), ("second run", again)):
+        assert torch.equal(a, want), f"{path}: {name}: max |diff| {(a - want).abs().max().item():.2e}"

@@ -81,3 +81,54 @@ def test_static_steps_cross_reservations(monkeypatch: pytest.MonkeyPatch) -> Non
     assert capacities == [4, 8, 8, 8, 8, 16, 16, 16]  # a power of two above the length, doubled when reached
     err = (torch.cat(got)[:-1] - want[:-1]).abs().max().item()
     assert err < 1e-4, f"max |diff| {err:.2e}"
+
+
+def test_short_prompts_with_static_shapes_give_the_torch_paths_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generation's short prompt on the fast path takes the decode step's static shapes (keys
+    written at device positions, attention over the reserved buffers masked by position: what a
+    CUDA graph per prompt length replays on a GPU): into an empty cache, then a second turn's
+    prompt into the filled one, whose reservation it outgrows; logits within float32 rounding of
+    the torch path's, and the decode step after them too."""
+    from expertpack.worker import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 16)
+    engine = Engine.load(FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", resident_experts=True)
+    stream = TOKENS + TOKENS[:17]
+    want = engine.forward(stream, engine.new_cache())
+    with kernels_on_cpu():
+        cache = engine.new_cache()
+        got = [engine.forward(TOKENS, cache, last=True)]
+        assert (cache.length, cache.capacity) == (18, 32)  # a power of two holding the prompt
+        got.append(engine.forward(TOKENS[:16], cache, last=True))
+        assert (cache.length, cache.capacity) == (34, 64)
+        got.append(engine.forward(TOKENS[16:17], cache))
+        assert engine_module.PROMPT_GRAPH_MAX_TOKENS >= len(TOKENS)
+    err = (torch.cat(got) - want[[17, 33, 34]]).abs().max().item()
+    assert err < 1e-4, f"max |diff| {err:.2e}"
+
+
+def test_a_short_prompt_through_a_minimal_cache_is_bit_exact(fixture_packs, tmp_path) -> None:
+    """The static-shape prompt (a generation's: logits of its last token) with the expert cache,
+    whose prefill comes in waves, equals every expert resident bit for bit, as a decode step does."""
+    from ..worker.test_expert_cache import daemon_for, minimal_cache_bytes
+
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    d = daemon_for(pack, tmp_path)
+
+    def run(engine: Engine) -> torch.Tensor:
+        cache = engine.new_cache()
+        first = engine.forward(TOKENS[:12], cache, last=True)
+        return torch.cat([first, engine.forward([int(first[-1].argmax())], cache)])
+
+    try:
+        with kernels_on_cpu():
+            want = run(Engine.load(pack, resident_experts=True))
+            engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+            try:
+                got = run(engine)
+                assert engine.expert_cache.counters.misses > engine.expert_cache.n_slots  # waves, evictions
+            finally:
+                engine.close()
+    finally:
+        assert d.stop()[0] == 0
+    assert torch.equal(got, want)

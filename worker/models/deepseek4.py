@@ -88,6 +88,7 @@ KEYS = {
 
 class Model:
     static_decode = True  # once reserved, the compressed-attention states are buffers updated in place
+    static_prompt = False  # a prompt advances its states token by token: its shapes stay as they are
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         a = self.args = read_args(Args, files.arch, files.metadata, KEYS)

@@ -70,6 +70,7 @@ KEYS = {
 
 class Model:
     static_decode = True  # a one-token step has static shapes; the KDA states are updated in place
+    static_prompt = False  # a prompt advances its states token by token: its shapes stay as they are
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)

@@ -43,6 +43,7 @@ KEYS = {
 
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
+    static_prompt = True  # a short prompt too (no state but the KV cache): a CUDA graph per prompt length
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
