@@ -71,14 +71,23 @@ def _q5_1(bp, jj, m):  # d, m, qh[4], qs[16]
 
 
 @triton.jit
-def _mxfp4(bp, jj, m):  # e (E8M0), qs[16]: e2m1 values doubled, times 2^(e-128)
-    e = _u8(bp, m)
-    nib = _nibble32(bp + 1, jj, m)
+def _mxfp4_rows(rowp, c, m, BN: tl.constexpr):
+    """MXFP4 (e: E8M0, qs[16]: e2m1 values doubled, times 2^(e-128)) as [BN, 8, 2, 16] (block,
+    low/high nibble, byte): each quant byte loaded once for its two values and each block's
+    exponent once (loaded per value, they bound gpt-oss's expert kernels). A row ends at a block:
+    the mask per block."""
+    blk = tl.arange(0, 8)[None, :, None, None]
+    h = tl.arange(0, 2)[None, None, :, None]
+    byte = tl.arange(0, 16)[None, None, None, :]
+    bp = rowp[:, :, None, None] + (c * 8 + blk) * 17  # [BN, 8, 1, 1]
+    mb = tl.reshape(tl.max(tl.reshape(m.to(tl.int32), (BN, 8, 32)), axis=2), (BN, 8, 1, 1)) > 0
+    e = _u8(bp, mb)
+    nib = (_u8(bp + 1 + byte, mb) >> (h * 4)) & 0xF  # [BN, 8, 2, 16]
     mag = nib & 7
     doubled = tl.where(mag < 2, mag, (2 + (mag & 1)) << tl.maximum((mag >> 1) - 1, 0))
     q = tl.where(nib >= 8, -doubled, doubled).to(tl.float32)
     bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    return bits.to(tl.float32, bitcast=True) * q
+    return tl.reshape(bits.to(tl.float32, bitcast=True) * q, (BN, 256))
 
 
 @triton.jit
@@ -190,7 +199,7 @@ def chunk(QT: tl.constexpr, rowp, c, j, m):
     elif QT == Q8_0:
         w = _q8_0_rows(rowp, c, m, rowp.shape[0])
     elif QT == MXFP4:
-        w = _mxfp4(rowp + (c * 8 + j // 32) * 17, j % 32, m)
+        w = _mxfp4_rows(rowp, c, m, rowp.shape[0])
     elif QT == Q2_K:
         w = _q2_k(rowp + c * 84, j, m)
     elif QT == Q3_K:
