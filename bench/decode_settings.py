@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(args.model, device="cuda", resident_experts=True)
     stream = random.Random(0).choices(range(1000, 30000), k=max(80, args.prefill or 0))
     rows = []
-    names = args.settings or ["defaults"]
+    names = [text or "defaults" for text in args.settings] or ["defaults"]
     for text, setting in [*zip(names, settings), (f"{names[0]} (again)", settings[0])]:
         apply(defaults)
         apply(setting)
-        engine._graph = None  # captured anew with these constants
+        engine._drop_graphs()  # the decode and prompt graphs captured anew with these constants
         if args.prefill:
             tps, argmax = prefill_tps(engine, stream, args.prefill, args.reps)
         else:
