@@ -16,6 +16,9 @@
 # bench/profile_streaming.py and decode_streaming.py with a RAM tier on the 12-layer Qwen3-30B-A3B.
 # `bash bench/device_check.sh prefill` (needs .whl only) sweeps which kernels a prompt of 32 and of 512
 # tokens takes (attention, trunk matvec rows, expert paths) on the 12-layer Qwen3-30B-A3B.
+# `bash bench/device_check.sh kernels PRESET LAYERS` (needs .whl only) shows where that preset's resident
+# step goes: the decode step's and a 32-token prompt's profiles, one MoE layer of a prefill by path and
+# prompt length (bench/moe_prefill.py), and a sweep of the expert and trunk kernels' tile settings.
 # `bash bench/device_check.sh flagship PRESET LAYERS FULL_LAYERS CACHE_GIB [FLAGS]` (needs .whl only; one
 # call each, ~6 min) streams the preset at its real shapes, cut to LAYERS, through expertd with
 # CACHE_GIB of VRAM cache, prefetch off and on, beside every expert resident
@@ -112,6 +115,20 @@ prefill)  # the paths a prompt's shape takes, swept on the resident step (bench/
             "${experts[@]}" 2>&1 | grep -v Warn | tee "$out/prefill-$n.txt"
         experts=("moe.DENSE_MIN_PAIRS_PER_EXPERT=64")  # pp512 (32 pairs an expert): tiles instead of dense
     done
+    ;;
+kernels)  # where one preset's resident step goes, and which kernel settings suit its shapes
+    install
+    out=${OUT:-/tmp}
+    m=bench-out/${2:?kernels PRESET LAYERS}-${3:?kernels PRESET LAYERS}L.gguf
+    mkdir -p bench-out && { [ -f "$m" ] || expertpack synth --preset "$2" --layers "$3" -o "$m" -q; }
+    echo "== decode step"; timeout 120 python3 bench/profile_decode.py "$m" 2>&1 | grep -v Warn | tee "$out/profile-$2.txt" | head -10
+    echo "== a 32-token prompt, eager"; timeout 120 python3 bench/profile_decode.py "$m" --prefill 32 --steps 3 --eager \
+        2>&1 | grep -v Warn | tee "$out/profile-prefill-$2.txt" | head -8
+    echo "== one MoE layer of a prefill"; timeout 150 python3 bench/moe_prefill.py "$m" --tokens 8,32,128,512 2>&1 \
+        | grep -v Warn | tee "$out/moe_prefill-$2.txt" | head -8
+    echo "== decode settings"; timeout 200 python3 bench/decode_settings.py "$m" "" "moe_tl.BN=8" "moe_tl.BN=32" \
+        "moe_tl.PROGRAMS_PER_SM=16" "moe_tl.PROGRAMS_PER_SM=64" "linear_tl.PROGRAMS_PER_SM=8" 2>&1 | grep -v Warn \
+        | tee "$out/settings-$2.txt" | grep -v '^{'
     ;;
 workers-test)
     install
