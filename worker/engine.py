@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,10 +30,13 @@ from .weights import use_kernels
 log = logging.getLogger("expert-worker")
 
 MIN_STATIC_CAPACITY = 512  # positions a GPU decode step's KV cache is reserved for, at least
-# a generation's prompt up to this many tokens takes the decode step's static shapes, and with
+# A generation's prompt of up to this many tokens takes the decode step's static shapes, and with
 # every expert resident on CUDA replays a graph captured at the first prompt of its length: its
-# launches from Python cost more than its kernels at tens of tokens (BENCHMARKS.md, pp32)
-PROMPT_GRAPH_MAX_TOKENS = 64
+# launches from Python cost more than its kernels at tens of tokens (BENCHMARKS.md, pp32).
+STATIC_PROMPT_MAX_TOKENS = 64
+# ... while its reservation holds at most this many positions: beyond, its attention over the whole
+# reservation (torch's, above layers.DECODE_MAX_QUERIES queries) would cost more than its launches.
+STATIC_PROMPT_MAX_CAPACITY = 4096
 
 
 @dataclass
@@ -43,11 +46,14 @@ class Engine:
     device: torch.device  # where the tokens go in: the first of place.devices
     place: Placement
     graphs: bool = True  # capture decode steps as CUDA graphs (split at the MoE layers with the expert cache)
+    prompt_graphs: bool = True  # capture short prompts as CUDA graphs (off after a capture failed)
     _graph: "DecodeGraph | SegmentedDecode | None" = field(default=None, repr=False)
     # prompt length -> its graph; every graph of the engine (these and _graph) reads the same KV
     # buffers, held by one cache at a time (_bind)
-    _prompt_graphs: "OrderedDict[int, DecodeGraph]" = field(default_factory=OrderedDict, repr=False)
+    _prompt_graphs: dict[int, "DecodeGraph"] = field(default_factory=dict, repr=False)
     _prompt_pool: object = field(default=None, repr=False)  # the memory pool the prompt graphs share
+    _buffers: tuple[int, ...] | None = field(default=None, repr=False)  # KVCache.buffer_ptrs the graphs read
+    _verified: tuple[KVCache, int] | None = field(default=None, repr=False)  # a cache and generation found holding them
 
     @classmethod
     def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False,
@@ -136,22 +142,25 @@ class Engine:
             if use_kernels(self.device) and self.model.static_decode:
                 if len(tokens) == 1 and (cache.length or self._adopt_buffers(cache)):
                     return self._static_step(tokens[0], cache)
-                if (last and 1 < len(tokens) <= PROMPT_GRAPH_MAX_TOKENS and self.model.static_prompt
-                        and not self.place.split):
+                if (last and 1 < len(tokens) <= STATIC_PROMPT_MAX_TOKENS and self.model.static_prompt
+                        and not self.place.split and self._reserve_for_prompt(cache, len(tokens))):
                     return self._static_prompt(tokens, cache)
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, cache, last).to(torch.float32)
 
-    def _adopt_buffers(self, cache: KVCache) -> bool:
-        """Gives an empty cache buffers of the captured step's shapes (zeros, which it then trades
-        with the graph's cache), so that its first token, a one-token prompt, replays the graph
-        instead of running eagerly (about ten steps' time on the GPU; llama-bench's tg decodes from
-        an empty cache). Caches with an architecture's own states take their shapes from a prompt."""
+    def _adopt_buffers(self, cache: KVCache, max_capacity: int | None = None) -> bool:
+        """An empty cache takes the buffers the captured graphs read (their holder keeps its rows in
+        new ones), so that its first token, or a short prompt, replays a graph instead of running
+        eagerly (a one-token prompt eagerly: about ten steps' time on the GPU; llama-bench's tg
+        decodes from an empty cache). Caches with an architecture's own states take their shapes
+        from a prompt. Not where the holder's reservation exceeds `max_capacity`."""
         holder = self._holder()
-        if holder is None or cache.keys or cache.state or holder.state or not holder.keys:
+        if (holder is None or cache.keys or cache.state or holder.state or not holder.keys
+                or (max_capacity is not None and holder.capacity > max_capacity)):
             return False
-        cache.keys = {layer: torch.zeros_like(k) for layer, k in holder.keys.items()}
-        cache.values = {layer: torch.zeros_like(v) for layer, v in holder.values.items()}
+        cache.take_buffers(holder)
+        for graph in self._captured():
+            graph.cache = cache
         return True
 
     def _captured(self) -> list["DecodeGraph | SegmentedDecode"]:
@@ -167,6 +176,16 @@ class Engine:
         self._graph = None
         self._prompt_graphs.clear()
         self._prompt_pool = None
+        self._buffers = self._verified = None
+
+    def _captured_over(self, cache: KVCache, graph: "DecodeGraph | SegmentedDecode") -> None:
+        """`graph` was just captured over `cache`'s buffers, which the others read too (_bind saw to
+        it; should they not, the others go)."""
+        buffers = cache.buffer_ptrs()
+        if self._buffers is not None and self._buffers != buffers:
+            self._graph = graph if graph is self._graph else None
+            self._prompt_graphs = {t: g for t, g in self._prompt_graphs.items() if g is graph}
+        self._buffers, self._verified = buffers, (cache, cache.generation)
 
     def _bind(self, cache: KVCache) -> None:
         """Makes `cache` hold the buffers the captured graphs read, trading rows with the cache
@@ -183,24 +202,38 @@ class Engine:
             cache.trade_buffers(holder)
             for graph in self._captured():
                 graph.cache = cache
-        if any(graph.capacity != cache.capacity for graph in self._captured()):
-            self._drop_graphs()
+        verified = self._verified
+        if cache.state or verified is None or verified[0] is not cache or verified[1] != cache.generation:
+            if self._buffers is not None and cache.buffer_ptrs() != self._buffers:
+                self._drop_graphs()  # grown since, or a trade cut short: the graphs read other tensors
+            elif self._buffers is not None:
+                self._verified = (cache, cache.generation)
+
+    def _reserve_for_prompt(self, cache: KVCache, t: int) -> bool:
+        """Readies `cache` for a static prompt of t tokens: an empty one takes the graphs' buffers
+        where they allow it, else it is reserved for a power of two above the prompt's end (so its
+        next decode step does not outgrow it). False, and nothing changed, where that reservation
+        would exceed STATIC_PROMPT_MAX_CAPACITY."""
+        if not cache.length and self._adopt_buffers(cache, STATIC_PROMPT_MAX_CAPACITY):
+            return True
+        need = cache.length + t
+        capacity = cache.capacity
+        if capacity <= need or capacity < MIN_STATIC_CAPACITY or capacity & (capacity - 1):
+            capacity = max(MIN_STATIC_CAPACITY, 1 << need.bit_length())  # a power of two > need
+            if capacity > STATIC_PROMPT_MAX_CAPACITY:
+                return False
+            cache.reserve(capacity)
+        return capacity <= STATIC_PROMPT_MAX_CAPACITY
 
     def _static_prompt(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
         """A generation's prompt of a few tokens (logits of its last) with the decode step's
-        static shapes: keys and values written at device positions, attention over the reserved
-        buffers masked by position. With every expert resident on CUDA it is a CUDA graph per
-        prompt length, captured at the first prompt of that length (two warm-up passes, then a
-        capture that runs nothing) and replayed after; else the same operations run eagerly, so
-        that every expert source gives the same bits."""
+        static shapes (`cache` reserved for it): keys and values written at device positions,
+        attention over the reserved buffers masked by position. With every expert resident on CUDA
+        it is a CUDA graph per prompt length, captured at the first prompt of that length (two
+        warm-up passes, then a capture that runs nothing) and replayed after; else the same
+        operations run eagerly, so that every expert source gives the same bits."""
         t = len(tokens)
-        if not cache.length:
-            self._adopt_buffers(cache)
-        need = cache.length + t
-        capacity = cache.capacity
-        if capacity < need or capacity < MIN_STATIC_CAPACITY or capacity & (capacity - 1):
-            cache.reserve(max(MIN_STATIC_CAPACITY, 1 << (need - 1).bit_length()))  # a power of two >= need
-        if self._replayed_kind() is DecodeGraph:
+        if self.prompt_graphs and self._replayed_kind() is DecodeGraph:
             self._bind(cache)
             graph = self._prompt_graphs.get(t)
             if graph is None:
@@ -208,16 +241,17 @@ class Engine:
                     self._prompt_pool = torch.cuda.graph_pool_handle()
                 try:
                     graph = DecodeGraph(self.model, cache, self.device, t, last=True, pool=self._prompt_pool)
-                except torch.cuda.OutOfMemoryError:
-                    raise
-                except RuntimeError as exc:  # an operation CUDA cannot capture: the same prompt, eagerly
-                    log.warning("prompt not captured as a CUDA graph (%s); running it eagerly", exc)
-                    self.graphs = False
+                except RuntimeError as exc:  # an operation CUDA cannot capture, or no memory: eagerly
+                    log.warning("prompt not captured as a CUDA graph (%s); prompts run eagerly", exc)
+                    self.prompt_graphs = False
+                    self._prompt_graphs.clear()
+                    self._prompt_pool = None
                 else:
                     self._prompt_graphs[t] = graph
+                    self._captured_over(cache, graph)
             if graph is not None:
                 return graph.step(tokens)
-        cache.step_positions = torch.arange(cache.length, need, dtype=torch.int64, device=self.device)
+        cache.step_positions = torch.arange(cache.length, cache.length + t, dtype=torch.int64, device=self.device)
         try:
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, cache, True).to(torch.float32)
@@ -245,6 +279,8 @@ class Engine:
                 self._graph = None  # its memory goes back before the next one is captured
                 try:
                     self._graph = kind(self.model, cache, self.device)
+                    if isinstance(self._graph, DecodeGraph):
+                        self._captured_over(cache, self._graph)
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except RuntimeError as exc:  # an operation CUDA cannot capture: the same step, eagerly
@@ -252,10 +288,14 @@ class Engine:
                     self.graphs = False
             if self._graph is not None:
                 logits = self._graph.step(token)
-                if isinstance(self._graph, SegmentedDecode) and self._graph.failed is not None:
-                    log.warning("decode step not captured as CUDA graphs (%s); running it eagerly", self._graph.failed)
-                    self._graph = None
-                    self.graphs = False
+                if isinstance(self._graph, SegmentedDecode):
+                    if self._graph.failed is not None:
+                        log.warning("decode step not captured as CUDA graphs (%s); running it eagerly",
+                                    self._graph.failed)
+                        self._graph = None
+                        self.graphs = False
+                    elif self._graph.graphs and self._buffers is None:  # captured in this step
+                        self._captured_over(cache, self._graph)
                 return logits
         cache.step_positions = torch.full((1,), cache.length, dtype=torch.int64, device=self.device)
         if self.place.split:  # the position written on every range's device once, not copied per layer
@@ -331,6 +371,9 @@ class DecodeGraph:
         states = [t.clone() for t in cache.state_tensors()]  # the warm-up steps advance them: put back after
         cache.step_positions = self.position
         try:
+            if not cache.keys:  # a prompt into an empty cache: its buffers made on the stream that uses them
+                model.forward(self.token, cache, last)
+                cache.length = length
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):

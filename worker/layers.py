@@ -135,10 +135,12 @@ class LayerCache(Protocol):
 @dataclass
 class KVCache:
     """Keys and values of every layer, in buffers allocated ahead (zeros, grown by doubling) and
-    written at the tokens' positions. Eager passes see the first `length + T` rows. A captured
-    decode step (engine.DecodeGraph) sets `step_positions`, a device tensor holding the position of
-    its token: it then writes there and attends over the whole buffer, masked by position, so the
-    step has the same shapes at every position."""
+    written at the tokens' positions. Eager passes see the first `length + T` rows. A static pass
+    (a decode step or a short prompt, engine.DecodeGraph) sets `step_positions`, a device tensor
+    holding the positions of its tokens: it then writes there and attends over the whole buffer,
+    masked by position, so the pass has the same shapes at every position. `generation` counts the
+    times a buffer was replaced by another tensor (grown, traded): a captured graph reads the
+    tensors it was captured over, and the engine checks them again only when it changed."""
 
     keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [capacity, Hkv, d]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -149,6 +151,7 @@ class KVCache:
     # once per step by the engine
     step_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     reserved: int = 0  # positions reserve() asked for: the size of a static pass's buffers made anew
+    generation: int = 0
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """Positions [T] of the tokens of this pass, on the device."""
@@ -174,6 +177,7 @@ class KVCache:
         """Grows every layer's buffers, and moves the architectures' states into theirs, to hold
         `capacity` positions."""
         self.reserved = max(self.reserved, capacity)
+        self.generation += 1
         for layer in self.keys:
             self.keys[layer] = _grown(self.keys[layer], capacity)
             self.values[layer] = _grown(self.values[layer], capacity)
@@ -198,10 +202,13 @@ class KVCache:
         and how many leading rows its queries attend (all of them in a captured step)."""
         if self.step_positions is not None:
             if layer not in self.keys:  # a static prompt into an empty cache: its reserved size
+                self.generation += 1
                 self.keys[layer] = like.new_zeros((self.reserved, *k_shape))
                 self.values[layer] = like.new_zeros((self.reserved, *v_shape))
             return self.keys[layer], self.values[layer], self.keys[layer].shape[0]
         end = self.length + t
+        if layer not in self.keys or self.keys[layer].shape[0] < end:
+            self.generation += 1
         if layer not in self.keys:
             self.keys[layer] = like.new_zeros((max(end, INITIAL_CAPACITY), *k_shape))
             self.values[layer] = like.new_zeros((max(end, INITIAL_CAPACITY), *v_shape))
@@ -210,9 +217,31 @@ class KVCache:
             self.keys[layer], self.values[layer] = _grown(self.keys[layer], size), _grown(self.values[layer], size)
         return self.keys[layer], self.values[layer], end
 
+    def buffer_ptrs(self) -> tuple[int, ...]:
+        """Where every buffer a static pass writes lies: what a captured graph reads."""
+        return (*(t.data_ptr() for layer in sorted(self.keys) for t in (self.keys[layer], self.values[layer])),
+                *(t.data_ptr() for t in self.state_tensors()))
+
+    def take_buffers(self, other: "KVCache") -> None:
+        """An empty cache takes `other`'s buffers, and `other` its rows in new ones: one copy of its
+        rows where a trade copies whole buffers three times. The new buffers are all made before
+        anything moves, so running out of memory leaves both caches as they were."""
+        assert not self.keys and not self.state, "a cache takes buffers only while it holds none"
+        fresh = {id(t): torch.zeros_like(t) for d in (other.keys, other.values) for t in d.values()}
+        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            for layer, buffer in theirs.items():
+                rows = fresh[id(buffer)]
+                rows[:other.length] = buffer[:other.length]
+                mine[layer], theirs[layer] = buffer, rows
+        self.reserved = max(self.reserved, other.reserved)
+        self.generation += 1
+        other.generation += 1
+
     def trade_buffers(self, other: "KVCache") -> None:
         """Swaps buffers with `other` (same layers and shapes), each cache keeping its own rows: a
         captured decode step reads fixed buffers, and the cache that decodes next must be in them."""
+        self.generation += 1
+        other.generation += 1
         for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
             for layer in mine:
                 a, b = mine[layer], theirs[layer]

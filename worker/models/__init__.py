@@ -28,7 +28,7 @@ class Model(Protocol):
 
     moe: ExpertFFN  # the one MoE entry point, and through it the expert source
     static_decode: bool  # a one-token step has the same shapes at every position (CUDA graphs)
-    static_prompt: bool  # so has a short prompt (engine.PROMPT_GRAPH_MAX_TOKENS): no state a prompt advances
+    static_prompt: bool  # so has a short prompt (engine.STATIC_PROMPT_MAX_TOKENS): no state a prompt advances
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] (on the device) -> logits [T, n_vocab] ([1, n_vocab], the last position's,
