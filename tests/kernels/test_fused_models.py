@@ -83,6 +83,7 @@ def test_static_steps_cross_reservations(monkeypatch: pytest.MonkeyPatch) -> Non
     assert err < 1e-4, f"max |diff| {err:.2e}"
 
 
+@pytest.mark.slow
 def test_short_prompts_with_static_shapes_give_the_torch_paths_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A generation's short prompt on the fast path takes the decode step's static shapes (keys
     written at device positions, attention over the reserved buffers masked by position: what a
@@ -106,6 +107,7 @@ def test_short_prompts_with_static_shapes_give_the_torch_paths_logits(monkeypatc
     assert err < 1e-4, f"max |diff| {err:.2e}"
 
 
+@pytest.mark.slow
 def test_a_short_prompt_through_a_minimal_cache_is_bit_exact(fixture_packs, tmp_path) -> None:
     """The static-shape prompt (a generation's: logits of its last token) with the expert cache,
     whose prefill comes in waves, equals every expert resident bit for bit, as a decode step does."""

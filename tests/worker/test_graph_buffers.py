@@ -102,6 +102,7 @@ def requests(engine: Engine) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_graphs_replay_only_over_the_buffers_they_were_captured_over(on_cpu_with_graphs) -> None:
     graphed = Engine.load(MODEL, resident_experts=True)
     got = requests(graphed)
