@@ -178,14 +178,9 @@ class Engine:
         self._prompt_pool = None
         self._buffers = self._verified = None
 
-    def _captured_over(self, cache: KVCache, graph: "DecodeGraph | SegmentedDecode") -> None:
-        """`graph` was just captured over `cache`'s buffers, which the others read too (_bind saw to
-        it; should they not, the others go)."""
-        buffers = cache.buffer_ptrs()
-        if self._buffers is not None and self._buffers != buffers:
-            self._graph = graph if graph is self._graph else None
-            self._prompt_graphs = {t: g for t, g in self._prompt_graphs.items() if g is graph}
-        self._buffers, self._verified = buffers, (cache, cache.generation)
+    def _captured_over(self, cache: KVCache) -> None:
+        """A graph was just captured over `cache`'s buffers, which _bind made the others' too."""
+        self._buffers, self._verified = cache.buffer_ptrs(), (cache, cache.generation)
 
     def _bind(self, cache: KVCache) -> None:
         """Makes `cache` hold the buffers the captured graphs read, trading rows with the cache
@@ -194,6 +189,7 @@ class Engine:
         grew since the graphs were captured, the graphs are dropped, to be captured anew."""
         holder = self._holder()
         if holder is None:
+            self._buffers = self._verified = None
             return
         if holder is not cache:
             if holder.capacity != cache.capacity or not cache.same_shapes(holder):
@@ -202,11 +198,12 @@ class Engine:
             cache.trade_buffers(holder)
             for graph in self._captured():
                 graph.cache = cache
-        verified = self._verified
-        if cache.state or verified is None or verified[0] is not cache or verified[1] != cache.generation:
-            if self._buffers is not None and cache.buffer_ptrs() != self._buffers:
+        verified = self._verified  # states may be replaced by a prompt without a new generation: checked always
+        if self._buffers is not None and (cache.state or verified is None or verified[0] is not cache
+                                          or verified[1] != cache.generation):
+            if cache.buffer_ptrs() != self._buffers:
                 self._drop_graphs()  # grown since, or a trade cut short: the graphs read other tensors
-            elif self._buffers is not None:
+            else:
                 self._verified = (cache, cache.generation)
 
     def _reserve_for_prompt(self, cache: KVCache, t: int) -> bool:
@@ -248,7 +245,7 @@ class Engine:
                     self._prompt_pool = None
                 else:
                     self._prompt_graphs[t] = graph
-                    self._captured_over(cache, graph)
+                    self._captured_over(cache)
             if graph is not None:
                 return graph.step(tokens)
         cache.step_positions = torch.arange(cache.length, cache.length + t, dtype=torch.int64, device=self.device)
@@ -280,7 +277,7 @@ class Engine:
                 try:
                     self._graph = kind(self.model, cache, self.device)
                     if isinstance(self._graph, DecodeGraph):
-                        self._captured_over(cache, self._graph)
+                        self._captured_over(cache)
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except RuntimeError as exc:  # an operation CUDA cannot capture: the same step, eagerly
@@ -295,7 +292,7 @@ class Engine:
                         self._graph = None
                         self.graphs = False
                     elif self._graph.graphs and self._buffers is None:  # captured in this step
-                        self._captured_over(cache, self._graph)
+                        self._captured_over(cache)
                 return logits
         cache.step_positions = torch.full((1,), cache.length, dtype=torch.int64, device=self.device)
         if self.place.split:  # the position written on every range's device once, not copied per layer
