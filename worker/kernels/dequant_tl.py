@@ -72,23 +72,59 @@ def _q5_1(bp, jj, m):  # d, m, qh[4], qs[16]
 
 
 @triton.jit
+def _mxfp4_words(rowp, c, mb, BN: tl.constexpr):
+    """MXFP4 blocks c*8 .. c*8+7 of the rows at rowp (e: E8M0, qs[16]: e2m1 nibbles): e [BN, 8]
+    and the quant bytes as four little-endian words [BN, 8, 4]. A block is 17 bytes, so its words
+    sit at any alignment: each is cut from the two aligned words around it (a funnel shift), all
+    five inside the block's own bytes; byte loads cost an instruction per byte."""
+    bp = rowp + (c * 8 + tl.arange(0, 8)[None, :]) * 17  # [BN, 8]
+    lead = (bp.to(tl.int64) & 3).to(tl.int32)  # the block's offset in its aligned word
+    wp = (bp - lead).to(tl.pointer_type(tl.uint32))[:, :, None] + tl.arange(0, 4)[None, None, :]
+    m3 = mb[:, :, None]
+    lo = tl.load(wp, mask=m3, other=0).to(tl.uint64)
+    hi = tl.load(wp + 1, mask=m3, other=0).to(tl.uint64)
+    q = ((hi << 32) | lo) >> ((lead + 1) * 8).to(tl.uint64)[:, :, None]  # qs starts a byte after e
+    return _u8(bp, mb), q.to(tl.uint32)
+
+
+@triton.jit
+def _e2m1_scaled(q, BN: tl.constexpr):
+    """The 32 values of each block as [BN, 8, 2, 4, 4] (block, nibble, word, byte: value
+    16 * nibble + 4 * word + byte), each e2m1 value times 2^-14: its sign and three bits placed in
+    a float16's (exact, 0.5 a subnormal), one conversion instead of a table or a chain of selects."""
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    b = tl.arange(0, 4)[None, None, None, None, :]
+    t = tl.reshape(q, (BN, 8, 1, 4, 1)) >> (b * 8 + h * 4).to(tl.uint32)
+    bits = ((t & 8) << 12) | ((t & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e8m0(e):
+    """2^(e - 127) as float32 (e = 0: the subnormal 2^-127)."""
+    return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp4_rows(rowp, c, m, BN: tl.constexpr):
-    """MXFP4 (e: E8M0, qs[16]: e2m1 values doubled, times 2^(e-128)) as [BN, 8, 2, 16] (block,
-    low/high nibble, byte): each quant byte loaded once for its two values and each block's
-    exponent once (loaded per value, they bound gpt-oss's expert kernels). A row ends at a block:
-    the mask per block."""
-    blk = tl.arange(0, 8)[None, :, None, None]
-    h = tl.arange(0, 2)[None, None, :, None]
-    byte = tl.arange(0, 16)[None, None, None, :]
-    bp = rowp[:, :, None, None] + (c * 8 + blk) * 17  # [BN, 8, 1, 1]
-    mb = tl.reshape(tl.max(tl.reshape(m.to(tl.int32), (BN, 8, 32)), axis=2), (BN, 8, 1, 1)) > 0
-    e = _u8(bp, mb)
-    nib = (_u8(bp + 1 + byte, mb) >> (h * 4)) & 0xF  # [BN, 8, 2, 16]
-    mag = nib & 7
-    doubled = tl.where(mag < 2, mag, (2 + (mag & 1)) << tl.maximum((mag >> 1) - 1, 0))
-    q = tl.where(nib >= 8, -doubled, doubled).to(tl.float32)
-    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    return tl.reshape(bits.to(tl.float32, bitcast=True) * q, (BN, 256))
+    """MXFP4 values [BN, 256]; a row ends at a block: the mask per block."""
+    mb = tl.max(tl.reshape(m.to(tl.int32), (BN, 8, 32)), axis=2) > 0
+    e, q = _mxfp4_words(rowp, c, mb, BN)
+    scale = tl.reshape(_e8m0(e), (BN, 8, 1, 1, 1))  # after 2^14, so that no e overflows 2^(e - 113)
+    return tl.reshape(_e2m1_scaled(q, BN) * 16384.0 * scale, (BN, 256))
+
+
+@triton.jit
+def mxfp4_dot(rowp, c, nmask, K, xv):
+    """[BN] sums of chunk c's MXFP4 values of the rows at rowp times xv [1, 256] (zero past K),
+    nmask [BN, 1] the rows that exist: each block's 32 products summed, then scaled once, the
+    decode kernels' use of a chunk (through block_dot)."""
+    BN: tl.constexpr = rowp.shape[0]
+    blk = c * 8 + tl.arange(0, 8)[None, :]
+    e, q = _mxfp4_words(rowp, c, nmask & (blk * 32 < K), BN)
+    prod = _e2m1_scaled(q, BN) * tl.reshape(xv, (1, 8, 2, 4, 4))
+    sums = tl.sum(tl.reshape(prod, (BN, 8, 32)), axis=2)
+    return tl.sum(sums * 16384.0 * _e8m0(e), axis=1)
 
 
 @triton.jit
@@ -158,6 +194,27 @@ def _q8_0_rows(rowp, c, m, BN: tl.constexpr):
 
 
 @triton.jit
+def q8_0_dot(rowp, c, nmask, K, xv):
+    """As mxfp4_dot for Q8_0 (d, qs[32] int8): the quants as words (cut as MXFP4's, at the even
+    offsets of 34-byte blocks) where byte loads cost an instruction a value, each int8 made exact
+    float32 by the 2^23 trick (its byte, offset by 128, as a float's mantissa), a block's 32
+    products summed, then times d."""
+    BN: tl.constexpr = rowp.shape[0]
+    blk = c * 8 + tl.arange(0, 8)[None, :]
+    mb = nmask & (blk * 32 < K)
+    qp = rowp + blk * 34 + 2  # [BN, 8]
+    lead = (qp.to(tl.int64) & 3).to(tl.int32)
+    wp = (qp - lead).to(tl.pointer_type(tl.uint32))[:, :, None] + tl.arange(0, 8)[None, None, :]
+    lo = tl.load(wp, mask=mb[:, :, None], other=0).to(tl.uint64)
+    hi = tl.load(wp + 1, mask=(mb & (lead > 0))[:, :, None], other=0).to(tl.uint64)  # aligned: past the block
+    w = (((hi << 32) | lo) >> (lead * 8).to(tl.uint64)[:, :, None]).to(tl.uint32)  # [BN, 8, 8]
+    byte = (tl.reshape(w, (BN, 8, 8, 1)) >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :]) & 0xFF
+    q = ((byte ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
+    sums = tl.sum(tl.reshape(q * tl.reshape(xv, (1, 8, 8, 4)), (BN, 8, 32)), axis=2)
+    return tl.sum(sums * _f16(qp - 2, mb), axis=1)
+
+
+@triton.jit
 def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
     """Q4_K as [BN, 4, 2, 32] (32-byte group, low/high nibble, byte): the quants read as int32 words
     (a block's 144 bytes keep them 4-byte aligned), each giving eight values; scales once per
@@ -213,3 +270,17 @@ def chunk(QT: tl.constexpr, rowp, c, j, m):
         tl.static_assert(QT == Q6_K, "unsupported ggml type")
         w = _q6_k(rowp + c * 210, j, m)
     return tl.where(m, w, 0.0)
+
+
+
+@triton.jit
+def block_dot(QT: tl.constexpr, rowp, c, nmask, K, xv):
+    """The decode kernels' chunk products for the types that sum a block before scaling it
+    (has_block_dot); the others' chunk() values are summed by the kernels themselves: wrapped in a
+    function like this one, ptxas gave the Q4_K kernels up to a third more registers."""
+    if QT == MXFP4:
+        s = mxfp4_dot(rowp, c, nmask, K, xv)
+    else:
+        tl.static_assert(QT == Q8_0, "no block_dot for this type")
+        s = q8_0_dot(rowp, c, nmask, K, xv)
+    return s

@@ -13,7 +13,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from ..quant import nbytes_of
-from .dequant_tl import CHUNK, chunk
+from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN_MATVEC = 16  # rows of W per program
 MATVEC_WARPS = 4
@@ -41,10 +41,13 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split, H,
     for i in range(0, chunks_per_split):  # the last split's spare chunks are masked (k >= K)
         c = s * chunks_per_split + i
         k = c * CH + j
-        m = (n < N)[:, None] & (k < K)[None, :]
-        w = chunk(QT, rowp, c, j[None, :], m)
-        xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)
-        acc += tl.sum(w * xv[None, :], axis=1)
+        if QT == MXFP4 or QT == Q8_0:
+            acc += block_dot(QT, rowp, c, (n < N)[:, None], K, tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)[None, :])
+        else:
+            m = (n < N)[:, None] & (k < K)[None, :]
+            w = chunk(QT, rowp, c, j[None, :], m)
+            xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)
+            acc += tl.sum(w * xv[None, :], axis=1)
     tl.store(y_ptr + (t * S + s) * N + n, acc, mask=n < N)
 
 

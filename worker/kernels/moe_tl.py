@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..activation import Activation
 from ..expert_roles import ExpertRoles
-from .dequant_tl import CHUNK, chunk
+from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN = 16  # rows of an expert's matrix per program
 WARPS = 4
@@ -77,8 +77,14 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, gate_off, up_off
         k = c * CH + j
         m = (n < F)[:, None] & (k < K)[None, :]
         xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)[None, :]
-        acc_g += tl.sum(chunk(QG, grow, c, j[None, :], m) * xv, axis=1)
-        acc_u += tl.sum(chunk(QU, urow, c, j[None, :], m) * xv, axis=1)
+        if QG == MXFP4 or QG == Q8_0:
+            acc_g += block_dot(QG, grow, c, (n < F)[:, None], K, xv)
+        else:
+            acc_g += tl.sum(chunk(QG, grow, c, j[None, :], m) * xv, axis=1)
+        if QU == MXFP4 or QU == Q8_0:
+            acc_u += block_dot(QU, urow, c, (n < F)[:, None], K, xv)
+        else:
+            acc_u += tl.sum(chunk(QU, urow, c, j[None, :], m) * xv, axis=1)
     out = gu_ptr + ((s * P + p) * 2) * F + n
     tl.store(out, acc_g, mask=n < F)
     tl.store(out + F, acc_u, mask=n < F)
@@ -113,8 +119,11 @@ def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, gate_b, up_b
             g += tl.load((base + gate_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
             u += tl.load((base + up_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
         av = tl.where(k < F, _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
-        m = (n < D)[:, None] & (k < F)[None, :]
-        acc += tl.sum(chunk(QD, drow, c, j[None, :], m) * av[None, :], axis=1)
+        if QD == MXFP4 or QD == Q8_0:
+            acc += block_dot(QD, drow, c, (n < D)[:, None], F, av[None, :])
+        else:
+            m = (n < D)[:, None] & (k < F)[None, :]
+            acc += tl.sum(chunk(QD, drow, c, j[None, :], m) * av[None, :], axis=1)
     y = acc
     if DOWN_BIAS:
         y += tl.load((base + down_b).to(tl.pointer_type(tl.float32)) + n, mask=n < D, other=0.0)
