@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .layers import rms_norm
+from .weights import use_kernels
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class HyperConnection:
         """streams [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n]."""
         n = self.n
         mixes = self._mixes(streams)
+        if use_kernels(mixes.device):
+            from .kernels.hyper_tl import hc_weights
+
+            return hc_weights(mixes, self.base, self.scale, n, self.sinkhorn_iters, self.eps)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)

@@ -1,11 +1,14 @@
-"""RMSNorm and rotary embeddings in one launch each, against layers.py's torch formulas (both RoPE
-layouts, partial rotation, with and without a norm weight, row widths that are not powers of two)."""
+"""RMSNorm, rotary embeddings and the hyper-connection weights in one launch each, against the torch
+formulas (both RoPE layouts, partial rotation, with and without a norm weight, row widths that are not
+powers of two)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from expertpack.worker.hyper_connections import HyperConnection
+from expertpack.worker.kernels.hyper_tl import hc_weights
 from expertpack.worker.kernels.pointwise_tl import rms_norm, rope
 from expertpack.worker.layers import Rope, RopeStyle, rms_norm as torch_rms_norm
 
@@ -31,3 +34,19 @@ def test_rope(style: RopeStyle, head_dim: int, rot: int, device: torch.device) -
     want = r.apply(x, cos, sin)  # the torch path (CPU)
     got = rope(x.to(device), cos.to(device), sin.to(device), rot, style is RopeStyle.NEOX).cpu()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_hyper_connection_weights(n: int, device: torch.device) -> None:
+    """The Sinkhorn-normalized hyper-connection weights in one launch, against the torch formulas
+    (n = 3: a stream count that is not a power of two)."""
+    g = torch.Generator().manual_seed(n)
+    d, t = 8, 5
+    hc = HyperConnection(torch.randn((2 + n) * n, n * d, generator=g), torch.randn((2 + n) * n, generator=g),
+                         torch.rand(3, generator=g) + 0.5, n, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
+    streams = torch.randn(t, n, d, generator=g)
+    want = hc.weights(streams)  # the torch path (CPU)
+    got = hc_weights(hc._mixes(streams).to(device), hc.base.to(device), hc.scale.to(device), n, 20, 1e-6)
+    for name, w, x in zip(("pre", "post", "comb"), want, got):
+        torch.testing.assert_close(x.cpu(), w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert torch.allclose(got[2].sum(dim=-2).cpu(), torch.ones(t, n), atol=1e-4)  # columns: doubly stochastic
