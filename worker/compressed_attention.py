@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layers import Rope, rms_norm
+from .layers import Rope, rms_norm, swap_values
 from .weights import head_linear, linear
 
 
@@ -128,6 +128,10 @@ class LayerState:
     def tensors(self) -> list[torch.Tensor]:
         """What a static step updates in place (saved and restored around a graph's warm-up)."""
         return [] if self.buffers is None else self.buffers.tensors()
+
+    def trade(self, other: "LayerState") -> None:
+        swap_values(self.tensors(), other.tensors())
+        self.buffers, other.buffers = other.buffers, self.buffers
 
     def ties(self) -> list[int]:
         """Every position whose indexer pick was a tie, eager or static (a host sync)."""

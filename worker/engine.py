@@ -184,8 +184,8 @@ class Engine:
 
     def _bind(self, cache: KVCache) -> None:
         """Makes `cache` hold the buffers the captured graphs read, trading rows with the cache
-        that held them (each keeps its own rows: the next request needs no new capture); where it
-        cannot (another capacity; a cache with an architecture's states), or where the buffers
+        that held them (each keeps its own rows and states: the next request needs no new capture);
+        where it cannot (another capacity or shapes), or where the buffers
         grew since the graphs were captured, the graphs are dropped, to be captured anew."""
         holder = self._holder()
         if holder is None:

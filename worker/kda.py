@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layers import rms_norm
+from .layers import rms_norm, swap_values
 from .weights import linear
 
 
@@ -27,6 +27,11 @@ class KdaState:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.conv.values(), self.s]
+
+    def trade(self, other: "KdaState") -> None:
+        swap_values(self.tensors(), other.tensors())
+        self.conv, other.conv = other.conv, self.conv
+        self.s, other.s = other.s, self.s
 
     def assign(self, new: "KdaState") -> None:
         """Takes `new`'s values into this state's own tensors: a captured decode step reads and

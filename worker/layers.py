@@ -131,6 +131,18 @@ class LayerCache(Protocol):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a static step writes."""
 
+    def trade(self, other: "LayerCache") -> None:
+        """Takes `other`'s tensors (same shapes), which get this state's values and give theirs:
+        each state keeps its values, the tensors a captured step reads change hands."""
+
+
+def swap_values(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    """Swaps the values of two lists of tensors of the same shapes, in place."""
+    for a, b in zip(mine, theirs, strict=True):
+        rows = a.clone()
+        a.copy_(b)
+        b.copy_(rows)
+
 
 @dataclass
 class KVCache:
@@ -244,11 +256,10 @@ class KVCache:
         other.generation += 1
         for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
             for layer in mine:
-                a, b = mine[layer], theirs[layer]
-                rows = a.clone()
-                a.copy_(b)
-                b.copy_(rows)
-                mine[layer], theirs[layer] = b, a
+                swap_values([mine[layer]], [theirs[layer]])
+                mine[layer], theirs[layer] = theirs[layer], mine[layer]
+        for layer, state in self.state.items():
+            state.trade(other.state[layer])
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors of the architectures' own states (KDA's, DeepSeek-V4's reserved buffers),
@@ -256,9 +267,11 @@ class KVCache:
         return [t for layer in sorted(self.state) for t in self.state[layer].tensors()]
 
     def same_shapes(self, other: "KVCache") -> bool:
-        return (self.keys.keys() == other.keys.keys() and not self.state and not other.state
-                and all(self.keys[l].shape == other.keys[l].shape and self.values[l].shape == other.values[l].shape
-                        for l in self.keys))
+        """Whether the two can trade buffers: the same layers, buffers and states of the same shapes."""
+        def shapes(c: KVCache) -> list:
+            return ([(l, c.keys[l].shape, c.values[l].shape) for l in sorted(c.keys)]
+                    + [(l, type(c.state[l]), [t.shape for t in c.state[l].tensors()]) for l in sorted(c.state)])
+        return shapes(self) == shapes(other)
 
 
 def _grown(buffer: torch.Tensor, size: int) -> torch.Tensor:

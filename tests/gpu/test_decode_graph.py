@@ -99,3 +99,24 @@ def test_short_prompts_replay_graphs_equal_to_the_eager_static_prompts(path: str
     assert eager._graph is None and not eager._prompt_graphs
     for name, a in (("first run", got), ("second run", again)):
         assert torch.equal(a, want), f"{path}: {name}: max |diff| {(a - want).abs().max().item():.2e}"
+
+
+@pytest.mark.parametrize("path", [MODELS[3], "flagship/deepseek4/dsv4-tiny.Q2_K.gguf"])
+def test_a_second_request_with_states_replays_the_graph(path: str) -> None:
+    """Caches with an architecture's own states (KDA's, DeepSeek-V4's compressors) trade them with
+    their buffers: the next request of the same reservation replays the captured step, bit for bit
+    the eager static steps."""
+    rng = random.Random(3)
+    graphed = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
+    n_vocab = graphed.forward([1], graphed.new_cache()).shape[-1]
+    prompts = [rng.choices(range(n_vocab), k=n) for n in (30, 21)]
+    feed = rng.choices(range(n_vocab), k=8)
+    first = decode(graphed, prompts[0], feed)
+    graph = graphed._graph
+    second = decode(graphed, prompts[1], feed)
+    assert graph is not None and graphed._graph is graph, "the second request was captured again"
+    eager = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
+    eager.graphs = False
+    for prompt, got in zip(prompts, (first, second)):
+        want = decode(eager, prompt, feed)
+        assert torch.equal(got, want), f"{path}: max |diff| {(got - want).abs().max().item():.2e}"

@@ -71,26 +71,30 @@ def test_static_steps_equal_eager_decode(case: str) -> None:
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_trading_buffers_keeps_each_caches_rows() -> None:
+@pytest.mark.parametrize("arch", ["qwen3moe", "kimi-k3", "deepseek4"])
+def test_trading_buffers_keeps_each_caches_rows(arch: str) -> None:
     """A captured step reads fixed buffers: the next request's cache trades buffers with the one in
-    them. Both caches keep decoding as if nothing happened."""
-    engine = Engine.load(FIXTURES / MODELS["qwen3moe"], resident_experts=True)
+    them, the architectures' states (KDA's, DeepSeek-V4's compressors) too. Both caches keep
+    decoding as if nothing happened."""
+    engine = Engine.load(FIXTURES / MODELS[arch], resident_experts=True)
     first, second = engine.new_cache(), engine.new_cache()
     engine.forward(PROMPT, first)
     engine.forward(PROMPT[::-1] + [7], second)
     first.reserve(300)
     second.reserve(300)
-    assert first.same_shapes(second)
-    held = {layer: buffer for layer, buffer in first.keys.items()}
-    keys = {layer: buffer.clone() for layer, buffer in first.keys.items()}
-    second_keys = {layer: buffer.clone() for layer, buffer in second.keys.items()}
-    second.trade_buffers(first)
-    for layer in held:
-        assert second.keys[layer] is held[layer]  # the buffers a graph would read now hold `second`
-        assert torch.equal(second.keys[layer], second_keys[layer]) and torch.equal(first.keys[layer], keys[layer])
-    fresh = engine.new_cache()
-    engine.forward(PROMPT, fresh)
-    assert torch.equal(engine.forward([FEED[0]], first), engine.forward([FEED[0]], fresh))
+    assert first.same_shapes(second) and bool(first.state) == (arch != "qwen3moe")
+    held = first.buffer_ptrs()
+    values = [[t.clone() for t in c.keys.values()] + [t.clone() for t in c.state_tensors()] for c in (first, second)]
+    with torch.inference_mode():  # as the engine's passes run (KDA's states are inference tensors)
+        second.trade_buffers(first)
+    assert second.buffer_ptrs() == held  # the buffers a graph would read now hold `second`
+    for c, want in zip((first, second), values):
+        got = list(c.keys.values()) + c.state_tensors()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), "a cache's rows changed in the trade"
+    for cache, prompt in ((first, PROMPT), (second, PROMPT[::-1] + [7])):
+        fresh = engine.new_cache()
+        engine.forward(prompt, fresh)
+        assert torch.equal(engine.forward([FEED[0]], cache), engine.forward([FEED[0]], fresh))
 
 
 def test_deepseek4_state_stays_in_its_buffers_between_eager_and_static_passes() -> None:
