@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from expertpack.worker.kernels import linear_tl, moe_dense, moe_tiles, moe_tl
+from expertpack.worker.kernels import linear_tl, moe_dense, moe_grouped, moe_tiles, moe_tl
 from expertpack.worker.kernels.dequant_tl import CHUNK
 
 POINTERS = {"x_ptr": "*fp32", "pool_ptr": "*u8", "off_ptr": "*i64", "pair_ptr": "*i32", "gu_ptr": "*fp32",
@@ -69,6 +69,12 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
          {"QD": qt, "G": moe_tiles.G, "BN": moe_tiles.BN, "CH": CHUNK, **act}, moe_tiles.WARPS),
         ("dequantize experts (dense)", moe_dense._dequant_blocks_kernel,
          {"QT": qt, "BN": moe_dense.BN_DEQUANT, "CH": CHUNK}, 4),
+        ("grouped gate/up (prompt)", moe_grouped._matrix_kernel,
+         {"QT": qt, "BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION},
+         moe_grouped.WARPS),
+        ("grouped down (prompt)", moe_grouped._down_kernel,
+         {"QD": qt, "BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION,
+          **act}, moe_grouped.WARPS),
     ]
 
 

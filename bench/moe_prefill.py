@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """One MoE layer of a prefill, every way the worker can run it, by prompt length: per (token,
 expert) pair (moe_tl, an expert's bytes decoded for every pair), in tiles (moe_tiles, decoded once
-per tile of up to 4 pairs of one expert) and dense (moe_dense, each selected expert dequantized
-once and multiplied by all its tokens). Routing is uniform at random over the layer's experts;
+per tile of up to 4 pairs of one expert), dense (moe_dense, each selected expert dequantized
+once and multiplied by all its tokens) and, for the types it decodes, grouped (moe_grouped: dense's
+products with each block of weights decoded on chip). Routing is uniform at random over the layer's experts;
 each case is timed with triton.testing.do_bench, the results are compared with the per-pair one,
 and the worker's own choice (moe.fused_path) is shown beside the fastest, to set its thresholds
 from measurements.
@@ -12,6 +13,7 @@ Prints a table, then one JSON line."""
 from __future__ import annotations
 
 import argparse
+from functools import partial
 import json
 from datetime import date
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from expertpack.worker.engine import Engine
-from expertpack.worker.kernels import moe_dense, moe_tiles, moe_tl
+from expertpack.worker.kernels import moe_dense, moe_grouped, moe_tiles, moe_tl
 from expertpack.worker.moe import fused_path
 from kernel_bandwidth import bench_ms  # bench/ is on the path when this script runs
 
@@ -49,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         w = torch.rand(t * k_top, device=dev, generator=g)
         runs = {"per_pair": moe_tl.experts_per_pair, "tiles": moe_tiles.experts_in_tiles,
                 "dense": moe_dense.experts_dense}
+        if moe_grouped.decodes(roles):
+            runs["grouped"] = partial(moe_grouped.experts_grouped, n_expert=n_expert)
         want = moe_tl.experts_per_pair(x, table, offsets, w, roles, act)
-        row = {"tokens": t, "experts": int(torch.unique(ids).numel()), "chosen": fused_path(ids, n_expert)}
+        row = {"tokens": t, "experts": int(torch.unique(ids).numel()), "chosen": fused_path(ids, n_expert, moe_grouped.decodes(roles))}
         for name, run in runs.items():
             got = run(x, table, offsets, w, roles, act)
             row[f"{name}_rel_diff"] = ((got - want).norm() / want.norm()).item()
@@ -58,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     print(f"model {args.model.name}, layer {layer}: {n_expert} experts, top-{k_top}, "
           f"{layout.stride} B per expert, {torch.cuda.get_device_name()}")
-    print(f"{'tokens':>6} {'experts':>7} {'per pair ms':>11} {'tiles ms':>9} {'dense ms':>9} {'fastest':>9} "
-          f"{'chosen':>9} {'max rel diff':>12}")
+    print(f"{'tokens':>6} {'experts':>7} " + "".join(f"{name + ' ms':>12}" for name in runs)
+          + f" {'fastest':>9} {'chosen':>9} {'max rel diff':>12}")
     for r in rows:
         fastest = min(runs, key=lambda name: r[f"{name}_ms"])
         diff = max(r[f"{name}_rel_diff"] for name in runs)
-        print(f"{r['tokens']:>6} {r['experts']:>7} {r['per_pair_ms']:>11.3f} {r['tiles_ms']:>9.3f} {r['dense_ms']:>9.3f} "
-              f"{fastest:>9} {r['chosen']:>9} {diff:>12.1e}")
+        print(f"{r['tokens']:>6} {r['experts']:>7} " + "".join(f"{r[name + '_ms']:>12.3f}" for name in runs)
+              + f" {fastest:>9} {r['chosen']:>9} {diff:>12.1e}")
     print(json.dumps({"bench": "moe_prefill", "date": date.today().isoformat(), "model": args.model.name,
                       "gpu": torch.cuda.get_device_name(), "rows": rows}))
     return 0

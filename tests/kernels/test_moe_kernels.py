@@ -181,6 +181,30 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)
 
 
+@pytest.mark.parametrize("act,types,fused,biases", [(ACTS[1], (T.Q8_0, T.Q8_0), True, False), CASES[2]],
+                         ids=["clamped-q8-fused", "oai-mxfp4-biases"])  # moe_grouped.TYPES
+def test_grouped_prefill_equals_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
+                                              device: torch.device) -> None:
+    """A prefill's experts as grouped products with each block of weights decoded on chip, in tiles
+    of 16 pairs of one expert (several per expert here); a wave gives its pairs the whole step's bits."""
+    from expertpack.worker.kernels.moe_grouped import experts_grouped
+
+    lay = layout(*types, fused, biases)
+    pool = pool_of(lay, seed=9)
+    g = torch.Generator().manual_seed(10)
+    n_tokens = 40
+    x = torch.randn(n_tokens, D, generator=g)
+    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
+    w = torch.rand(n_tokens, K_TOP, generator=g)
+    want = reference(lay, pool, x, ids, w, act)
+    args = (x.to(device), pool.to(device), (ids.flatten() * lay.stride).to(device), w.flatten().to(device),
+            expert_roles(lay), act)
+    rel = ((experts_grouped(*args).cpu().double() - want).norm() / want.norm()).item()
+    assert rel < 1e-5, f"relative error {rel:.2e}"
+    wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)  # the pairs of experts 1 and 3
+    assert_a_wave_gives_the_same_bits(experts_grouped, args, lay.stride, wave)
+
+
 @pytest.mark.parametrize("build", ["kernel", "ops"])
 def test_expert_tiles_cover_each_experts_rows_in_tiles_of_one_expert(build: str, device: torch.device) -> None:
     """The device-built tile table, by the one-launch kernel and by torch operations: every sorted

@@ -72,12 +72,11 @@ def _q5_1(bp, jj, m):  # d, m, qh[4], qs[16]
 
 
 @triton.jit
-def _mxfp4_words(rowp, c, mb, BN: tl.constexpr):
-    """MXFP4 blocks c*8 .. c*8+7 of the rows at rowp (e: E8M0, qs[16]: e2m1 nibbles): e [BN, 8]
-    and the quant bytes as four little-endian words [BN, 8, 4]. A block is 17 bytes, so its words
-    sit at any alignment: each is cut from the two aligned words around it (a funnel shift), all
-    five inside the block's own bytes; byte loads cost an instruction per byte."""
-    bp = rowp + (c * 8 + tl.arange(0, 8)[None, :]) * 17  # [BN, 8]
+def _mxfp4_words(bp, mb):
+    """The MXFP4 blocks (e: E8M0, qs[16]: e2m1 nibbles) at bp [BN, NB]: e [BN, NB] and the quant
+    bytes as four little-endian words [BN, NB, 4]. A block is 17 bytes, so its words sit at any
+    alignment: each is cut from the two aligned words around it (a funnel shift), all five inside
+    the block's own bytes; byte loads cost an instruction per byte."""
     lead = (bp.to(tl.int64) & 3).to(tl.int32)  # the block's offset in its aligned word
     wp = (bp - lead).to(tl.pointer_type(tl.uint32))[:, :, None] + tl.arange(0, 4)[None, None, :]
     m3 = mb[:, :, None]
@@ -88,13 +87,14 @@ def _mxfp4_words(rowp, c, mb, BN: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_scaled(q, BN: tl.constexpr):
-    """The 32 values of each block as [BN, 8, 2, 4, 4] (block, nibble, word, byte: value
-    16 * nibble + 4 * word + byte), each e2m1 value times 2^-14: its sign and three bits placed in
-    a float16's (exact, 0.5 a subnormal), one conversion instead of a table or a chain of selects."""
+def _e2m1_scaled(q):
+    """The 32 values of each block of q [BN, NB, 4] as [BN, NB, 2, 4, 4] (block, nibble, word, byte:
+    value 16 * nibble + 4 * word + byte), each e2m1 value times 2^-14: its sign and three bits
+    placed in a float16's (exact, 0.5 a subnormal), one conversion instead of a table or a chain of
+    selects."""
     h = tl.arange(0, 2)[None, None, :, None, None]
     b = tl.arange(0, 4)[None, None, None, None, :]
-    t = tl.reshape(q, (BN, 8, 1, 4, 1)) >> (b * 8 + h * 4).to(tl.uint32)
+    t = tl.reshape(q, (q.shape[0], q.shape[1], 1, 4, 1)) >> (b * 8 + h * 4).to(tl.uint32)
     bits = ((t & 8) << 12) | ((t & 7) << 9)
     return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
@@ -109,9 +109,9 @@ def _e8m0(e):
 def _mxfp4_rows(rowp, c, m, BN: tl.constexpr):
     """MXFP4 values [BN, 256]; a row ends at a block: the mask per block."""
     mb = tl.max(tl.reshape(m.to(tl.int32), (BN, 8, 32)), axis=2) > 0
-    e, q = _mxfp4_words(rowp, c, mb, BN)
+    e, q = _mxfp4_words(rowp + (c * 8 + tl.arange(0, 8)[None, :]) * 17, mb)
     scale = tl.reshape(_e8m0(e), (BN, 8, 1, 1, 1))  # after 2^14, so that no e overflows 2^(e - 113)
-    return tl.reshape(_e2m1_scaled(q, BN) * 16384.0 * scale, (BN, 256))
+    return tl.reshape(_e2m1_scaled(q) * 16384.0 * scale, (BN, 256))
 
 
 @triton.jit
@@ -121,8 +121,8 @@ def mxfp4_dot(rowp, c, nmask, K, xv):
     decode kernels' use of a chunk (through block_dot)."""
     BN: tl.constexpr = rowp.shape[0]
     blk = c * 8 + tl.arange(0, 8)[None, :]
-    e, q = _mxfp4_words(rowp, c, nmask & (blk * 32 < K), BN)
-    prod = _e2m1_scaled(q, BN) * tl.reshape(xv, (1, 8, 2, 4, 4))
+    e, q = _mxfp4_words(rowp + blk * 17, nmask & (blk * 32 < K))
+    prod = _e2m1_scaled(q) * tl.reshape(xv, (1, 8, 2, 4, 4))
     sums = tl.sum(tl.reshape(prod, (BN, 8, 32)), axis=2)
     return tl.sum(sums * 16384.0 * _e8m0(e), axis=1)
 
@@ -194,24 +194,46 @@ def _q8_0_rows(rowp, c, m, BN: tl.constexpr):
 
 
 @triton.jit
-def q8_0_dot(rowp, c, nmask, K, xv):
-    """As mxfp4_dot for Q8_0 (d, qs[32] int8): the quants as words (cut as MXFP4's, at the even
-    offsets of 34-byte blocks) where byte loads cost an instruction a value, each int8 made exact
-    float32 by the 2^23 trick (its byte, offset by 128, as a float's mantissa), a block's 32
-    products summed, then times d."""
-    BN: tl.constexpr = rowp.shape[0]
-    blk = c * 8 + tl.arange(0, 8)[None, :]
-    mb = nmask & (blk * 32 < K)
-    qp = rowp + blk * 34 + 2  # [BN, 8]
+def _q8_0_values(qp, mb):
+    """The int8 quants of the Q8_0 blocks (d, qs[32]) whose qs are at qp [BN, NB], as exact float32
+    [BN, NB, 8, 4] (value 4 * word + byte): read as words, cut as MXFP4's (qs sit at the even
+    offsets of 34-byte blocks), each byte made a float by the 2^23 trick (offset by 128, placed
+    as a float's mantissa, 2^23 + 128 taken off), where byte loads cost an instruction a value."""
     lead = (qp.to(tl.int64) & 3).to(tl.int32)
     wp = (qp - lead).to(tl.pointer_type(tl.uint32))[:, :, None] + tl.arange(0, 8)[None, None, :]
     lo = tl.load(wp, mask=mb[:, :, None], other=0).to(tl.uint64)
     hi = tl.load(wp + 1, mask=(mb & (lead > 0))[:, :, None], other=0).to(tl.uint64)  # aligned: past the block
-    w = (((hi << 32) | lo) >> (lead * 8).to(tl.uint64)[:, :, None]).to(tl.uint32)  # [BN, 8, 8]
-    byte = (tl.reshape(w, (BN, 8, 8, 1)) >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :]) & 0xFF
-    q = ((byte ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
-    sums = tl.sum(tl.reshape(q * tl.reshape(xv, (1, 8, 8, 4)), (BN, 8, 32)), axis=2)
+    w = (((hi << 32) | lo) >> (lead * 8).to(tl.uint64)[:, :, None]).to(tl.uint32)  # [BN, NB, 8]
+    byte = (tl.reshape(w, (w.shape[0], w.shape[1], 8, 1)) >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :]) & 0xFF
+    return ((byte ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
+
+
+@triton.jit
+def q8_0_dot(rowp, c, nmask, K, xv):
+    """As mxfp4_dot for Q8_0: a block's 32 products summed, then times its d."""
+    BN: tl.constexpr = rowp.shape[0]
+    blk = c * 8 + tl.arange(0, 8)[None, :]
+    mb = nmask & (blk * 32 < K)
+    qp = rowp + blk * 34 + 2  # [BN, 8]
+    sums = tl.sum(tl.reshape(_q8_0_values(qp, mb) * tl.reshape(xv, (1, 8, 8, 4)), (BN, 8, 32)), axis=2)
     return tl.sum(sums * _f16(qp - 2, mb), axis=1)
+
+
+@triton.jit
+def block32(QT: tl.constexpr, rowp, b, mb):
+    """Block b (32 values) of the rows at rowp [BN, 1] as float32 [BN, 32], mb [BN, 1] the rows
+    whose block exists: the prompt kernels' K step of 32 for the types of 32-value blocks that
+    have word decoders (has_block32), where a 256-value chunk makes operands too large for
+    registers."""
+    BN: tl.constexpr = rowp.shape[0]
+    if QT == MXFP4:
+        e, q = _mxfp4_words(rowp + b * 17, mb)
+        w = tl.reshape(_e2m1_scaled(q), (BN, 32)) * 16384.0 * _e8m0(e)
+    else:
+        tl.static_assert(QT == Q8_0, "no block32 for this type")
+        qp = rowp + b * 34 + 2
+        w = tl.reshape(_q8_0_values(qp, mb), (BN, 32)) * _f16(qp - 2, mb)
+    return w
 
 
 @triton.jit

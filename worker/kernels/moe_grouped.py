@@ -1,0 +1,120 @@
+"""A prefill's experts as grouped matrix products with the weights decoded on chip: the step's pairs
+sorted by expert (expert_tiles.py), a program takes a tile of up to BM pairs of one expert and BN
+rows of one of its matrices, and meets each 256-value chunk of those rows, decoded from the GGUF
+bytes in registers (dequant_tl.chunk), with the pairs' activations on tensor cores. moe_dense
+writes every selected expert out as float32 first and reads it back: for DeepSeek-V4-Flash's 256
+experts at 512 tokens that is 26 GB a layer, where their bytes are 3.4 GB; here each expert's bytes
+are read once per tile of its pairs and nothing is written but the results.
+
+Precision as moe_dense: float32 operands on TF32 tensor cores in three passes (`tf32x3`), fp32
+accumulation. A pair's row is computed by a tile of fixed shape over K in a fixed order, whichever
+other pairs share the tile, so a cache that loads a step's experts in waves gives the very bits of
+the resident table."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from ..activation import Activation
+from ..expert_roles import ExpertRoles
+from .dequant_tl import block32
+from .expert_tiles import expert_tiles, tile_at
+from .moe_tl import _act
+
+BM, BN, BK = 16, 64, 32  # a product's tile: pairs of one expert x rows of its matrix x a block of K
+BM_WIDE, WIDE_PAIRS = 64, 32  # from this many pairs per routed expert, tiles of BM_WIDE pairs
+WARPS = 4
+TYPES = {int(GGMLQuantizationType.MXFP4), int(GGMLQuantizationType.Q8_0)}  # those dequant_tl.block32 decodes
+PRECISION = "tf32x3"
+
+
+@triton.jit
+def _matrix_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, tiles_ptr, experts, out_ptr, role_off, row_bytes, col0,
+                   out_width, N, K, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """out[r, col0 + n] = W[n] . x[tok[r]] for the sorted pair rows r of a tile, W the role's [N, K]
+    matrix in the block of the tile's expert (gate: col0 = 0, up: col0 = F, rows of out_width);
+    grid (tiles, N/BN)."""
+    rank, _, r, rm, elsewhere = tile_at(tiles_ptr, tl.program_id(0), 0, experts, BM)
+    if elsewhere:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    tok = tl.load(tok_ptr + r, mask=rm, other=0).to(tl.int64)
+    rowp = pool_ptr + tl.multiple_of(tl.load(block_ptr + rank), 16) + role_off + n.to(tl.int64)[:, None] * row_bytes
+    j = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for b in range(0, K // BK):  # rows of whole blocks
+        w = block32(QT, rowp, b, nm[:, None])  # [BN, BK]
+        a = tl.load(x_ptr + tok[:, None] * K + b * BK + j[None, :], mask=rm[:, None], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * out_width + col0 + n[None, :], acc, mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr, block_ptr, gate_b, up_b, down_off,
+                 down_rb, down_b, D, F, limit, alpha, beta, linear_beta, QD: tl.constexpr, ACT: tl.constexpr,
+                 GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, PRECISION: tl.constexpr):
+    """out[pair[r], n] = weight[pair[r]] * (down[n] . act(gate[r] + bg, up[r] + bu) + bd[n]) for the
+    sorted rows r of a tile, the activation applied as each chunk of gu is read; grid (tiles, D/BN)."""
+    rank, _, r, rm, elsewhere = tile_at(tiles_ptr, tl.program_id(0), 0, experts, BM)
+    if elsewhere:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < D
+    block = pool_ptr + tl.multiple_of(tl.load(block_ptr + rank), 16)
+    drow = block + down_off + n.to(tl.int64)[:, None] * down_rb
+    g_row = gu_ptr + r.to(tl.int64)[:, None] * (2 * F)
+    j = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for b in range(0, F // BK):
+        k = b * BK + j
+        g = tl.load(g_row + k[None, :], mask=rm[:, None], other=0.0)
+        u = tl.load(g_row + F + k[None, :], mask=rm[:, None], other=0.0)
+        if GU_BIAS:
+            g += tl.load((block + gate_b).to(tl.pointer_type(tl.float32)) + k)[None, :]
+            u += tl.load((block + up_b).to(tl.pointer_type(tl.float32)) + k)[None, :]
+        a = tl.where(rm[:, None], _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
+        w = block32(QD, drow, b, nm[:, None])
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    if DOWN_BIAS:
+        acc += tl.load((block + down_b).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)[None, :]
+    pair = tl.load(pair_ptr + r, mask=rm, other=0)
+    acc = acc * tl.load(wt_ptr + pair, mask=rm, other=0.0)[:, None]
+    tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc, mask=rm[:, None] & nm[None, :])
+
+
+def decodes(roles: ExpertRoles) -> bool:
+    """Whether every matrix of the experts is of a type block32 decodes."""
+    return all(r.ggml_type in TYPES for r in (roles.gate, roles.up, roles.down))
+
+
+def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+                    roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, n_expert: int | None = None) -> torch.Tensor:
+    """As moe_tl.experts_per_pair: x [T, K] float32, offsets [T*k] int64 (bytes into pool, multiples
+    of 16), weights [T*k] float32 -> out [T*k, D], each pair's expert output times its routing
+    weight; rows of pairs outside `pairs` are left as they were; `n_expert`, the layer's routed
+    experts, bounds the launches (else the pairs and the pool do). No host sync."""
+    total = offsets.shape[0]
+    f, d, k = roles.gate.n, roles.down.n, roles.gate.k
+    if out is None:
+        out = torch.empty((total, d), dtype=torch.float32, device=x.device)
+    bm = BM_WIDE if n_expert and total >= WIDE_PAIRS * n_expert else BM  # by the step's shape: every wave alike
+    t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, bm, n_expert)
+    n_tiles = t.table.shape[0]
+    gu = torch.empty((t.order.shape[0], 2 * f), dtype=torch.float32, device=x.device)
+    for role, col0 in ((roles.gate, 0), (roles.up, f)):
+        _matrix_kernel[(n_tiles, triton.cdiv(f, BN))](
+            x, t.tokens, pool, t.blocks, t.table, t.max_experts, gu, role.offset, role.row_bytes, col0, 2 * f, f, k,
+            QT=role.ggml_type, BM=bm, BN=BN, BK=BK, PRECISION=PRECISION, num_warps=WARPS)
+    _down_kernel[(n_tiles, triton.cdiv(d, BN))](
+        gu, t.table, t.max_experts, t.order, weights, out, pool, t.blocks, roles.gate_bias or 0, roles.up_bias or 0,
+        roles.down.offset, roles.down.row_bytes, roles.down_bias or 0, d, f, act.limit, act.alpha, act.beta,
+        act.linear_beta, QD=roles.down.ggml_type, ACT=int(act.kind), GU_BIAS=roles.gate_bias is not None,
+        DOWN_BIAS=roles.down_bias is not None, BM=bm, BN=BN, BK=BK, PRECISION=PRECISION, num_warps=WARPS)
+    return out
