@@ -56,6 +56,14 @@ def compile_report(fn, constexprs: dict, warps: int, arch: int) -> dict:
 def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
     """(name, kernel, constexprs, warps) as the worker launches them for weights of type qt."""
     act = {"ACT": 0, "GU_BIAS": False, "DOWN_BIAS": False}
+    grouped = [
+        ("grouped gate/up (prompt)", moe_grouped._matrix_kernel,
+         {"QT": qt, "BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION},
+         moe_grouped.WARPS),
+        ("grouped down (prompt)", moe_grouped._down_kernel,
+         {"QD": qt, "BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION,
+          **act}, moe_grouped.WARPS),
+    ] if qt in moe_grouped.TYPES else []  # the prompt's on-chip products decode only these
     return [
         ("matvec (trunk)", linear_tl._matvec_kernel, {"QT": qt, "BN": linear_tl.BN_MATVEC, "CH": CHUNK},
          linear_tl.MATVEC_WARPS),
@@ -69,13 +77,7 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
          {"QD": qt, "G": moe_tiles.G, "BN": moe_tiles.BN, "CH": CHUNK, **act}, moe_tiles.WARPS),
         ("dequantize experts (dense)", moe_dense._dequant_blocks_kernel,
          {"QT": qt, "BN": moe_dense.BN_DEQUANT, "CH": CHUNK}, 4),
-        ("grouped gate/up (prompt)", moe_grouped._matrix_kernel,
-         {"QT": qt, "BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION},
-         moe_grouped.WARPS),
-        ("grouped down (prompt)", moe_grouped._down_kernel,
-         {"QD": qt, "BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION,
-          **act}, moe_grouped.WARPS),
-    ]
+    ] + grouped
 
 
 def main(argv: list[str] | None = None) -> int:

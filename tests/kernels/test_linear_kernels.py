@@ -47,3 +47,21 @@ def test_matvec_equals_dense_product(ggml_type: T, t: int, device: torch.device)
         got = matvec(x.to(device), raw.to(device), int(ggml_type), k, n).cpu().double()
         rel = ((got - want).norm() / want.norm()).item()
         assert got.shape == (t, n) and rel < 1e-6, f"{ggml_type.name} {k}x{n}: relative error {rel:.2e}"
+
+
+def test_mxfp4_extreme_exponents_as_the_reference(device: torch.device) -> None:
+    """E8M0 exponents at both ends (subnormal scales at 0 and 1, 2^127 at 255, where a scale of
+    2^(e - 127) would overflow and turn a zero nibble into NaN), every nibble, through the decoders
+    of dequantize and of the matvec."""
+    k, n = 64, 4
+    raw = torch.zeros(n, k // 32, 17, dtype=torch.uint8)
+    raw[:, :, 0] = torch.tensor([[0, 1], [127, 128], [254, 255], [255, 126]], dtype=torch.uint8)
+    raw[:, :, 1:] = torch.arange(16, dtype=torch.uint8) * 17  # bytes 0x00, 0x11, .., 0xFF: each nibble value
+    raw = raw.flatten()
+    want = reference(raw, T.MXFP4, (k, n))
+    got = dequantize(raw.to(device), int(T.MXFP4), k, n).cpu()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    x = torch.zeros(1, k)
+    x[0, 3] = 1.0  # one value of the first block of each row: (low nibble 3) its value, finite or inf
+    y = matvec(x.to(device), raw.to(device), int(T.MXFP4), k, n).cpu()
+    torch.testing.assert_close(y, want[:, 3][None, :], rtol=0, atol=0)

@@ -75,8 +75,9 @@ def _q5_1(bp, jj, m):  # d, m, qh[4], qs[16]
 def _mxfp4_words(bp, mb):
     """The MXFP4 blocks (e: E8M0, qs[16]: e2m1 nibbles) at bp [BN, NB]: e [BN, NB] and the quant
     bytes as four little-endian words [BN, NB, 4]. A block is 17 bytes, so its words sit at any
-    alignment: each is cut from the two aligned words around it (a funnel shift), all five inside
-    the block's own bytes; byte loads cost an instruction per byte."""
+    alignment: each is cut from the two aligned words around it (a funnel shift); each of the five
+    aligned words holds a byte of the block, so no load leaves the pool. Byte loads cost an
+    instruction per byte."""
     lead = (bp.to(tl.int64) & 3).to(tl.int32)  # the block's offset in its aligned word
     wp = (bp - lead).to(tl.pointer_type(tl.uint32))[:, :, None] + tl.arange(0, 4)[None, None, :]
     m3 = mb[:, :, None]
@@ -100,9 +101,10 @@ def _e2m1_scaled(q):
 
 
 @triton.jit
-def _e8m0(e):
-    """2^(e - 127) as float32 (e = 0: the subnormal 2^-127)."""
-    return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+def _e8m0_half(e):
+    """2^(e - 128) as float32, quant.py's (ggml's) factor for doubled e2m1 values: e < 2 subnormal,
+    and finite for every e (2^(e - 127) overflows at e = 255, where quant.py's values stay finite)."""
+    return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -110,8 +112,8 @@ def _mxfp4_rows(rowp, c, m, BN: tl.constexpr):
     """MXFP4 values [BN, 256]; a row ends at a block: the mask per block."""
     mb = tl.max(tl.reshape(m.to(tl.int32), (BN, 8, 32)), axis=2) > 0
     e, q = _mxfp4_words(rowp + (c * 8 + tl.arange(0, 8)[None, :]) * 17, mb)
-    scale = tl.reshape(_e8m0(e), (BN, 8, 1, 1, 1))  # after 2^14, so that no e overflows 2^(e - 113)
-    return tl.reshape(_e2m1_scaled(q) * 16384.0 * scale, (BN, 256))
+    scale = tl.reshape(_e8m0_half(e), (BN, 8, 1, 1, 1))  # after 2^15: the doubled values, as quant.py's
+    return tl.reshape(_e2m1_scaled(q) * 32768.0 * scale, (BN, 256))
 
 
 @triton.jit
@@ -124,7 +126,7 @@ def mxfp4_dot(rowp, c, nmask, K, xv):
     e, q = _mxfp4_words(rowp + blk * 17, nmask & (blk * 32 < K))
     prod = _e2m1_scaled(q) * tl.reshape(xv, (1, 8, 2, 4, 4))
     sums = tl.sum(tl.reshape(prod, (BN, 8, 32)), axis=2)
-    return tl.sum(sums * 16384.0 * _e8m0(e), axis=1)
+    return tl.sum(sums * 32768.0 * _e8m0_half(e), axis=1)
 
 
 @triton.jit
@@ -202,7 +204,7 @@ def _q8_0_values(qp, mb):
     lead = (qp.to(tl.int64) & 3).to(tl.int32)
     wp = (qp - lead).to(tl.pointer_type(tl.uint32))[:, :, None] + tl.arange(0, 8)[None, None, :]
     lo = tl.load(wp, mask=mb[:, :, None], other=0).to(tl.uint64)
-    hi = tl.load(wp + 1, mask=(mb & (lead > 0))[:, :, None], other=0).to(tl.uint64)  # aligned: past the block
+    hi = tl.load(wp + 1, mask=(mb & (lead > 0))[:, :, None], other=0).to(tl.uint64)  # aligned: a word past the block
     w = (((hi << 32) | lo) >> (lead * 8).to(tl.uint64)[:, :, None]).to(tl.uint32)  # [BN, NB, 8]
     byte = (tl.reshape(w, (w.shape[0], w.shape[1], 8, 1)) >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :]) & 0xFF
     return ((byte ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
@@ -228,7 +230,7 @@ def block32(QT: tl.constexpr, rowp, b, mb):
     BN: tl.constexpr = rowp.shape[0]
     if QT == MXFP4:
         e, q = _mxfp4_words(rowp + b * 17, mb)
-        w = tl.reshape(_e2m1_scaled(q), (BN, 32)) * 16384.0 * _e8m0(e)
+        w = tl.reshape(_e2m1_scaled(q), (BN, 32)) * 32768.0 * _e8m0_half(e)
     else:
         tl.static_assert(QT == Q8_0, "no block32 for this type")
         qp = rowp + b * 34 + 2
