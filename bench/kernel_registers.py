@@ -58,12 +58,12 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
     act = {"ACT": 0, "GU_BIAS": False, "DOWN_BIAS": False}
     grouped = [
         ("grouped gate/up (prompt)", moe_grouped._matrix_kernel,
-         {"QT": qt, "BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION},
+         {"BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION},
          moe_grouped.WARPS),
         ("grouped down (prompt)", moe_grouped._down_kernel,
-         {"QD": qt, "BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION,
+         {"BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION,
           **act}, moe_grouped.WARPS),
-    ] if qt in moe_grouped.TYPES else []  # the prompt's on-chip products decode only these
+    ] if qt == moe_grouped.MXFP4 else []  # the prompt's on-chip products decode MXFP4 only
     return [
         ("matvec (trunk)", linear_tl._matvec_kernel, {"QT": qt, "BN": linear_tl.BN_MATVEC, "CH": CHUNK},
          linear_tl.MATVEC_WARPS),

@@ -2,7 +2,7 @@
 """One MoE layer of a prefill, every way the worker can run it, by prompt length: per (token,
 expert) pair (moe_tl, an expert's bytes decoded for every pair), in tiles (moe_tiles, decoded once
 per tile of up to 4 pairs of one expert), dense (moe_dense, each selected expert dequantized
-once and multiplied by all its tokens) and, for the types it decodes, grouped (moe_grouped: dense's
+once and multiplied by all its tokens) and, for MXFP4 experts, grouped (moe_grouped: dense's
 products with each block of weights decoded on chip). Routing is uniform at random over the layer's experts;
 each case is timed with triton.testing.do_bench, the results are compared with the per-pair one,
 and the worker's own choice (moe.fused_path) is shown beside the fastest, to set its thresholds

@@ -50,8 +50,8 @@ TILES_MIN_PAIRS_PER_EXPERT = 2  # from this many, decode each expert once per ti
 
 
 def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False) -> str:
-    """Which kernels run a step's experts: where the experts' types have on-chip block decoders
-    (`grouped`: moe_grouped.decodes), "grouped" (products on tensor cores, each expert's bytes
+    """Which kernels run a step's experts: for MXFP4 experts (`grouped`: moe_grouped.decodes),
+    "grouped" (products on tensor cores, each expert's bytes
     decoded once per tile of its pairs) from TILES_MIN_PAIRS_PER_EXPERT pairs per routed expert;
     otherwise "dense" (moe_dense: dequantized once, grouped products) once the step has enough
     pairs per expert to repay that, "tiles" (moe_tiles: an expert's bytes decoded once per tile of

@@ -63,6 +63,21 @@ def reference(lay: LayerLayout, pool: torch.Tensor, x: torch.Tensor, ids: torch.
     return out
 
 
+def prompt_case(act: Activation, types: tuple[T, T], fused: bool, biases: bool, n_tokens: int, seeds: tuple[int, int],
+                device: torch.device) -> tuple[LayerLayout, torch.Tensor, tuple, torch.Tensor]:
+    """Random valid experts, tokens and routing: (the layout, ids [T, k], the kernels' arguments on
+    `device`, the float64 reference)."""
+    lay = layout(*types, fused, biases)
+    pool = pool_of(lay, seed=seeds[0])
+    g = torch.Generator().manual_seed(seeds[1])
+    x = torch.randn(n_tokens, D, generator=g)
+    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
+    w = torch.rand(n_tokens, K_TOP, generator=g)
+    args = (x.to(device), pool.to(device), (ids.flatten() * lay.stride).to(device), w.flatten().to(device),
+            expert_roles(lay), act)
+    return lay, ids, args, reference(lay, pool, x, ids, w, act)
+
+
 CASES = [  # every activation once, every block layout once (the interpreter is slow: few, small cases)
     (ACTS[0], (T.Q4_K, T.Q6_K), False, False),
     (ACTS[1], (T.Q8_0, T.Q4_0), True, False),
@@ -75,17 +90,7 @@ CASES = [  # every activation once, every block layout once (the interpreter is 
                                                             "situ-q2k-q3k"])
 def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
                                                   device: torch.device) -> None:
-    lay = layout(*types, fused, biases)
-    roles = expert_roles(lay)
-    pool = pool_of(lay, seed=1)
-    g = torch.Generator().manual_seed(3)
-    n_tokens = 8
-    x = torch.randn(n_tokens, D, generator=g)
-    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
-    w = torch.rand(n_tokens, K_TOP, generator=g)
-    want = reference(lay, pool, x, ids, w, act)
-    offsets = (ids.flatten() * lay.stride).to(device)
-    args = (x.to(device), pool.to(device), offsets, w.flatten().to(device), roles, act)
+    lay, ids, args, want = prompt_case(act, types, fused, biases, 8, (1, 3), device)
     got = experts_per_pair(*args).cpu().double()
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 1e-5, f"relative error {rel:.2e}"
@@ -161,19 +166,9 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     experts, the blocks elsewhere) gives those pairs the very bits of the whole step."""
     from expertpack.worker.kernels import moe_dense
 
-    lay = layout(*types, fused, biases)
-    roles = expert_roles(lay)
     monkeypatch.setattr(moe_dense, "GROUP_VALUES", 2 * (2 * F * D + D * F))
     monkeypatch.setattr(moe_dense, "BM", 16)
-    pool = pool_of(lay, seed=7)
-    g = torch.Generator().manual_seed(8)
-    n_tokens = 40
-    x = torch.randn(n_tokens, D, generator=g)
-    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
-    w = torch.rand(n_tokens, K_TOP, generator=g)
-    want = reference(lay, pool, x, ids, w, act)
-    offsets = (ids.flatten() * lay.stride).to(device)
-    args = (x.to(device), pool.to(device), offsets, w.flatten().to(device), roles, act)
+    lay, ids, args, want = prompt_case(act, types, fused, biases, 40, (7, 8), device)
     full = moe_dense.experts_dense(*args)
     rel = ((full.cpu().double() - want).norm() / want.norm()).item()
     assert rel < 1e-5, f"relative error {rel:.2e}"
@@ -181,24 +176,15 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)
 
 
-@pytest.mark.parametrize("act,types,fused,biases", [(ACTS[1], (T.Q8_0, T.Q8_0), True, False), CASES[2]],
-                         ids=["clamped-q8-fused", "oai-mxfp4-biases"])  # moe_grouped.TYPES
+@pytest.mark.parametrize("act,types,fused,biases", [(ACTS[1], (T.MXFP4, T.MXFP4), True, False), CASES[2]],
+                         ids=["clamped-mxfp4-fused", "oai-mxfp4-biases"])  # moe_grouped runs MXFP4 experts
 def test_grouped_prefill_equals_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
                                               device: torch.device) -> None:
     """A prefill's experts as grouped products with each block of weights decoded on chip, in tiles
     of 16 pairs of one expert (several per expert here); a wave gives its pairs the whole step's bits."""
     from expertpack.worker.kernels.moe_grouped import experts_grouped
 
-    lay = layout(*types, fused, biases)
-    pool = pool_of(lay, seed=9)
-    g = torch.Generator().manual_seed(10)
-    n_tokens = 40
-    x = torch.randn(n_tokens, D, generator=g)
-    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
-    w = torch.rand(n_tokens, K_TOP, generator=g)
-    want = reference(lay, pool, x, ids, w, act)
-    args = (x.to(device), pool.to(device), (ids.flatten() * lay.stride).to(device), w.flatten().to(device),
-            expert_roles(lay), act)
+    lay, ids, args, want = prompt_case(act, types, fused, biases, 40, (9, 10), device)
     rel = ((experts_grouped(*args).cpu().double() - want).norm() / want.norm()).item()
     assert rel < 1e-5, f"relative error {rel:.2e}"
     wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)  # the pairs of experts 1 and 3

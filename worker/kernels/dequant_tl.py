@@ -184,7 +184,8 @@ def _q8_0_rows(rowp, c, m, BN: tl.constexpr):
     """Q8_0, eight blocks at once as [BN, 8, 32]: one scale load per block, the 32 quants of a
     block contiguous (the per-value form loads the scale 32 times). Bytes, not words: reading the
     2-byte-aligned quants as int16 pairs measured slower on the H200 (the split costs more than
-    the loads it saves)."""
+    the loads it saves). The decode kernels read Q8_0 as words (_q8_0_values, q8_0_dot); those
+    were not timed in the prompt kernels that use this one."""
     b = tl.arange(0, 8)[None, :, None]
     jj = tl.arange(0, 32)[None, None, :]
     bp = rowp[:, :, None] + (c * 8 + b) * 34  # [BN, 8, 1]
@@ -222,20 +223,12 @@ def q8_0_dot(rowp, c, nmask, K, xv):
 
 
 @triton.jit
-def block32(QT: tl.constexpr, rowp, b, mb):
-    """Block b (32 values) of the rows at rowp [BN, 1] as float32 [BN, 32], mb [BN, 1] the rows
-    whose block exists: the prompt kernels' K step of 32 for the types of 32-value blocks that
-    have word decoders (has_block32), where a 256-value chunk makes operands too large for
-    registers."""
-    BN: tl.constexpr = rowp.shape[0]
-    if QT == MXFP4:
-        e, q = _mxfp4_words(rowp + b * 17, mb)
-        w = tl.reshape(_e2m1_scaled(q), (BN, 32)) * 32768.0 * _e8m0_half(e)
-    else:
-        tl.static_assert(QT == Q8_0, "no block32 for this type")
-        qp = rowp + b * 34 + 2
-        w = tl.reshape(_q8_0_values(qp, mb), (BN, 32)) * _f16(qp - 2, mb)
-    return w
+def mxfp4_block(rowp, b, mb):
+    """Block b (32 values) of the MXFP4 rows at rowp [BN, 1] as float32 [BN, 32], mb [BN, 1] the
+    rows whose block exists: moe_grouped's K step, where a 256-value chunk makes the products'
+    operands too large for registers."""
+    e, q = _mxfp4_words(rowp + b * 17, mb)
+    return tl.reshape(_e2m1_scaled(q), (rowp.shape[0], 32)) * 32768.0 * _e8m0_half(e)
 
 
 @triton.jit
@@ -299,8 +292,8 @@ def chunk(QT: tl.constexpr, rowp, c, j, m):
 
 @triton.jit
 def block_dot(QT: tl.constexpr, rowp, c, nmask, K, xv):
-    """The decode kernels' chunk products for the types that sum a block before scaling it
-    (has_block_dot); the others' chunk() values are summed by the kernels themselves: wrapped in a
+    """The decode kernels' chunk products for the types that sum a block before scaling it (MXFP4,
+    Q8_0); the others' chunk() values are summed by the kernels themselves: wrapped in a
     function like this one, ptxas gave the Q4_K kernels up to a third more registers."""
     if QT == MXFP4:
         s = mxfp4_dot(rowp, c, nmask, K, xv)

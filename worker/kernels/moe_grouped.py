@@ -1,7 +1,7 @@
-"""A prefill's experts as grouped matrix products with the weights decoded on chip: the step's pairs
-sorted by expert (expert_tiles.py), a program takes a tile of up to BM pairs of one expert and BN
-rows of one of its matrices, and meets each 256-value chunk of those rows, decoded from the GGUF
-bytes in registers (dequant_tl.chunk), with the pairs' activations on tensor cores. moe_dense
+"""A prefill's MXFP4 experts as grouped matrix products with the weights decoded on chip: the step's
+pairs sorted by expert (expert_tiles.py), a program takes a tile of up to BM pairs of one expert and
+BN rows of one of its matrices, and meets each 32-value block of those rows, decoded from the GGUF
+bytes in registers (dequant_tl.mxfp4_block), with the pairs' activations on tensor cores. moe_dense
 writes every selected expert out as float32 first and reads it back: for DeepSeek-V4-Flash's 256
 experts at 512 tokens that is 26 GB a layer, where their bytes are 3.4 GB; here each expert's bytes
 are read once per tile of its pairs and nothing is written but the results.
@@ -20,20 +20,20 @@ from gguf import GGMLQuantizationType
 
 from ..activation import Activation
 from ..expert_roles import ExpertRoles
-from .dequant_tl import block32
+from .dequant_tl import mxfp4_block
 from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act
 
 BM, BN, BK = 16, 64, 32  # a product's tile: pairs of one expert x rows of its matrix x a block of K
 BM_WIDE, WIDE_PAIRS = 64, 32  # from this many pairs per routed expert, tiles of BM_WIDE pairs
 WARPS = 4
-TYPES = {int(GGMLQuantizationType.MXFP4), int(GGMLQuantizationType.Q8_0)}  # those dequant_tl.block32 decodes
+MXFP4 = int(GGMLQuantizationType.MXFP4)  # the type whose blocks it decodes, and where it measured faster
 PRECISION = "tf32x3"
 
 
 @triton.jit
 def _matrix_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, tiles_ptr, experts, out_ptr, role_off, row_bytes, col0,
-                   out_width, N, K, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   out_width, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    PRECISION: tl.constexpr):
     """out[r, col0 + n] = W[n] . x[tok[r]] for the sorted pair rows r of a tile, W the role's [N, K]
     matrix in the block of the tile's expert (gate: col0 = 0, up: col0 = F, rows of out_width);
@@ -48,7 +48,7 @@ def _matrix_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, tiles_ptr, experts, out_
     j = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
     for b in range(0, K // BK):  # rows of whole blocks
-        w = block32(QT, rowp, b, nm[:, None])  # [BN, BK]
+        w = mxfp4_block(rowp, b, nm[:, None])  # [BN, BK]
         a = tl.load(x_ptr + tok[:, None] * K + b * BK + j[None, :], mask=rm[:, None], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * out_width + col0 + n[None, :], acc, mask=rm[:, None] & nm[None, :])
@@ -56,11 +56,11 @@ def _matrix_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, tiles_ptr, experts, out_
 
 @triton.jit
 def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr, block_ptr, gate_b, up_b, down_off,
-                 down_rb, down_b, D, F, limit, alpha, beta, linear_beta, QD: tl.constexpr, ACT: tl.constexpr,
+                 down_rb, down_b, D, F, limit, alpha, beta, linear_beta, ACT: tl.constexpr,
                  GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair[r], n] = weight[pair[r]] * (down[n] . act(gate[r] + bg, up[r] + bu) + bd[n]) for the
-    sorted rows r of a tile, the activation applied as each chunk of gu is read; grid (tiles, D/BN)."""
+    sorted rows r of a tile, the activation applied as each block of gu is read; grid (tiles, D/BN)."""
     rank, _, r, rm, elsewhere = tile_at(tiles_ptr, tl.program_id(0), 0, experts, BM)
     if elsewhere:
         return
@@ -79,7 +79,7 @@ def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr
             g += tl.load((block + gate_b).to(tl.pointer_type(tl.float32)) + k)[None, :]
             u += tl.load((block + up_b).to(tl.pointer_type(tl.float32)) + k)[None, :]
         a = tl.where(rm[:, None], _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
-        w = block32(QD, drow, b, nm[:, None])
+        w = mxfp4_block(drow, b, nm[:, None])
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     if DOWN_BIAS:
         acc += tl.load((block + down_b).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)[None, :]
@@ -89,8 +89,9 @@ def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr
 
 
 def decodes(roles: ExpertRoles) -> bool:
-    """Whether every matrix of the experts is of a type block32 decodes."""
-    return all(r.ggml_type in TYPES for r in (roles.gate, roles.up, roles.down))
+    """Whether every matrix of the experts is MXFP4 (gpt-oss, DeepSeek-V4): the experts whose
+    prompts it runs."""
+    return all(r.ggml_type == MXFP4 for r in (roles.gate, roles.up, roles.down))
 
 
 def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
@@ -111,10 +112,10 @@ def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, 
     for role, col0 in ((roles.gate, 0), (roles.up, f)):
         _matrix_kernel[(n_tiles, triton.cdiv(f, BN))](
             x, t.tokens, pool, t.blocks, t.table, t.max_experts, gu, role.offset, role.row_bytes, col0, 2 * f, f, k,
-            QT=role.ggml_type, BM=bm, BN=BN, BK=BK, PRECISION=PRECISION, num_warps=WARPS)
+            BM=bm, BN=BN, BK=BK, PRECISION=PRECISION, num_warps=WARPS)
     _down_kernel[(n_tiles, triton.cdiv(d, BN))](
         gu, t.table, t.max_experts, t.order, weights, out, pool, t.blocks, roles.gate_bias or 0, roles.up_bias or 0,
         roles.down.offset, roles.down.row_bytes, roles.down_bias or 0, d, f, act.limit, act.alpha, act.beta,
-        act.linear_beta, QD=roles.down.ggml_type, ACT=int(act.kind), GU_BIAS=roles.gate_bias is not None,
+        act.linear_beta, ACT=int(act.kind), GU_BIAS=roles.gate_bias is not None,
         DOWN_BIAS=roles.down_bias is not None, BM=bm, BN=BN, BK=BK, PRECISION=PRECISION, num_warps=WARPS)
     return out
