@@ -18,7 +18,7 @@ import torch
 
 from expertpack.worker.engine import Engine
 from expertpack.worker.kernels import linear_tl, moe_tl
-from expertpack.worker.weights import QTensor
+from expertpack.worker.weights import Q8_0_REGROUPED, QTensor, ungroup_q8_0
 
 
 def bench_ms(fn) -> float:
@@ -41,20 +41,25 @@ def main(argv: list[str] | None = None) -> int:
     shapes: dict[tuple, tuple[str, object]] = {}
     for name, t in model.w.items():
         if name.startswith("blk.0.") or not name.startswith("blk."):
-            if isinstance(t, QTensor) and len(t.shape) == 2 and not name.startswith("token_embd"):
-                shapes.setdefault((int(t.ggml_type), t.shape[0], t.shape[1]), (name, t))
-    configs = [(linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM)]
-    if args.sweep:
-        configs += [(bn, w, s) for bn in (16, 32) for w in (4, 8) for s in (4, 8, 16)
-                    if (bn, w, s) != configs[0]]
+            if (isinstance(t, QTensor) and len(t.shape) == 2 and not name.startswith("token_embd")
+                    and t.ggml_type.name not in ("F32", "I32")):  # float32 matrices are not read by matvec
+                shapes.setdefault((t.kernel_type, t.shape[0], t.shape[1]), (name, t))
+    defaults = (linear_tl.BN_MATVEC, linear_tl.BN_REGROUPED, linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM)
+    sweep = [(bn, w, s) for bn in (16, 32) for w in (4, 8) for s in (4, 8, 16)] if args.sweep else []
     for (qt, k, n), (name, t) in sorted(shapes.items(), key=lambda kv: kv[1][0]):
         x = torch.randn(1, k, device=dev)
-        for bn, warps, per_sm in configs:
-            linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM = bn, warps, per_sm
-            ms = bench_ms(lambda: linear_tl.matvec_parts(x, t.raw, qt, k, n))  # the consumer adds the splits
-            rows.append({"kernel": "matvec", "tensor": name, "type": t.ggml_type.name, "shape": [n, k], "bn": bn,
-                         "warps": warps, "per_sm": per_sm, "us": ms * 1e3, "gbps": t.raw.numel() / ms / 1e6})
-    linear_tl.BN_MATVEC, linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM = configs[0]
+        layouts = [(t.ggml_type.name + " regrouped" * t.regrouped, qt, t.raw)]
+        if t.regrouped:  # beside the GGUF order it was regrouped from
+            layouts.append((t.ggml_type.name, int(t.ggml_type), ungroup_q8_0(t.raw)))
+        for label, kt, raw in layouts:
+            first = (defaults[1] if kt == Q8_0_REGROUPED else defaults[0], defaults[2], defaults[3])
+            for bn, warps, per_sm in [first] + [c for c in sweep if c != first]:
+                linear_tl.BN_MATVEC = linear_tl.BN_REGROUPED = bn
+                linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM = warps, per_sm
+                ms = bench_ms(lambda: linear_tl.matvec_parts(x, raw, kt, k, n))  # the consumer adds the splits
+                rows.append({"kernel": "matvec", "tensor": name, "type": label, "shape": [n, k], "bn": bn,
+                             "warps": warps, "per_sm": per_sm, "us": ms * 1e3, "gbps": raw.numel() / ms / 1e6})
+    linear_tl.BN_MATVEC, linear_tl.BN_REGROUPED, linear_tl.MATVEC_WARPS, linear_tl.PROGRAMS_PER_SM = defaults
     moe = model.moe
     layer = min(moe._roles) if moe._roles else None
     if layer is not None:
@@ -77,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"kernel": "experts", "tensor": f"blk.{layer} x{k_top}", "type": roles.gate.ggml_type,
                          "shape": [roles.gate.n, roles.gate.k], "bn": bn, "warps": warps, "per_sm": per_sm,
                          "us": ms * 1e3, "gbps": k_top * layout.stride / ms / 1e6})
-    print(f"{'kernel':<8} {'tensor':<28} {'type':<6} {'shape':>14} {'bn':>3} {'warps':>5} {'per SM':>6} {'us':>8} "
+    print(f"{'kernel':<8} {'tensor':<28} {'type':<14} {'shape':>14} {'bn':>3} {'warps':>5} {'per SM':>6} {'us':>8} "
           f"{'GB/s':>7}")
     for r in rows:
-        print(f"{r['kernel']:<8} {r['tensor']:<28} {str(r['type']):<6} {'x'.join(map(str, r['shape'])):>14} "
+        print(f"{r['kernel']:<8} {r['tensor']:<28} {str(r['type']):<14} {'x'.join(map(str, r['shape'])):>14} "
               f"{r['bn']:>3} {r['warps']:>5} {r['per_sm']:>6} {r['us']:>8.1f} {r['gbps']:>7.0f}")
     print(json.dumps({"bench": "kernel_bandwidth", "date": date.today().isoformat(), "model": args.model.name,
                       "gpu": torch.cuda.get_device_name(), "rows": rows}))

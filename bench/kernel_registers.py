@@ -64,6 +64,9 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
          {"BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION,
           **act}, moe_grouped.WARPS),
     ] if qt == moe_grouped.MXFP4 else []  # the prompt's on-chip products decode MXFP4 only
+    if qt == int(GGMLQuantizationType.Q8_0):  # trunk matrices of 256-value multiples, as placed on the GPU
+        grouped.append(("matvec regrouped (trunk)", linear_tl._matvec_q8_0r_kernel, {"BN": linear_tl.BN_REGROUPED},
+                        linear_tl.MATVEC_WARPS))
     return [
         ("matvec (trunk)", linear_tl._matvec_kernel, {"QT": qt, "BN": linear_tl.BN_MATVEC, "CH": CHUNK},
          linear_tl.MATVEC_WARPS),

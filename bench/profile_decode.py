@@ -31,7 +31,7 @@ CLASSES = [  # (class, substrings of kernel names), first match wins
     ("grouped expert products (prefill)", ("_grouped_gate_up_kernel", "_grouped_down_kernel")),
     ("fused expert gate+up", ("_gate_up_kernel",)),
     ("fused expert down", ("_down_kernel",)),
-    ("fused matvec (trunk)", ("_matvec_kernel",)),
+    ("fused matvec (trunk)", ("_matvec_kernel", "_matvec_q8_0r_kernel")),
     ("dequantize (prefill, rows)", ("_dequant_kernel",)),
     ("dequantize (prefill, experts)", ("_dequant_blocks_kernel",)),
     ("fused attention", ("_partial_kernel", "_merge_kernel")),

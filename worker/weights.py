@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as T
 from .quant import check_supported, dequantize
 
 _kernels_on_cpu = False
+Q8_0_REGROUPED = 264  # the kernels' type id for Q8_0 rows rewritten by regroup_q8_0 (no ggml type has it)
 
 
 def use_kernels(device: torch.device) -> bool:
@@ -45,12 +46,30 @@ def kernels_on_cpu() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = before
 
 
+def regroup_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q8_0 bytes whose every eight blocks (a 256-value chunk, 272 bytes) are rewritten as their
+    eight float16 scales, then their 256 quants. The same bytes, and each chunk where it was, so a
+    row keeps its length and place (row views, stacks and pieces work as before); but a chunk's
+    quants are now 256 contiguous bytes 16 bytes in, which the decode kernel reads as 128-bit loads
+    and sums without a shuffle, where 34-byte blocks made it cut every word from two
+    (kernels/linear_tl.py). For rows whose length is a multiple of 256 values."""
+    chunks = raw.view(-1, 8, 34)
+    return torch.cat([chunks[:, :, :2].reshape(-1, 16), chunks[:, :, 2:].reshape(-1, 256)], dim=1).reshape(-1)
+
+
+def ungroup_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """The GGUF bytes of regroup_q8_0's."""
+    chunks = raw.view(-1, 272)
+    return torch.cat([chunks[:, :16].reshape(-1, 8, 2), chunks[:, 16:].reshape(-1, 8, 32)], dim=2).reshape(-1)
+
+
 @dataclass(frozen=True)
 class QTensor:
     name: str
     ggml_type: T
     shape: tuple[int, ...]  # ggml ne: shape[0] is the contiguous row
-    raw: torch.Tensor  # uint8, the bytes exactly as in the file
+    raw: torch.Tensor  # uint8, the bytes as in the file (regrouped: as regroup_q8_0 leaves them)
+    regrouped: bool = False  # Q8_0 bytes in regroup_q8_0's order: done where the kernels run (`to`)
     # A vector's float32 values, made at its first use and shared by every later one (read-only).
     _values: torch.Tensor | None = field(default=None, init=False, compare=False, repr=False)
 
@@ -58,20 +77,29 @@ class QTensor:
         if self.ggml_type is not T.I32:
             check_supported(self.ggml_type, self.name)
 
+    @property
+    def kernel_type(self) -> int:
+        """The type id the Triton kernels decode these bytes as."""
+        return Q8_0_REGROUPED if self.regrouped else int(self.ggml_type)
+
+    def gguf_raw(self) -> torch.Tensor:
+        """The bytes in GGUF order (torch's dequantization reads only those)."""
+        return ungroup_q8_0(self.raw) if self.regrouped else self.raw
+
     def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Values in torch order (reversed ne), e.g. a matrix ne [in, out] -> [out, in]."""
         if len(self.shape) == 1:
             values = self._values
             if values is None:
-                values = dequantize(self.raw, self.ggml_type, self.shape)
+                values = dequantize(self.gguf_raw(), self.ggml_type, self.shape)
                 object.__setattr__(self, "_values", values)  # a cache, not state: frozen stays frozen
         elif use_kernels(self.raw.device):  # one launch, and nothing a CUDA graph cannot capture
             from .kernels.linear_tl import dequantize as decode
 
-            values = decode(self.raw, int(self.ggml_type), self.shape[0], math.prod(self.shape[1:]))
+            values = decode(self.raw, self.kernel_type, self.shape[0], math.prod(self.shape[1:]))
             values = values.reshape(tuple(reversed(self.shape)))
         else:
-            values = dequantize(self.raw, self.ggml_type, self.shape)
+            values = dequantize(self.gguf_raw(), self.ggml_type, self.shape)
         return values if dtype is torch.float32 else values.to(dtype)
 
     def ints(self) -> torch.Tensor:
@@ -86,13 +114,22 @@ class QTensor:
         if use_kernels(picked.device):
             from .kernels.linear_tl import dequantize as decode_rows
 
-            out = decode_rows(picked, int(self.ggml_type), self.shape[0], picked.shape[0])
+            out = decode_rows(picked, self.kernel_type, self.shape[0], picked.shape[0])
         else:
-            out = dequantize(picked, self.ggml_type, (self.shape[0], picked.shape[0]))
+            out = dequantize(ungroup_q8_0(picked) if self.regrouped else picked, self.ggml_type,
+                             (self.shape[0], picked.shape[0]))
         return out.reshape(*ids.shape, self.shape[0]).to(dtype)
 
     def to(self, device: torch.device | str) -> "QTensor":
-        return QTensor(self.name, self.ggml_type, self.shape, self.raw.to(device))
+        """On `device`, regrouped where the kernels run there (and back to GGUF order where not)."""
+        raw = self.raw.to(device)
+        regroup = (use_kernels(raw.device) and self.ggml_type is T.Q8_0 and len(self.shape) >= 2
+                   and self.shape[0] % 256 == 0)
+        if regroup and not self.regrouped:
+            raw = regroup_q8_0(raw)
+        elif self.regrouped and not regroup:
+            raw = ungroup_q8_0(raw)
+        return QTensor(self.name, self.ggml_type, self.shape, raw, regroup)
 
 
 def stacked_rows(name: str, parts: list[QTensor]) -> QTensor | None:
@@ -100,13 +137,13 @@ def stacked_rows(name: str, parts: list[QTensor]) -> QTensor | None:
     for bytes), so that one launch multiplies them all; None where they cannot be (types or row
     lengths differ). Vectors (biases) stack likewise."""
     first = parts[0]
-    if any(p.ggml_type is not first.ggml_type or len(p.shape) != len(first.shape) or
+    if any(p.ggml_type is not first.ggml_type or p.regrouped != first.regrouped or len(p.shape) != len(first.shape) or
            (len(p.shape) == 2 and p.shape[0] != first.shape[0]) for p in parts):
         return None
     raw = torch.cat([p.raw.reshape(-1) for p in parts])
     if len(first.shape) == 1:
         return QTensor(name, first.ggml_type, (sum(p.shape[0] for p in parts),), raw)
-    return QTensor(name, first.ggml_type, (first.shape[0], sum(p.shape[1] for p in parts)), raw)
+    return QTensor(name, first.ggml_type, (first.shape[0], sum(p.shape[1] for p in parts)), raw, first.regrouped)
 
 
 def linear_parts(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -118,7 +155,7 @@ def linear_parts(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
         if x.shape[0] <= MATVEC_MAX_ROWS:
             k, n = w.shape[0], math.prod(w.shape[1:])
-            return matvec_parts(x.to(torch.float32).contiguous(), w.raw, int(w.ggml_type), k, n)
+            return matvec_parts(x.to(torch.float32).contiguous(), w.raw, w.kernel_type, k, n)
     return linear(x, w)
 
 
@@ -132,7 +169,7 @@ def head_linear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
         from .kernels.linear_tl import MATVEC_MAX_ROWS, matvec_heads
 
         if t <= MATVEC_MAX_ROWS:
-            return matvec_heads(x.to(torch.float32), w.raw, int(w.ggml_type), k, r).to(x.dtype)
+            return matvec_heads(x.to(torch.float32), w.raw, w.kernel_type, k, r).to(x.dtype)
     return torch.einsum("thk,hrk->thr", x, w.dequant(x.dtype).view(h, r, k))
 
 
@@ -142,7 +179,7 @@ def linear(x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Te
         from .kernels.linear_tl import matmul
 
         k, n = w.shape[0], math.prod(w.shape[1:])
-        y = matmul(x.reshape(-1, k).to(torch.float32).contiguous(), w.raw, int(w.ggml_type), k, n)
+        y = matmul(x.reshape(-1, k).to(torch.float32).contiguous(), w.raw, w.kernel_type, k, n)
         y = y.reshape(*x.shape[:-1], n)
         if bias is not None:
             y = y + bias.dequant()

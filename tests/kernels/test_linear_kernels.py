@@ -65,3 +65,32 @@ def test_mxfp4_extreme_exponents_as_the_reference(device: torch.device) -> None:
     x[0, 3] = 1.0  # one value of the first block of each row: (low nibble 3) its value, finite or inf
     y = matvec(x.to(device), raw.to(device), int(T.MXFP4), k, n).cpu()
     torch.testing.assert_close(y, want[:, 3][None, :], rtol=0, atol=0)
+
+
+def test_regrouped_q8_0_decodes_as_the_gguf_bytes(device: torch.device) -> None:
+    """Q8_0 rows regrouped for the decode kernel (weights.regroup_q8_0: a chunk's scales, then its
+    quants) give the reference values through every kernel that reads them: whole-matrix
+    dequantization, the matvec (one row of x and several, short matrices split along K, every
+    chunk of the 8,192-value rows), and one matrix per head; and regrouping is undone exactly."""
+    from expertpack.worker.kernels.linear_tl import matvec_heads
+    from expertpack.worker.weights import Q8_0_REGROUPED, regroup_q8_0, ungroup_q8_0
+
+    for i, (k, n) in enumerate([(256, 3), (512, 37), (8192, 5)]):
+        raw = torch.from_numpy(random_bytes(T.Q8_0, (k, n), seed=30 + i, valid=True))
+        regrouped = regroup_q8_0(raw)
+        assert torch.equal(ungroup_q8_0(regrouped), raw) and not torch.equal(regrouped, raw)
+        w = reference(raw, T.Q8_0, (k, n))
+        got = dequantize(regrouped.to(device), Q8_0_REGROUPED, k, n).cpu()
+        assert (got - w).abs().max().item() <= (0 if device.type == "cpu" else 1e-6) * w.abs().max().item()
+        for t in (1, 3):
+            x = torch.randn(t, k, generator=torch.Generator().manual_seed(i))
+            want = x.double() @ w.double().T
+            y = matvec(x.to(device), regrouped.to(device), Q8_0_REGROUPED, k, n).cpu().double()
+            rel = ((y - want).norm() / want.norm()).item()
+            assert y.shape == (t, n) and rel < 1e-6, f"{k}x{n}, {t} rows: relative error {rel:.2e}"
+    k, r, h = 256, 6, 4
+    raw = torch.from_numpy(random_bytes(T.Q8_0, (k, r * h), seed=40, valid=True))
+    x = torch.randn(2, h, k, generator=torch.Generator().manual_seed(5))
+    want = torch.einsum("thk,hrk->thr", x.double(), reference(raw, T.Q8_0, (k, r * h)).double().view(h, r, k))
+    got = matvec_heads(x.to(device), regroup_q8_0(raw).to(device), Q8_0_REGROUPED, k, r).cpu().double()
+    assert ((got - want).norm() / want.norm()).item() < 1e-6

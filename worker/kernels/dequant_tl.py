@@ -18,6 +18,7 @@ import triton.language as tl
 # ggml type ids (gguf.GGMLQuantizationType), as kernel constants.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (tl.constexpr(v) for v in (0, 1, 2, 3, 6, 7, 8))
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = (tl.constexpr(v) for v in (10, 11, 12, 13, 14, 30, 39))
+Q8_0R = tl.constexpr(264)  # Q8_0 regrouped (weights.regroup_q8_0): per chunk 8 f16 scales, then 256 quants
 CHUNK = 256  # values decoded per step along a row, for every type
 
 
@@ -273,6 +274,8 @@ def chunk(QT: tl.constexpr, rowp, c, j, m):
         w = _q5_1(rowp + (c * 8 + j // 32) * 24, j % 32, m)
     elif QT == Q8_0:
         w = _q8_0_rows(rowp, c, m, rowp.shape[0])
+    elif QT == Q8_0R:
+        w = _i8(rowp + c * 272 + 16 + j, m).to(tl.float32) * _f16(rowp + c * 272 + (j // 32) * 2, m)
     elif QT == MXFP4:
         w = _mxfp4_rows(rowp, c, m, rowp.shape[0])
     elif QT == Q2_K:

@@ -13,9 +13,11 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from ..quant import nbytes_of
+from ..weights import Q8_0_REGROUPED
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN_MATVEC = 16  # rows of W per program
+BN_REGROUPED = 32  # the same for regrouped Q8_0 (H200: the 129,280 x 4,096 head 317 -> 187 us against 16)
 MATVEC_WARPS = 4
 BN_DEQUANT = 16
 PROGRAMS_PER_SM = 4  # split K until a matvec has this many programs per multiprocessor
@@ -24,6 +26,8 @@ DEQUANT_PIECE_VALUES = 1 << 24  # a prefill dequantizes a big matrix in pieces o
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
+    if ggml_type == Q8_0_REGROUPED:
+        ggml_type = int(GGMLQuantizationType.Q8_0)
     return nbytes_of(GGMLQuantizationType(ggml_type), (k,))
 
 
@@ -52,6 +56,42 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split, H,
 
 
 @triton.jit
+def _s8_value(words, k: tl.constexpr):
+    """Byte k of each word, the int8 quant (words xored with 0x80808080: byte + 128) as an exact
+    float32: placed as a float's mantissa under 2^23, 2^23 + 128 taken off."""
+    return (((words >> (8 * k)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _matvec_q8_0r_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split, H, BN: tl.constexpr):
+    """_matvec_kernel for regrouped Q8_0 rows (weights.regroup_q8_0). A chunk's quants are 64
+    aligned words: 128-bit loads, each word's four products summed against x at stride 4, a
+    block's eight words summed, then times its scale; the blocks are summed once, after the loop.
+    In the GGUF layout Triton spread a block over lanes and paid shuffles and barriers for every
+    chunk: twice the instructions per value (bench/kernel_registers.py)."""
+    pid_n, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    S = tl.num_programs(2)
+    n = pid_n * BN + tl.arange(0, BN)
+    rowp = w_ptr + ((t % H) * N + n).to(tl.int64)[:, None] * row_bytes
+    wi = tl.arange(0, 64)[None, :]
+    acc = tl.zeros([BN, 8], tl.float32)
+    for i in range(0, chunks_per_split):  # the last split's spare chunks are masked (c * 256 >= K)
+        c = s * chunks_per_split + i
+        kin = c * 256 < K
+        m = (n < N)[:, None] & kin
+        bp = rowp + c * 272
+        words = tl.load((bp + 16).to(tl.pointer_type(tl.uint32)) + wi, mask=m, other=0) ^ 0x80808080
+        xp = x_ptr + t * K + c * 256 + wi * 4
+        p = _s8_value(words, 0) * tl.load(xp, mask=kin, other=0.0)
+        p += _s8_value(words, 1) * tl.load(xp + 1, mask=kin, other=0.0)
+        p += _s8_value(words, 2) * tl.load(xp + 2, mask=kin, other=0.0)
+        p += _s8_value(words, 3) * tl.load(xp + 3, mask=kin, other=0.0)
+        d = tl.load(bp.to(tl.pointer_type(tl.float16)) + tl.arange(0, 8)[None, :], mask=m, other=0).to(tl.float32)
+        acc += tl.sum(tl.reshape(p, (BN, 8, 8)), axis=2) * d
+    tl.store(y_ptr + (t * S + s) * N + n, tl.sum(acc, axis=1), mask=n < N)
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
     """out[n, k] = W[n, k] as float32; grid (N/BN, K/CH)."""
     pid_n, c = tl.program_id(0), tl.program_id(1)
@@ -70,11 +110,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def splits_for(n_rows: int, k: int, device: torch.device) -> int:
+def splits_for(n_rows: int, k: int, device: torch.device, bn: int) -> int:
     """Split K so that a short wide matrix (a router, an attention projection) still gives every
     multiprocessor PROGRAMS_PER_SM programs; a function of the shape and the GPU alone, so the same step gives
     the same bits whatever feeds it (the resident table or the cache)."""
-    blocks = math.ceil(n_rows / BN_MATVEC)
+    blocks = math.ceil(n_rows / bn)
     chunks = math.ceil(k / CHUNK)
     return max(1, min(chunks, math.ceil(PROGRAMS_PER_SM * _sm_count(device) / blocks)))
 
@@ -84,14 +124,23 @@ def matvec_parts(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: 
     S split-K partial sums, for a fused consumer (a norm, RoPE, a router) to add in split order
     instead of a launch of their own."""
     t = x.shape[0]
-    splits = splits_for(n, k, x.device)
+    bn = BN_REGROUPED if ggml_type == Q8_0_REGROUPED else BN_MATVEC
+    splits = splits_for(n, k, x.device, bn)
     per_split = math.ceil(math.ceil(k / CHUNK) / splits)
     splits = math.ceil(math.ceil(k / CHUNK) / per_split)
     y = torch.empty((t, splits, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, BN_MATVEC), t, splits)
-    _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, 1,
-                         QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=MATVEC_WARPS)
+    _launch_matvec((triton.cdiv(n, bn), t, splits), x, raw, y, ggml_type, k, n, per_split, 1)
     return y
+
+
+def _launch_matvec(grid: tuple, x: torch.Tensor, raw: torch.Tensor, y: torch.Tensor, ggml_type: int, k: int,
+                   n: int, per_split: int, heads: int) -> None:
+    if ggml_type == Q8_0_REGROUPED:
+        _matvec_q8_0r_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, heads, BN=BN_REGROUPED,
+                                   num_warps=MATVEC_WARPS)
+    else:
+        _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, heads,
+                             QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=MATVEC_WARPS)
 
 
 def matvec_heads(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
@@ -99,9 +148,9 @@ def matvec_heads(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: 
     [T, H, N] float32: MLA's absorbed projections, every head in one launch."""
     t, h, _ = x.shape
     y = torch.empty((t * h, 1, n), dtype=torch.float32, device=x.device)
-    _matvec_kernel[(triton.cdiv(n, BN_MATVEC), t * h, 1)](
-        x.contiguous(), raw, y, n, k, row_bytes(ggml_type, k), math.ceil(k / CHUNK), h,
-        QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=MATVEC_WARPS)
+    bn = BN_REGROUPED if ggml_type == Q8_0_REGROUPED else BN_MATVEC
+    _launch_matvec((triton.cdiv(n, bn), t * h, 1), x.contiguous(), raw, y, ggml_type, k, n,
+                   math.ceil(k / CHUNK), h)
     return y.view(t, h, n)
 
 
