@@ -198,6 +198,19 @@ def _q8_0_rows(rowp, c, m, BN: tl.constexpr):
 
 
 @triton.jit
+def _q8_0r_rows(rowp, c, m, BN: tl.constexpr):
+    """Regrouped Q8_0 (weights.regroup_q8_0) as _q8_0_rows gives Q8_0: a chunk's eight scales,
+    then its quants, contiguous."""
+    bp = rowp[:, :, None] + c * 272  # [BN, 1, 1]
+    b = tl.arange(0, 8)[None, :, None]
+    m3 = tl.reshape(m, (BN, 8, 32))
+    mb = tl.reshape(tl.max(m3.to(tl.int32), axis=2), (BN, 8, 1)) > 0
+    d = _f16(bp + b * 2, mb)
+    q = _i8(bp + 16 + b * 32 + tl.arange(0, 32)[None, None, :], m3).to(tl.float32)
+    return tl.reshape(q * d, (BN, 256))
+
+
+@triton.jit
 def _q8_0_values(qp, mb):
     """The int8 quants of the Q8_0 blocks (d, qs[32]) whose qs are at qp [BN, NB], as exact float32
     [BN, NB, 8, 4] (value 4 * word + byte): read as words, cut as MXFP4's (qs sit at the even
@@ -275,7 +288,7 @@ def chunk(QT: tl.constexpr, rowp, c, j, m):
     elif QT == Q8_0:
         w = _q8_0_rows(rowp, c, m, rowp.shape[0])
     elif QT == Q8_0R:
-        w = _i8(rowp + c * 272 + 16 + j, m).to(tl.float32) * _f16(rowp + c * 272 + (j // 32) * 2, m)
+        w = _q8_0r_rows(rowp, c, m, rowp.shape[0])
     elif QT == MXFP4:
         w = _mxfp4_rows(rowp, c, m, rowp.shape[0])
     elif QT == Q2_K:
