@@ -195,8 +195,13 @@ class Placement:
         return self.first if name.startswith("token_embd.") else self.last
 
     def weights(self, trunk: Mapping[str, QTensor]) -> dict[str, QTensor]:
-        """Every trunk tensor on its device (a block's on its layer's)."""
-        return {name: t.to(self.tensor_device(name)) for name, t in trunk.items()}
+        """Every trunk tensor on its device (a block's on its layer's). Placing regroups Q8_0 matrices
+        on the GPU (QTensor.to), through temporaries of up to twice a matrix that torch's allocator
+        keeps reserved: handed back here, before an expert cache sizes itself from the free memory."""
+        placed = {name: t.to(self.tensor_device(name)) for name, t in trunk.items()}
+        if any(d.type == "cuda" for d in self.devices):
+            torch.cuda.empty_cache()
+        return placed
 
     def on_layer(self, layer: int, t: QTensor) -> QTensor:
         """`t` where layer `layer` runs: for a tensor read by the layer before its own (the next

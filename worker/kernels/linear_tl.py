@@ -112,8 +112,9 @@ def _sm_count(device: torch.device) -> int:
 
 def splits_for(n_rows: int, k: int, device: torch.device, bn: int) -> int:
     """Split K so that a short wide matrix (a router, an attention projection) still gives every
-    multiprocessor PROGRAMS_PER_SM programs; a function of the shape and the GPU alone, so the same step gives
-    the same bits whatever feeds it (the resident table or the cache)."""
+    multiprocessor PROGRAMS_PER_SM programs; a function of the shape, the rows a program takes (its
+    weights' layout) and the GPU alone, so the same step gives the same bits whatever feeds it (the
+    resident table or the cache)."""
     blocks = math.ceil(n_rows / bn)
     chunks = math.ceil(k / CHUNK)
     return max(1, min(chunks, math.ceil(PROGRAMS_PER_SM * _sm_count(device) / blocks)))
