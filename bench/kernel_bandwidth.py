@@ -2,8 +2,10 @@
 """How close the decode step's weight-reading kernels come to the GPU's memory bandwidth, per shape
 of one model: every distinct trunk matrix a one-token step multiplies (matvec) and one layer's
 selected experts (gate+up and down over k pairs), each timed alone with triton.testing.do_bench
-(L2 flushed between runs), reported as bytes of weights read per second. With --sweep the kernels'
-tile rows, warps and split-K programs per multiprocessor are varied, to choose them from measurements.
+(L2 flushed between runs), reported as bytes of weights read per second; a regrouped Q8_0 matrix
+(weights.regroup_q8_0) also in its GGUF order, through the kernel that reads that. With --sweep the
+kernels' tile rows, warps and split-K programs per multiprocessor are varied, to choose them from
+measurements.
   python3 bench/kernel_bandwidth.py MODEL.gguf [--sweep]
 Prints a table, then one JSON line."""
 

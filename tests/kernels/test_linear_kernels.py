@@ -75,7 +75,7 @@ def test_regrouped_q8_0_decodes_as_the_gguf_bytes(device: torch.device) -> None:
     from expertpack.worker.kernels.linear_tl import matvec_heads
     from expertpack.worker.weights import Q8_0_REGROUPED, regroup_q8_0, ungroup_q8_0
 
-    for i, (k, n) in enumerate([(256, 3), (512, 37), (8192, 5)]):
+    for i, (k, n) in enumerate([(256, 3), (512, 37), (1792, 100), (8192, 5)]):  # 1792: a spare split-K chunk
         raw = torch.from_numpy(random_bytes(T.Q8_0, (k, n), seed=30 + i, valid=True))
         regrouped = regroup_q8_0(raw)
         assert torch.equal(ungroup_q8_0(regrouped), raw) and not torch.equal(regrouped, raw)

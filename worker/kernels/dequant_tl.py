@@ -6,7 +6,8 @@ Each decoder below is the arithmetic of worker/quant.py (which is gguf-py's, bit
 per value: `j` is the value's index in its chunk, every byte it needs is loaded at the offset the
 block layout of ggml-common.h gives (BLOCKS in quant.py, the same sums); the hot types (Q4_K,
 Q8_0, MXFP4: the `_rows` decoders) are written per block instead, each byte loaded once. The f16 scales sit at even
-offsets of blocks of even size, so they load as float16; everything else loads as bytes.
+offsets of blocks of even size, so they load as float16; everything else loads as bytes. One layout
+is not ggml's: Q8_0R, Q8_0 rows regrouped where the kernels run (weights.regroup_q8_0).
 `rowp` [BN, 1] points at each row's first byte, `m` [BN, CH] masks rows and values past the row's
 end (only the 32-value and float types can end inside a chunk)."""
 

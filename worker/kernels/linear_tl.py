@@ -125,23 +125,29 @@ def matvec_parts(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: 
     S split-K partial sums, for a fused consumer (a norm, RoPE, a router) to add in split order
     instead of a launch of their own."""
     t = x.shape[0]
-    bn = BN_REGROUPED if ggml_type == Q8_0_REGROUPED else BN_MATVEC
-    splits = splits_for(n, k, x.device, bn)
+    splits = splits_for(n, k, x.device, _rows_per_program(ggml_type))
     per_split = math.ceil(math.ceil(k / CHUNK) / splits)
     splits = math.ceil(math.ceil(k / CHUNK) / per_split)
     y = torch.empty((t, splits, n), dtype=torch.float32, device=x.device)
-    _launch_matvec((triton.cdiv(n, bn), t, splits), x, raw, y, ggml_type, k, n, per_split, 1)
+    _launch_matvec(x, raw, y, ggml_type, k, n, t, splits, per_split, 1)
     return y
 
 
-def _launch_matvec(grid: tuple, x: torch.Tensor, raw: torch.Tensor, y: torch.Tensor, ggml_type: int, k: int,
-                   n: int, per_split: int, heads: int) -> None:
+def _rows_per_program(ggml_type: int) -> int:
+    return BN_REGROUPED if ggml_type == Q8_0_REGROUPED else BN_MATVEC
+
+
+def _launch_matvec(x: torch.Tensor, raw: torch.Tensor, y: torch.Tensor, ggml_type: int, k: int, n: int,
+                   x_rows: int, splits: int, per_split: int, heads: int) -> None:
+    """The matvec kernel for the weights' layout, over grid (N / rows per program, x_rows, splits)."""
+    bn = _rows_per_program(ggml_type)
+    grid = (triton.cdiv(n, bn), x_rows, splits)
     if ggml_type == Q8_0_REGROUPED:
-        _matvec_q8_0r_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, heads, BN=BN_REGROUPED,
+        _matvec_q8_0r_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, heads, BN=bn,
                                    num_warps=MATVEC_WARPS)
     else:
         _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, heads,
-                             QT=ggml_type, BN=BN_MATVEC, CH=CHUNK, num_warps=MATVEC_WARPS)
+                             QT=ggml_type, BN=bn, CH=CHUNK, num_warps=MATVEC_WARPS)
 
 
 def matvec_heads(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
@@ -149,9 +155,7 @@ def matvec_heads(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: 
     [T, H, N] float32: MLA's absorbed projections, every head in one launch."""
     t, h, _ = x.shape
     y = torch.empty((t * h, 1, n), dtype=torch.float32, device=x.device)
-    bn = BN_REGROUPED if ggml_type == Q8_0_REGROUPED else BN_MATVEC
-    _launch_matvec((triton.cdiv(n, bn), t * h, 1), x.contiguous(), raw, y, ggml_type, k, n,
-                   math.ceil(k / CHUNK), h)
+    _launch_matvec(x.contiguous(), raw, y, ggml_type, k, n, t * h, 1, math.ceil(k / CHUNK), h)
     return y.view(t, h, n)
 
 

@@ -97,14 +97,11 @@ def decodes(roles: ExpertRoles) -> bool:
 def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                     roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, n_expert: int | None = None) -> torch.Tensor:
-    """As moe_tl.experts_per_pair: x [T, K] float32, offsets [T*k] int64 (bytes into pool, multiples
-    of 16), weights [T*k] float32 -> out [T*k, D], each pair's expert output times its routing
-    weight; rows of pairs outside `pairs` are left as they were; `n_expert`, the layer's routed
-    experts, bounds the launches (else the pairs and the pool do). No host sync."""
+    """moe_tiles.experts_in_tiles's contract (arguments, result, no host sync), for MXFP4 experts;
+    tiles of BM pairs, or BM_WIDE from WIDE_PAIRS pairs per routed expert."""
     total = offsets.shape[0]
     f, d, k = roles.gate.n, roles.down.n, roles.gate.k
-    if out is None:
-        out = torch.empty((total, d), dtype=torch.float32, device=x.device)
+    out = torch.empty((total, d), dtype=torch.float32, device=x.device) if out is None else out
     bm = BM_WIDE if n_expert and total >= WIDE_PAIRS * n_expert else BM  # by the step's shape: every wave alike
     t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, bm, n_expert)
     n_tiles = t.table.shape[0]
