@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Decode speed of the resident CUDA-graph step under kernel settings, one model load for all: each
-setting assigns integer module constants of worker/kernels (tile rows, warps, split-K) or of the
-worker's own modules (`layers.DECODE_MAX_QUERIES`, `moe.TILES_MIN_PAIRS_PER_EXPERT`: which path a
-shape takes), the step's graph is captured anew with them, and the best of a few timed runs of 64
-steps is printed with the argmax of the last run (settings that change sums may change a late
-argmax; a different one says look closer). The first setting is run again at the end, as a check
-of the machine's drift. Used to choose the constants from the whole step rather than from kernels
-timed alone (whose launches dominate at decode sizes). `--prefill N` times a prompt of N tokens
-from an empty cache instead (as llama-bench's ppN), where the paths by shape and the launches from
-Python decide.
+setting assigns integer or string module constants of worker/kernels (tile rows, warps, split-K,
+moe_grouped.PRECISION) or of the worker's own modules (`layers.DECODE_MAX_QUERIES`,
+`moe.TILES_MIN_PAIRS_PER_EXPERT`: which path a shape takes), the step's graph is captured anew
+with them, and the best of a few timed runs of 64 steps is printed with the argmax of the last run
+(settings that change sums may change a late argmax; a different one says look closer). The first
+setting is run again at the end, as a check of the machine's drift. Used to choose the constants
+from the whole step rather than from kernels timed alone (whose launches dominate at decode
+sizes). `--prefill N` times a prompt of N tokens from an empty cache instead (as llama-bench's
+ppN), where the paths by shape and the launches from Python decide.
   python3 bench/decode_settings.py MODEL.gguf "moe_tl.BN=16" "moe_tl.BN=8 moe_tl.WARPS=2" ...
   python3 bench/decode_settings.py MODEL.gguf --prefill 32 "" "linear_tl.MATVEC_MAX_ROWS=32" ...
+  python3 bench/decode_settings.py MODEL.gguf --prefill 512 "moe_grouped.PRECISION_WIDE=tf32x3" ""
 (no setting: the defaults alone). Prints a table, then one JSON line."""
 
 from __future__ import annotations
@@ -37,21 +38,26 @@ def module_of(name: str):
         return importlib.import_module(f"expertpack.worker.{name}")
 
 
-def parse_setting(text: str) -> dict[tuple[str, str], int]:
-    """"moe_tl.BN=8 linear_tl.MATVEC_WARPS=4" -> {(module, name): value}, each name an existing
-    integer constant of worker/kernels/<module>.py or worker/<module>.py."""
+def parse_setting(text: str) -> dict[tuple[str, str], int | str]:
+    """"moe_tl.BN=8 moe_grouped.PRECISION=bf16x3" -> {(module, name): value}, each name an existing
+    integer or string constant of worker/kernels/<module>.py or worker/<module>.py."""
     out = {}
     for item in text.split():
         target, _, value = item.partition("=")
         module, _, name = target.partition(".")
         mod = module_of(module)
-        if not isinstance(getattr(mod, name, None), int) or not value.lstrip("-").isdigit():
-            raise ValueError(f"{item!r}: want MODULE.CONSTANT=INTEGER for an integer constant of worker/kernels or worker")
-        out[(module, name)] = int(value)
+        current = getattr(mod, name, None)
+        if isinstance(current, str) and value:
+            out[(module, name)] = value
+        elif isinstance(current, int) and value.lstrip("-").isdigit():
+            out[(module, name)] = int(value)
+        else:
+            raise ValueError(f"{item!r}: want MODULE.CONSTANT=VALUE for an integer or string constant of "
+                             "worker/kernels or worker")
     return out
 
 
-def apply(setting: dict[tuple[str, str], int]) -> None:
+def apply(setting: dict[tuple[str, str], int | str]) -> None:
     for (module, name), value in setting.items():
         setattr(module_of(module), name, value)
 

@@ -60,13 +60,13 @@ def compile_report(fn, constexprs: dict, warps: int, arch: int) -> dict:
 def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
     """(name, kernel, constexprs, warps) as the worker launches them for weights of type qt."""
     act = {"ACT": 0, "GU_BIAS": False, "DOWN_BIAS": False}
+    g = moe_grouped
     extra = [
-        ("grouped gate/up (prompt)", moe_grouped._matrix_kernel,
-         {"BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION},
-         moe_grouped.WARPS),
-        ("grouped down (prompt)", moe_grouped._down_kernel,
-         {"BM": moe_grouped.BM, "BN": moe_grouped.BN, "BK": moe_grouped.BK, "PRECISION": moe_grouped.PRECISION,
-          **act}, moe_grouped.WARPS),
+        (f"grouped {name} (prompt, {bm}-pair tiles)", kernel,
+         {"BM": bm, "BN": g.BN, "BK": g.BK, "PRECISION": precision, "OPERAND": triton.language.bfloat16, **more},
+         g.WARPS)
+        for bm, precision in ((g.BM, g.PRECISION), (g.BM_WIDE, g.PRECISION_WIDE))
+        for name, kernel, more in (("gate/up", g._matrix_kernel, {}), ("down", g._down_kernel, act))
     ] if qt == moe_grouped.MXFP4 else []  # the prompt's on-chip products decode MXFP4 only
     if qt == int(GGMLQuantizationType.Q8_0):  # trunk matrices of 256-value multiples, as placed on the GPU
         extra.append(("matvec regrouped (trunk)", linear_tl._matvec_q8_0r_kernel, {"BN": linear_tl.BN_REGROUPED},

@@ -5,6 +5,7 @@ do not depend on where the blocks sit, nor on which pairs a launch runs (a cache
 
 from __future__ import annotations
 
+from functools import partial
 import math
 
 import pytest
@@ -176,19 +177,23 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)
 
 
-@pytest.mark.parametrize("act,types,fused,biases", [(ACTS[1], (T.MXFP4, T.MXFP4), True, False), CASES[2]],
-                         ids=["clamped-mxfp4-fused", "oai-mxfp4-biases"])  # moe_grouped runs MXFP4 experts
-def test_grouped_prefill_equals_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
-                                              device: torch.device) -> None:
+@pytest.mark.parametrize("act,types,fused,biases,wide", [(ACTS[1], (T.MXFP4, T.MXFP4), True, False, False),
+                                                         (*CASES[2], False), (*CASES[2], True)],
+                         ids=["clamped-mxfp4-fused", "oai-mxfp4-biases", "oai-mxfp4-biases-wide"])  # MXFP4 only
+def test_grouped_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act: Activation, types: tuple[T, T],
+                                              fused: bool, biases: bool, wide: bool, device: torch.device) -> None:
     """A prefill's experts as grouped products with each block of weights decoded on chip, in tiles
-    of 16 pairs of one expert (several per expert here); a wave gives its pairs the whole step's bits."""
-    from expertpack.worker.kernels.moe_grouped import experts_grouped
+    of 16 pairs of one expert (several per expert here), or of 64 (`wide`: the bf16x3 products);
+    a wave gives its pairs the whole step's bits."""
+    from expertpack.worker.kernels import moe_grouped
 
+    monkeypatch.setattr(moe_grouped, "WIDE_PAIRS", 1 if wide else 10**6)
+    run = partial(moe_grouped.experts_grouped, n_expert=N_EXPERT)
     lay, ids, args, want = prompt_case(act, types, fused, biases, 40, (9, 10), device)
-    rel = ((experts_grouped(*args).cpu().double() - want).norm() / want.norm()).item()
-    assert rel < 1e-5, f"relative error {rel:.2e}"
+    rel = ((run(*args).cpu().double() - want).norm() / want.norm()).item()
+    assert rel < 1e-6, f"relative error {rel:.2e}"
     wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)  # the pairs of experts 1 and 3
-    assert_a_wave_gives_the_same_bits(experts_grouped, args, lay.stride, wave)
+    assert_a_wave_gives_the_same_bits(run, args, lay.stride, wave)
 
 
 @pytest.mark.parametrize("build", ["kernel", "ops"])
