@@ -61,13 +61,14 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
     """(name, kernel, constexprs, warps) as the worker launches them for weights of type qt."""
     act = {"ACT": 0, "GU_BIAS": False, "DOWN_BIAS": False}
     g = moe_grouped
+    typed = {"QT": qt, "MINS": qt in g.WITH_MINS, "BK": g.STEP.get(qt, 32)}
     extra = [
         (f"grouped {name} (prompt, {bm}-pair tiles)", kernel,
-         {"BM": bm, "BN": g.BN, "BK": g.BK, "PRECISION": precision, "OPERAND": triton.language.bfloat16, **more},
-         g.WARPS)
-        for bm, precision in ((g.BM, g.PRECISION), (g.BM_WIDE, g.PRECISION_WIDE))
+         {"BM": bm, "BN": g.BN, "PRECISION": precision, "OPERAND": triton.language.bfloat16, **typed, **more}, warps)
+        for bm, precision, warps in ((g.BM, g.PRECISION, g.WARPS),
+                                     (g.BM_WIDE, g.PRECISION_WIDE, g.WARPS if qt == g.MXFP4 else g.WARPS_WIDE_SCALED))
         for name, kernel, more in (("gate/up", g._matrix_kernel, {}), ("down", g._down_kernel, act))
-    ] if qt == moe_grouped.MXFP4 else []  # the prompt's on-chip products decode MXFP4 only
+    ] if qt in g.STEP else []  # the types the prompt's on-chip products decode
     if qt == int(GGMLQuantizationType.Q8_0):  # trunk matrices of 256-value multiples, as placed on the GPU
         extra.append(("matvec regrouped (trunk)", linear_tl._matvec_q8_0r_kernel, {"BN": linear_tl.BN_REGROUPED},
                         linear_tl.MATVEC_WARPS))

@@ -37,6 +37,25 @@ def test_kernels_give_the_torch_paths_logits(path: str) -> None:
     assert err < 1e-4, f"{path}: max |diff| {err:.2e} (mean {(got - want).abs().mean().item():.2e})"
 
 
+def test_grouped_integer_quants_give_the_torch_paths_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's Q4_K/Q6_K experts through moe_grouped (integer quants on tensor cores, scaled per
+    sub-block), once moe.GROUPED_SCALED_MIN_PAIRS lets it run them: the torch path's logits."""
+    from expertpack.worker import moe
+    from expertpack.worker.kernels import moe_grouped
+
+    calls = []
+    run = moe_grouped.experts_grouped
+    monkeypatch.setattr(moe_grouped, "experts_grouped", lambda *a, **k: calls.append(1) or run(*a, **k))
+    monkeypatch.setattr(moe, "GROUPED_SCALED_MIN_PAIRS", 1)
+    engine = Engine.load(FIXTURES / MODELS[0], resident_experts=True)
+    want = engine.forward(TOKENS[:16], engine.new_cache())
+    with kernels_on_cpu():
+        got = engine.forward(TOKENS[:16], engine.new_cache())
+    assert calls, "the prompt's experts did not take moe_grouped"
+    err = (got - want).abs().max().item()
+    assert err < 1e-4, f"max |diff| {err:.2e}"
+
+
 def test_minimal_cache_through_the_kernels_is_bit_exact(fixture_packs, tmp_path) -> None:
     """The expert cache on the fast path: a cache of one step of one layer delivers prefill in waves
     (a subset of the pairs per launch) and evicts at every layer; the logits equal every expert

@@ -247,6 +247,70 @@ def mxfp4_block(rowp, b, mb):
 
 
 @triton.jit
+def scaled_block(QT: tl.constexpr, rowp, b, mb):
+    """Sub-block b of the rows at rowp [BN, 1] (the values one scale covers: 16 for Q6_K, Q3_K and
+    Q2_K, 32 for Q8_0, Q4_K and Q5_K), mb [BN, 1] the rows that exist, as (q, scale, offset): the
+    quants as small integers in float32 [BN, 16 or 32], exact in bfloat16, and [BN, 1] factors with
+    value = scale * q - offset (offset zero for the types without mins): moe_grouped multiplies the
+    integers on tensor cores and scales the sub-block's sums. Q4_K reads its quants as words."""
+    if QT == Q4_K:  # d, dmin, scales[12], qs[128]: sub-block s the low (s even) or high nibbles of 32 bytes
+        bp = rowp + (b // 8) * 144
+        s = b % 8
+        sc, mn = _k_scale_min(bp + 4, s, mb)
+        wp = (bp + 16 + (s // 2) * 32 + tl.arange(0, 8)[None, :] * 4).to(tl.pointer_type(tl.int32))
+        word = tl.load(wp, mask=mb, other=0)  # [BN, 8]: byte l = 4 * word + k
+        q = (word[:, :, None] >> (tl.arange(0, 4)[None, None, :] * 8 + (s % 2) * 4)) & 0xF
+        q = tl.reshape(q, (rowp.shape[0], 32))
+        scale = _f16(bp, mb) * sc.to(tl.float32)
+        offset = _f16(bp + 2, mb) * mn.to(tl.float32)
+    elif QT == Q5_K:  # d, dmin, scales[12], qh[32], qs[128]: Q4_K's nibbles, bit s of qh[l] above them
+        bp = rowp + (b // 8) * 176
+        s = b % 8
+        sc, mn = _k_scale_min(bp + 4, s, mb)
+        ll = tl.arange(0, 32)[None, :]
+        low = (_u8(bp + 48 + (s // 2) * 32 + ll, mb) >> ((s % 2) * 4)) & 0xF
+        q = low | (((_u8(bp + 16 + ll, mb) >> s) & 1) << 4)
+        scale = _f16(bp, mb) * sc.to(tl.float32)
+        offset = _f16(bp + 2, mb) * mn.to(tl.float32)
+    elif QT == Q8_0:  # d, qs[32]
+        bp = rowp + b * 34
+        q = _i8(bp + 2 + tl.arange(0, 32)[None, :], mb)
+        scale = _f16(bp, mb)
+        offset = tl.zeros_like(scale)
+    elif QT == Q6_K:  # ql[128], qh[64], scales[16] (int8), d; value j = 16 * t + l of its 256
+        bp = rowp + (b // 16) * 210
+        t = b % 16
+        r = (t % 8) * 16 + tl.arange(0, 16)[None, :]  # j % 128
+        half = t // 8
+        low = (_u8(bp + half * 64 + r % 64, mb) >> ((r // 64) * 4)) & 0xF
+        high = (_u8(bp + 128 + half * 32 + r % 32, mb) >> ((r // 32) * 2)) & 3
+        q = (low | (high << 4)) - 32
+        scale = _f16(bp + 208, mb) * _i8(bp + 192 + t, mb).to(tl.float32)
+        offset = tl.zeros_like(scale)
+    elif QT == Q3_K:  # hmask[32], qs[64], scales[12], d
+        bp = rowp + (b // 16) * 110
+        t = b % 16
+        j = t * 16 + tl.arange(0, 16)[None, :]
+        low2 = (_u8(bp + 32 + (j // 128) * 32 + j % 32, mb) >> (((j % 128) // 32) * 2)) & 3
+        high = (_u8(bp + j % 32, mb) >> (j // 32)) & 1
+        q = low2 - ((high ^ 1) << 2)
+        low4 = (_u8(bp + 96 + t % 8, mb) >> ((t // 8) * 4)) & 0xF
+        high2 = (_u8(bp + 104 + t % 4, mb) >> ((t // 4) * 2)) & 3
+        scale = _f16(bp + 108, mb) * ((low4 | (high2 << 4)) - 32).to(tl.float32)
+        offset = tl.zeros_like(scale)
+    else:
+        tl.static_assert(QT == Q2_K, "no scaled_block for this type")
+        bp = rowp + (b // 16) * 84  # scales[16], qs[64], d, dmin
+        t = b % 16
+        j = t * 16 + tl.arange(0, 16)[None, :]
+        q = (_u8(bp + 16 + (j // 128) * 32 + j % 32, mb) >> (((j % 128) // 32) * 2)) & 3
+        sc = _u8(bp + t, mb)
+        scale = _f16(bp + 80, mb) * (sc & 0xF).to(tl.float32)
+        offset = _f16(bp + 82, mb) * (sc >> 4).to(tl.float32)
+    return q.to(tl.float32), scale, offset
+
+
+@triton.jit
 def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
     """Q4_K as [BN, 4, 2, 32] (32-byte group, low/high nibble, byte): the quants read as int32 words
     (a block's 144 bytes keep them 4-byte aligned), each giving eight values; scales once per
