@@ -70,6 +70,9 @@ class DaemonLink:
         self.timeout_s = timeout_s
         self.down_timeout_s = down_timeout_s
         self.reconnects = 0
+        # Keys asked of expertd again (an answer that failed, came too late or died with its
+        # session, a session that lapsed while copying): each was counted by expertd twice.
+        self.refetched = 0
         self.client: ExpertClient | None = None
         self.staging: torch.Tensor | None = None  # the whole segment, uint8
         self.pinned = False
@@ -206,7 +209,11 @@ class DaemonLink:
         # When the daemon was found gone; None while it serves. No session at the start: an earlier
         # request found it gone, and this one waits for it no longer than down_timeout_s either.
         down_since: float | None = time.monotonic() if self.client is None else None
+        first = True
         while remaining:
+            if not first:
+                self.refetched += len(remaining)
+            first = False
             try:
                 if self.client is None:
                     self._reconnect(down_since)

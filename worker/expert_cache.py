@@ -244,6 +244,7 @@ class ExpertCache:
                             "of staging: reading them again", len(doubtful))
                 keys, doubtful = doubtful, []
                 wanted = set(keys)
+                self.link.refetched += len(keys)
                 for expert, _ in self.link.ahead.fetch(keys):
                     self._check_delivery(expert, wanted)
                     self._copy_in(expert, self.policy.slot_of[expert.key], time.perf_counter())
@@ -328,7 +329,7 @@ class ExpertCache:
         counters = self.counters.snapshot()
         return {"cache": {**counters, **prefetch_rates(counters), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
                           "resident_bytes": self.resident_bytes, "staging_pinned": self.link.pinned,
-                          "reconnects": self.link.reconnects},
+                          "reconnects": self.link.reconnects, "refetched": self.link.refetched},
                 "daemon": daemon.get("counters"), "daemon_ram": daemon.get("ram")}
 
     def close(self) -> None:

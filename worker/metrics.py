@@ -89,6 +89,9 @@ def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon
         metric("expertpack_cache_slots", "gauge", "Expert slots of the cache.", [(cache["slots"], None)])
         metric("expertpack_daemon_reconnects", "counter", "Times the worker reconnected to expertd.",
                [(cache["reconnects"], None)], "_total")
+        metric("expertpack_daemon_refetched_keys", "counter",
+               "Experts asked of expertd again (a failed or late answer, a lapsed session).",
+               [(cache["refetched"], None)], "_total")
     metric("expertpack_daemon_up", "gauge", "1 when expertd answered the last STATS.", [(int(daemon is not None), None)])
     if daemon is not None:
         metric("expertpack_daemon_read_bytes", "counter", "Bytes expertd read from the pack (all clients).",

@@ -162,6 +162,7 @@ class Prefetches:
                 for pending in waiting:
                     yield from self._result(pending, again)
                 if again:
+                    self.link.refetched += len(again)
                     yield from ((expert, False) for expert in self.link.fetch(again))
             finally:
                 for pending in self.taken:  # left early: what was not handed out goes back
@@ -181,6 +182,7 @@ class Prefetches:
             log.debug("demand not sent ahead (%s): fetched after the prefetched ones", exc)
             for pending in asked:
                 pending.cancel()
+            self.link.refetched += len(asked)
             return None
         self.taken += asked
         return asked

@@ -99,7 +99,7 @@ class CacheGroup(SplitExperts):
         counters = self.counters.snapshot()
         return {"cache": {**counters, **prefetch_rates(counters), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
                           "resident_bytes": self.resident_bytes, "staging_pinned": self.link.pinned,
-                          "reconnects": self.link.reconnects},
+                          "reconnects": self.link.reconnects, "refetched": self.link.refetched},
                 "devices": [{"device": str(c.device), **c.counters.snapshot(), "slots": c.n_slots} for c in self.caches],
                 "daemon": (self.link.stats() or {}).get("counters")}
 

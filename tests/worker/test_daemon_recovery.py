@@ -193,6 +193,7 @@ def test_keys_failed_by_a_daemon_shutting_down_are_fetched_from_its_successor(ti
             else:
                 expert.release()
         assert link.reconnects == 1
+        assert link.refetched == len(keys) - len(held)  # what had not arrived, asked again of the new daemon
     finally:
         for expert in held:
             expert.release()

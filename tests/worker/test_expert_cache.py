@@ -107,7 +107,7 @@ def test_minimal_cache_is_bit_exact_and_counts_what_it_does(name: str, fixture_p
         assert c["misses"] > 0
         assert c["evictions"] == c["misses"] - cache.n_slots  # full after the first wave, then every miss evicts
         # each miss asked once, on demand or ahead (prefetch, on by default); stale prefetches were cancelled
-        assert daemon["keys"] == c["misses"] - c["prefetch_used"] + c["prefetch_issued"]
+        assert daemon["keys"] == c["misses"] - c["prefetch_used"] + c["prefetch_issued"] + c["refetched"]
         assert daemon["ready"] + daemon["cancelled"] == daemon["keys"] and daemon["failed"] == daemon["cancelled"]
         payloads = [l.payload_bytes for l in Manifest.load(pack).layers]
         assert c["misses"] * min(payloads) <= c["h2d_bytes"] <= min(c["misses"] * max(payloads),

@@ -171,7 +171,8 @@ def test_split_expert_caches_share_one_daemon_and_are_bit_identical(arch: str, p
         c, daemon = stats["cache"], stats["daemon"]
         counted = group.counters.since(before)
         assert c == {**counted, **prefetch_rates(counted), "slots": group.n_slots, "slot_bytes": group.slot_bytes,
-                     "resident_bytes": group.resident_bytes, "staging_pinned": False, "reconnects": 0}
+                     "resident_bytes": group.resident_bytes, "staging_pinned": False, "reconnects": 0,
+                     "refetched": 0}
         assert c["misses"] == sum(dev["misses"] for dev in stats["devices"]) > 0
         assert all(dev["misses"] > 0 for dev in stats["devices"])
         # each miss asked once, on demand or ahead; stale prefetches were cancelled (or read, then released)
