@@ -22,7 +22,8 @@ from gguf import GGMLQuantizationType
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from expertpack.worker.kernels import linear_tl, moe_dense, moe_grouped, moe_tiles, moe_tl
+from expertpack.worker.kernels import linear_tl, matmul_tl, moe_dense, moe_grouped, moe_tiles, moe_tl
+from expertpack.worker.weights import Q8_0_REGROUPED
 from expertpack.worker.kernels.dequant_tl import CHUNK
 
 POINTERS = {"x_ptr": "*fp32", "pool_ptr": "*u8", "off_ptr": "*i64", "pair_ptr": "*i32", "gu_ptr": "*fp32",
@@ -69,6 +70,14 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
                                      (g.BM_WIDE, g.PRECISION_WIDE, g.WARPS if qt == g.MXFP4 else g.WARPS_WIDE_SCALED))
         for name, kernel, more in (("gate/up", g._matrix_kernel, {}), ("down", g._down_kernel, act))
     ] if qt in g.STEP else []  # the types the prompt's on-chip products decode
+    mm = matmul_tl
+    for kernel_type, label in ((qt, "matmul decoded (trunk prompt)"), (Q8_0_REGROUPED, "matmul decoded regrouped")):
+        if mm.decodes(kernel_type) and (kernel_type == qt or qt == int(GGMLQuantizationType.Q8_0)):
+            extra.append((label, mm._matmul_kernel,
+                          {"QT": kernel_type, "MINS": kernel_type in g.WITH_MINS, "BK": g.STEP[kernel_type],
+                           "BM": mm.BM, "BN": mm.BN, "PRECISION": mm.PRECISION,
+                           "OPERAND": triton.language.bfloat16},
+                          8 if kernel_type in mm.WARPS_8 else mm.WARPS))
     if qt == int(GGMLQuantizationType.Q8_0):  # trunk matrices of 256-value multiples, as placed on the GPU
         extra.append(("matvec regrouped (trunk)", linear_tl._matvec_q8_0r_kernel, {"BN": linear_tl.BN_REGROUPED},
                         linear_tl.MATVEC_WARPS))

@@ -251,8 +251,9 @@ def scaled_block(QT: tl.constexpr, rowp, b, mb):
     """Sub-block b of the rows at rowp [BN, 1] (the values one scale covers: 16 for Q6_K, Q3_K and
     Q2_K, 32 for Q8_0, Q4_K and Q5_K), mb [BN, 1] the rows that exist, as (q, scale, offset): the
     quants as small integers in float32 [BN, 16 or 32], exact in bfloat16, and [BN, 1] factors with
-    value = scale * q - offset (offset zero for the types without mins): moe_grouped multiplies the
-    integers on tensor cores and scales the sub-block's sums. Q4_K reads its quants as words."""
+    value = scale * q - offset (offset zero for the types without mins): moe_grouped and matmul_tl
+    multiply the integers on tensor cores and scale the sub-block's sums. Q4_K and regrouped Q8_0
+    read their quants as words."""
     if QT == Q4_K:  # d, dmin, scales[12], qs[128]: sub-block s the low (s even) or high nibbles of 32 bytes
         bp = rowp + (b // 8) * 144
         s = b % 8
@@ -276,6 +277,13 @@ def scaled_block(QT: tl.constexpr, rowp, b, mb):
         bp = rowp + b * 34
         q = _i8(bp + 2 + tl.arange(0, 32)[None, :], mb)
         scale = _f16(bp, mb)
+        offset = tl.zeros_like(scale)
+    elif QT == Q8_0R:  # per 256 values (272 bytes): the eight blocks' d, then their quants, as aligned words
+        bp = rowp + (b // 8) * 272
+        wp = (bp + 16 + (b % 8) * 32 + tl.arange(0, 8)[None, :] * 4).to(tl.pointer_type(tl.int32))
+        word = tl.load(wp, mask=mb, other=0)  # [BN, 8]: byte l = 4 * word + k, sign-extended below
+        q = tl.reshape((word[:, :, None] << (24 - tl.arange(0, 4)[None, None, :] * 8)) >> 24, (rowp.shape[0], 32))
+        scale = _f16(bp + (b % 8) * 2, mb)
         offset = tl.zeros_like(scale)
     elif QT == Q6_K:  # ql[128], qh[64], scales[16] (int8), d; value j = 16 * t + l of its 256
         bp = rowp + (b // 16) * 210

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 
 from ..activation import Activation
 from ..expert_roles import ExpertRoles, MatrixRole
+from ..weights import Q8_0_REGROUPED
 from .dequant_tl import mxfp4_block, scaled_block
 from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act
@@ -40,8 +41,8 @@ T = GGMLQuantizationType
 MXFP4 = int(T.MXFP4)
 _MXFP4 = tl.constexpr(MXFP4)  # as the kernels see it
 # The types whose blocks it decodes -> the K step: the values one scale covers (32 for MXFP4).
-STEP = {MXFP4: 32, int(T.Q8_0): 32, int(T.Q4_K): 32, int(T.Q5_K): 32, int(T.Q6_K): 16, int(T.Q3_K): 16,
-        int(T.Q2_K): 16}
+STEP = {MXFP4: 32, int(T.Q8_0): 32, Q8_0_REGROUPED: 32, int(T.Q4_K): 32, int(T.Q5_K): 32, int(T.Q6_K): 16,
+        int(T.Q3_K): 16, int(T.Q2_K): 16}
 WITH_MINS = {int(T.Q4_K), int(T.Q5_K), int(T.Q2_K)}  # value = scale * q - offset
 PRECISION, PRECISION_WIDE = "tf32x3", "bf16x3"  # the products of tiles of BM and of BM_WIDE pairs: see _part
 
@@ -80,8 +81,8 @@ def _part(a, w, PRECISION: tl.constexpr, OPERAND: tl.constexpr):
 
 
 @triton.jit
-def _step(QT: tl.constexpr, rowp, b, mb, a, acc, MINS: tl.constexpr, PRECISION: tl.constexpr,
-          OPERAND: tl.constexpr):
+def product_step(QT: tl.constexpr, rowp, b, mb, a, acc, MINS: tl.constexpr, PRECISION: tl.constexpr,
+                 OPERAND: tl.constexpr):
     """acc + a @ W[:, step b].T for the rows at rowp [BN, 1] (mb: those that exist), a [BM, BK].
     MXFP4 is decoded to its exact values; the other types multiply their integer quants (exact in
     bfloat16 and TF32) and scale the step's sums, which are summed from zero: the scale is one per
@@ -118,7 +119,7 @@ def _matrix_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, tiles_ptr, experts, out_
     acc = tl.zeros([BM, BN], tl.float32)
     for b in range(0, K // BK):  # rows of whole blocks
         a = tl.load(x_ptr + tok[:, None] * K + b * BK + j[None, :], mask=rm[:, None], other=0.0)
-        acc = _step(QT, rowp, b, nm[:, None], a, acc, MINS, PRECISION, OPERAND)
+        acc = product_step(QT, rowp, b, nm[:, None], a, acc, MINS, PRECISION, OPERAND)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * out_width + col0 + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
 
@@ -148,7 +149,7 @@ def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr
             g += tl.load((block + gate_b).to(tl.pointer_type(tl.float32)) + k)[None, :]
             u += tl.load((block + up_b).to(tl.pointer_type(tl.float32)) + k)[None, :]
         a = tl.where(rm[:, None], _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
-        acc = _step(QT, drow, b, nm[:, None], a, acc, MINS, PRECISION, OPERAND)
+        acc = product_step(QT, drow, b, nm[:, None], a, acc, MINS, PRECISION, OPERAND)
     if DOWN_BIAS:
         acc += tl.load((block + down_b).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)[None, :]
     pair = tl.load(pair_ptr + r, mask=rm, other=0)
