@@ -93,7 +93,7 @@ def test_restart_after_sigkill_clears_what_the_dead_daemon_left(tiny_pack: Path,
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
     first.notify.close()
-    assert first.socket_path.exists() and shm.exists()  # what SIGKILL leaves behind
+    assert first.socket_path.exists()  # what SIGKILL leaves behind, with its staging segment (below)
     second = start_daemon(tiny_pack, dirs[2], "--endpoint", first.endpoint)
     second.wait_for("READY=1")
     assert not shm.exists()
@@ -106,7 +106,9 @@ def test_restart_after_sigkill_clears_what_the_dead_daemon_left(tiny_pack: Path,
             expert.release()
     code, err = second.stop()
     assert code == 0, err
-    assert "left by an expertd that is gone" in err and "the staging of an expertd that is gone" in err
+    # The dead daemon's staging is gone, removed by this daemon or by another test's started meanwhile
+    # (make test runs tests side by side; every expertd clears dead daemons' staging at start).
+    assert "left by an expertd that is gone" in err
 
 
 def test_truncated_pack_gives_fail_not_wrong_bytes(tiny_pack: Path, tmp_path: Path) -> None:
@@ -266,15 +268,22 @@ def test_sigterm_while_the_staging_is_being_locked_leaves_nothing(tiny_pack: Pat
     SIGTERM lands inside it. The segment goes with the daemon, which exits 0."""
     import os
 
+    import psutil
+
     if shutil.which("strace") is None:
         pytest.skip("strace (to stretch mlock) is not installed")
-    before = set(os.listdir("/dev/shm"))
     argv = ["strace", "-f", "-o", "/dev/null", "-e", "trace=mlock", "-e", "inject=mlock:delay_exit=3000000",
             str(Path(sys.executable).parent / "expertd"), "--pack", str(tiny_pack), "--endpoint",
             f"ipc://{tmp_path}/expertd.sock", "--stage-slots", "8", "--client-slots", "1"]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
-    while not (new := {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("expertpack-")}):
+
+    def own_segments() -> set[str]:
+        """The segments of strace's children (expertpack-PID-...), not those of other tests' daemons."""
+        pids = {child.pid for child in psutil.Process(proc.pid).children(recursive=True)}
+        return {n for n in os.listdir("/dev/shm") if n.startswith("expertpack-") and int(n.split("-")[1]) in pids}
+
+    while not (new := own_segments()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no segment"
         time.sleep(0.01)
     (segment,) = new
@@ -300,7 +309,9 @@ def test_a_dead_daemons_staging_is_removed_at_start_a_live_ones_is_not(tiny_pack
         d.wait_for("READY=1")
         code, log = d.stop()
         assert code == 0, log
-        assert not mine[0].exists() and f"removed {mine[0]}" in log
+        # Removed (and logged: "removed PATH") by this daemon, or by another test's started in between:
+        # make test runs tests side by side, and every expertd clears dead daemons' staging at start.
+        assert not mine[0].exists()
         assert mine[1].exists(), "the staging of a live process was removed"
     finally:
         for path in mine:
