@@ -71,7 +71,8 @@ class DaemonLink:
         self.down_timeout_s = down_timeout_s
         self.reconnects = 0
         # Keys asked of expertd again (an answer that failed, came too late or died with its
-        # session, a session that lapsed while copying): each was counted by expertd twice.
+        # session, a session that lapsed while copying): expertd counted the first ask too, unless
+        # it reached expertd on a session expertd had already ended.
         self.refetched = 0
         self.client: ExpertClient | None = None
         self.staging: torch.Tensor | None = None  # the whole segment, uint8
@@ -209,14 +210,15 @@ class DaemonLink:
         # When the daemon was found gone; None while it serves. No session at the start: an earlier
         # request found it gone, and this one waits for it no longer than down_timeout_s either.
         down_since: float | None = time.monotonic() if self.client is None else None
-        first = True
+        asked = False  # whether `remaining` went out on a session: asked again, it is counted
         while remaining:
-            if not first:
+            if asked:
                 self.refetched += len(remaining)
-            first = False
+            asked = False
             try:
                 if self.client is None:
                     self._reconnect(down_since)
+                asked = True
                 for expert in self.client.fetch(remaining):
                     remaining.remove(expert.key)
                     down_since = None

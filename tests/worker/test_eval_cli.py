@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..conftest import FIXTURES, Daemon, run_cli
+from .test_expert_cache import assert_every_key_accounted
 
 
 def test_eval_greedy_matches_the_reference_and_saves_logits(tmp_path: Path) -> None:
@@ -52,11 +53,10 @@ def test_eval_through_expertd_gives_the_same_tokens(tiny_pack: Path, daemon: Dae
     cache = b["expert_cache"]["cache"]
     assert cache["slots"] == 9 and cache["misses"] > cache["slots"] and cache["evictions"] > 0  # 1 MiB / 110,592 B
     daemon_counters = b["expert_cache"]["daemon"]
-    # every miss was asked once, on demand or ahead (prefetch); prefetches their layer did not use were sent
-    # too, and keys asked again (a late answer, a lapsed session: a loaded machine) once more
-    asked = cache["misses"] - cache["prefetch_used"] + cache["prefetch_issued"] + cache["refetched"]
-    assert daemon_counters["keys"] == asked, (cache, daemon_counters, served.stderr[-4000:])
-    assert daemon_counters["ready"] + daemon_counters["cancelled"] == daemon_counters["keys"]
+    try:
+        assert_every_key_accounted(cache, daemon_counters)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{served.stderr[-4000:]}") from None
 
     too_small = run_cli("eval", tiny_pack, "--tokens", tokens, "--daemon", daemon.endpoint, "--cache-vram-mib", "0")
     assert too_small.returncode != 0 and "one layer can select 4" in too_small.stderr

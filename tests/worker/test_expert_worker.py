@@ -214,7 +214,7 @@ def test_metrics_parse_and_count(served) -> None:
     looked = sum(after[k] - before[k] for k in ("expertpack_cache_hits_total", "expertpack_cache_misses_total"))
     assert looked > 0 and after["expertpack_cache_h2d_bytes_total"] > before["expertpack_cache_h2d_bytes_total"]
     assert after["expertpack_daemon_up"] == 1 and after["expertpack_daemon_read_bytes_total"] > 0
-    assert after["expertpack_daemon_refetched_keys_total"] >= before["expertpack_daemon_refetched_keys_total"] >= 0
+    assert "expertpack_daemon_refetched_keys_total" in after  # its value: tests/worker/test_expert_cache.py
     m = Manifest.load(served[0])
     slots = min(len(m.layers) * m.model.n_expert, 2**20 // slot_bytes(m))
     assert after["expertpack_cache_slots"] == slots
