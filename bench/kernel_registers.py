@@ -61,23 +61,22 @@ def compile_report(fn, constexprs: dict, warps: int, arch: int) -> dict:
 def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
     """(name, kernel, constexprs, warps) as the worker launches them for weights of type qt."""
     act = {"ACT": 0, "GU_BIAS": False, "DOWN_BIAS": False}
-    g = moe_grouped
-    typed = {"QT": qt, "MINS": qt in g.WITH_MINS, "BK": g.STEP.get(qt, 32)}
-    extra = [
-        (f"grouped {name} (prompt, {bm}-pair tiles)", kernel,
-         {"BM": bm, "BN": g.BN, "PRECISION": precision, "OPERAND": triton.language.bfloat16, **typed, **more}, warps)
-        for bm, precision, warps in ((g.BM, g.PRECISION, g.WARPS),
-                                     (g.BM_WIDE, g.PRECISION_WIDE, g.WARPS if qt == g.MXFP4 else g.WARPS_WIDE_SCALED))
-        for name, kernel, more in (("gate/up", g._matrix_kernel, {}), ("down", g._down_kernel, act))
-    ] if qt in g.STEP else []  # the types the prompt's on-chip products decode
-    mm = matmul_tl
-    for kernel_type, label in ((qt, "matmul decoded (trunk prompt)"), (Q8_0_REGROUPED, "matmul decoded regrouped")):
-        if mm.decodes(kernel_type) and (kernel_type == qt or qt == int(GGMLQuantizationType.Q8_0)):
-            extra.append((label, mm._matmul_kernel,
-                          {"QT": kernel_type, "MINS": kernel_type in g.WITH_MINS, "BK": g.STEP[kernel_type],
-                           "BM": mm.BM, "BN": mm.BN, "PRECISION": mm.PRECISION,
-                           "OPERAND": triton.language.bfloat16},
-                          8 if kernel_type in mm.WARPS_8 else mm.WARPS))
+    bf16 = {"OPERAND": triton.language.bfloat16}
+    extra = []
+    if moe_grouped.decodes_type(qt):  # the prompt's on-chip products
+        for wide in (False, True):
+            args = moe_grouped.launch_args(qt, wide)
+            warps = args.pop("num_warps")
+            for name, kernel, more in (("gate/up", moe_grouped._matrix_kernel, {}),
+                                       ("down", moe_grouped._down_kernel, act)):
+                label = f"grouped {name} (prompt, {args['BM']}-pair tiles)"
+                extra.append((label, kernel, {**args, **bf16, **more}, warps))
+    trunk = [qt] + ([Q8_0_REGROUPED] if qt == int(GGMLQuantizationType.Q8_0) else [])  # as placed on the GPU
+    for kernel_type in filter(matmul_tl.decodes, trunk):
+        args = matmul_tl.launch_args(kernel_type)
+        warps = args.pop("num_warps")
+        label = "matmul decoded regrouped" if kernel_type == Q8_0_REGROUPED else "matmul decoded (trunk prompt)"
+        extra.append((label, matmul_tl._matmul_kernel, {**args, **bf16}, warps))
     if qt == int(GGMLQuantizationType.Q8_0):  # trunk matrices of 256-value multiples, as placed on the GPU
         extra.append(("matvec regrouped (trunk)", linear_tl._matvec_q8_0r_kernel, {"BN": linear_tl.BN_REGROUPED},
                         linear_tl.MATVEC_WARPS))

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from gguf import GGMLQuantizationType as T
 
 from .moe_grouped import STEP, WITH_MINS, product_step
+from .moe_grouped import decodes_type as decodes  # the types whose bytes it reads
 
 BM, BN = 64, 64  # rows of x, rows of W
 WARPS = 4
@@ -26,9 +26,10 @@ WARPS_8 = {int(T.Q8_0), int(T.Q4_K), int(T.Q5_K)}
 PRECISION = "bf16x3"
 
 
-def decodes(ggml_type: int) -> bool:
-    """Whether the kernel reads this type's bytes (moe_grouped.STEP's types)."""
-    return ggml_type in STEP
+def launch_args(ggml_type: int) -> dict:
+    """A launch's constants and warps for this type (bench/kernel_registers.py compiles the same)."""
+    return {"QT": ggml_type, "MINS": ggml_type in WITH_MINS, "BK": STEP[ggml_type], "BM": BM, "BN": BN,
+            "PRECISION": PRECISION, "num_warps": 8 if ggml_type in WARPS_8 else WARPS}
 
 
 @triton.jit
@@ -58,7 +59,5 @@ def matmul_decoded(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n
     if t == 0:
         return y
     _matmul_kernel[(triton.cdiv(t, BM), triton.cdiv(n, BN))](
-        x, raw, y, t, n, k, row_bytes, QT=ggml_type, MINS=ggml_type in WITH_MINS, BK=STEP[ggml_type], BM=BM, BN=BN,
-        PRECISION=PRECISION, OPERAND=tl.bfloat16 if x.is_cuda else tl.float32,
-        num_warps=8 if ggml_type in WARPS_8 else WARPS)
+        x, raw, y, t, n, k, row_bytes, **launch_args(ggml_type), OPERAND=tl.bfloat16 if x.is_cuda else tl.float32)
     return y

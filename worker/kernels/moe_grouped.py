@@ -11,10 +11,11 @@ and nothing is written but the results. (The worker runs it for MXFP4 experts, w
 for the integer types once moe.GROUPED_SCALED_MIN_PAIRS says so.)
 
 Precision: float32 activations, fp32 accumulation, the products as accurate as float32 ones. Tiles
-of BM pairs multiply on TF32 tensor cores in three passes (`tf32x3`, as moe_dense); tiles of BM_WIDE,
-whose products bind a long prompt, in three bfloat16 passes, which weights exact in bfloat16 allow
-(MXFP4 values, integer quants; `bf16x3`, _part: twice TF32's rate; gpt-oss-20b's MoE layer at 512 tokens 4.24 -> 3.00 ms on the H200, its
-error against float32 per-pair products the same 3.8e-7), where at BM pairs they measured slower.
+of BM pairs multiply on TF32 tensor cores in three passes (`tf32x3`, as moe_dense); tiles of
+BM_WIDE, whose products bind a long prompt, in three bfloat16 passes, which weights exact in
+bfloat16 allow (MXFP4 values, integer quants; `bf16x3`, _part): twice TF32's rate, gpt-oss-20b's
+MoE layer at 512 tokens 4.24 -> 3.00 ms on the H200 with the same 3.8e-7 error against float32
+per-pair products; in tiles of BM pairs they measured slower.
 A pair's row is computed by a tile of fixed shape over K in a fixed order, whichever other pairs
 share the tile, and the tile shape by the whole step's, so a cache that loads a step's experts in
 waves gives the very bits of the resident table."""
@@ -27,7 +28,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from ..activation import Activation
-from ..expert_roles import ExpertRoles, MatrixRole
+from ..expert_roles import ExpertRoles
 from ..weights import Q8_0_REGROUPED
 from .dequant_tl import mxfp4_block, scaled_block
 from .expert_tiles import expert_tiles, tile_at
@@ -157,16 +158,23 @@ def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
 
+def decodes_type(ggml_type: int) -> bool:
+    """Whether it reads matrices of this type (STEP's types)."""
+    return ggml_type in STEP
+
+
 def decodes(roles: ExpertRoles) -> bool:
-    """Whether it decodes every matrix of the experts (STEP's types)."""
-    return all(r.ggml_type in STEP for r in (roles.gate, roles.up, roles.down))
+    """Whether it decodes every matrix of the experts."""
+    return all(decodes_type(r.ggml_type) for r in (roles.gate, roles.up, roles.down))
 
 
-def _type_args(role: MatrixRole, wide: bool) -> dict:
-    """A launch's constants and warps for the type of one matrix."""
-    qt = role.ggml_type
-    warps = WARPS_WIDE_SCALED if wide and qt != MXFP4 else WARPS
-    return {"QT": qt, "MINS": qt in WITH_MINS, "BK": STEP[qt], "num_warps": warps}
+def launch_args(ggml_type: int, wide: bool) -> dict:
+    """A launch's constants and warps for one matrix of this type, in tiles of BM_WIDE pairs or of
+    BM (bench/kernel_registers.py compiles the same)."""
+    bm, precision = (BM_WIDE, PRECISION_WIDE) if wide else (BM, PRECISION)
+    warps = WARPS_WIDE_SCALED if wide and ggml_type != MXFP4 else WARPS
+    return {"QT": ggml_type, "MINS": ggml_type in WITH_MINS, "BK": STEP[ggml_type], "BM": bm, "BN": BN,
+            "PRECISION": precision, "num_warps": warps}
 
 
 def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
@@ -178,7 +186,7 @@ def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, 
     f, d, k = roles.gate.n, roles.down.n, roles.gate.k
     out = torch.empty((total, d), dtype=torch.float32, device=x.device) if out is None else out
     wide = bool(n_expert) and total >= WIDE_PAIRS * n_expert  # by the step's shape: every wave alike
-    bm, precision = (BM_WIDE, PRECISION_WIDE) if wide else (BM, PRECISION)
+    bm = BM_WIDE if wide else BM
     t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, bm, n_expert)
     n_tiles = t.table.shape[0]
     operand = tl.bfloat16 if x.is_cuda else tl.float32
@@ -186,11 +194,10 @@ def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, 
     for role, col0 in ((roles.gate, 0), (roles.up, f)):
         _matrix_kernel[(n_tiles, triton.cdiv(f, BN))](
             x, t.tokens, pool, t.blocks, t.table, t.max_experts, gu, role.offset, role.row_bytes, col0, 2 * f, f, k,
-            **_type_args(role, wide), BM=bm, BN=BN, PRECISION=precision, OPERAND=operand)
+            **launch_args(role.ggml_type, wide), OPERAND=operand)
     _down_kernel[(n_tiles, triton.cdiv(d, BN))](
         gu, t.table, t.max_experts, t.order, weights, out, pool, t.blocks, roles.gate_bias or 0, roles.up_bias or 0,
         roles.down.offset, roles.down.row_bytes, roles.down_bias or 0, d, f, act.limit, act.alpha, act.beta,
         act.linear_beta, ACT=int(act.kind), GU_BIAS=roles.gate_bias is not None,
-        DOWN_BIAS=roles.down_bias is not None, **_type_args(roles.down, wide), BM=bm, BN=BN, PRECISION=precision,
-        OPERAND=operand)
+        DOWN_BIAS=roles.down_bias is not None, **launch_args(roles.down.ggml_type, wide), OPERAND=operand)
     return out
