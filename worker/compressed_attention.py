@@ -26,6 +26,7 @@ torch.where, not a branch), so the buffers hold what reserving an eager state wo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -51,13 +52,12 @@ class CompressorBuffers:
     overlap: tuple[torch.Tensor, torch.Tensor] | None  # CSA: [ratio, d] each; zeros and -inf before a window
 
     @classmethod
-    def like(cls, c: CompressorState, ratio: int, capacity: int) -> "CompressorBuffers":
-        """Zeroed buffers for `capacity` positions, shaped as c's tensors (CSA's projection holds
-        two series)."""
-        width, d = c.buf_kv.shape[1], c.entries.shape[1]
-        overlap = (c.entries.new_zeros((ratio, d)), c.entries.new_zeros((ratio, d))) if width == 2 * d else None
-        return cls(c.buf_kv.new_zeros((ratio, width)), c.buf_gate.new_zeros((ratio, width)),
-                   c.entries.new_zeros((-(-capacity // ratio), d)), overlap)
+    def empty(cls, width: int, d: int, ratio: int, capacity: int, device: torch.device) -> "CompressorBuffers":
+        """The state before any token, for `capacity` positions: projections `width` wide (CSA's
+        hold two series of d: an overlap, whose gate weighs nothing before a first window)."""
+        zeros = partial(torch.zeros, dtype=torch.float32, device=device)
+        overlap = (zeros((ratio, d)), torch.full((ratio, d), float("-inf"), device=device)) if width == 2 * d else None
+        return cls(zeros((ratio, width)), zeros((ratio, width)), zeros((-(-capacity // ratio), d)), overlap)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.kv, self.gate, self.entries, *(self.overlap or ())]
@@ -106,11 +106,21 @@ class AttentionShape:
     index_dim: int
     index_topk: int
     eps: float
+    overlap: bool = False  # CSA: its compressor pools overlapping windows (two series per token)
+    indexed: bool = False  # CSA: a lightning indexer picks the entries each query sees
+
+    def compressor_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each compressor's projection width and entry width."""
+        if not self.ratio:
+            return {}
+        shapes = {"attn": ((2 if self.overlap else 1) * self.head_dim, self.head_dim)}
+        return shapes | ({"indexer": (2 * self.index_dim, self.index_dim)} if self.indexed else {})
 
 
 @dataclass
 class LayerState:
     shape: AttentionShape
+    device: torch.device | None = None  # where an empty state's buffers go (reserve before a first pass)
     raw: torch.Tensor | None = None  # [S, d]: the last window - 1 raw (roped) entries
     compressors: dict[str, CompressorState] = field(default_factory=dict)
     # Positions whose last indexer pick was a tie (the k-th and the next score equal, often both
@@ -145,14 +155,22 @@ class LayerState:
             return
         if self.buffers is not None:
             self.unpack(length)
-        if self.raw is None:
-            raise ValueError("a DeepSeek-V4 layer state is reserved after a first pass, which sets its shapes")
-        compressors = {name: CompressorBuffers.like(c, self.shape.ratio, capacity)
-                       for name, c in self.compressors.items()}
-        ties = torch.zeros(capacity, dtype=torch.bool, device=self.raw.device) if "indexer" in compressors else None
-        self.buffers = StepBuffers(capacity, self.raw.new_zeros((max(self.shape.window - 1, 0), self.raw.shape[1])),
-                                   compressors, ties)
-        self.pack(length)
+        empty = self.raw is None
+        if empty and (length or self.device is None):
+            raise ValueError("a DeepSeek-V4 layer state is reserved before a first pass only when empty and "
+                             "given its device")
+        device = self.device if empty else self.raw.device
+        shape, compressors = self.shape, {}
+        for name, (width, d) in shape.compressor_shapes().items():
+            compressors[name] = CompressorBuffers.empty(width, d, shape.ratio, capacity, device)
+            self.compressors.setdefault(name, CompressorState())
+        ties = torch.zeros(capacity, dtype=torch.bool, device=device) if "indexer" in compressors else None
+        raw = torch.zeros((max(shape.window - 1, 0), shape.head_dim), device=device)
+        self.buffers = StepBuffers(capacity, raw, compressors, ties)
+        if empty:
+            self.unpack(0)  # the fields an eager pass starts from
+        else:
+            self.pack(length)
 
     def pack(self, length: int) -> None:
         """Writes the fields (the state after `length` tokens) into the buffers, in place; grows
@@ -226,8 +244,8 @@ def compress(state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, ape: 
 
 def attention(w: dict, p: str, x: torch.Tensor, start: int | torch.Tensor, state: LayerState,
               rope: Rope) -> torch.Tensor:
-    """x [T, D] (the block's normalized input) at positions start.. -> [T, D]. `start` a device
-    tensor [1]: one token's static step over the reserved buffers (_step)."""
+    """x [T, D] (the block's normalized input) at positions start.. -> [T, D]. `start` the
+    positions [T] on the device: a static pass over the reserved buffers (_step)."""
     if isinstance(start, torch.Tensor):
         return _step(w, p, x, start, state, rope)
     if state.buffers is not None:
@@ -279,11 +297,11 @@ def _eager(w: dict, p: str, x: torch.Tensor, tokens_start: int, state: LayerStat
     keys = raw
     if shape.ratio:
         c = state.compressors.setdefault("attn", CompressorState())
-        entries = compress(c, *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio, _overlapping(w, p), rope,
+        entries = compress(c, *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio, shape.overlap, rope,
                            shape.eps)
         threshold = (qpos + 1) // shape.ratio  # entries a query may see
         seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold
-        if p + "indexer.attn_q_b.weight" in w:
+        if shape.indexed:
             seen &= _indexer_picks(w, p, x, qr, positions, state, rope, cos, sin, threshold)
         keys = torch.cat([raw, entries])
         visible = torch.cat([visible, seen], dim=1)
@@ -291,37 +309,45 @@ def _eager(w: dict, p: str, x: torch.Tensor, tokens_start: int, state: LayerStat
     return _attend(w, p, q, keys, visible, shape, rope, cos, sin)
 
 
-def _step(w: dict, p: str, x: torch.Tensor, position: torch.Tensor, state: LayerState, rope: Rope) -> torch.Tensor:
-    """One token at the device position [1] over the reserved buffers: keys are the ring of raw
-    entries, the token's own, and every entry row, masked by position; the same shapes and
-    operations at every position, the buffers updated in place."""
-    shape, b = state.shape, state.buffers
+def _step(w: dict, p: str, x: torch.Tensor, positions: torch.Tensor, state: LayerState, rope: Rope) -> torch.Tensor:
+    """T tokens at the device positions [T] (a decode step's one, or a short prompt's) over the
+    reserved buffers: keys are the ring of raw entries, the tokens' own, and every entry row,
+    masked by position; the same shapes and operations at every position, the buffers updated in
+    place."""
+    shape, b, t = state.shape, state.buffers, x.shape[0]
     if b is None:
-        raise ValueError("a static DeepSeek-V4 step needs its state reserved first (KVCache.reserve)")
-    cos, sin = rope.at(position, b.capacity)
+        raise ValueError("a static DeepSeek-V4 pass needs its state reserved first (KVCache.reserve)")
+    cos, sin = rope.at(positions, b.capacity)
     qr, q, kv = _project(w, p, x, shape, rope, cos, sin)
 
-    size = b.raw.shape[0]
-    held = position - 1 - (position - 1 - torch.arange(size, device=x.device)) % size  # [S]: each row's position
+    size, first = b.raw.shape[0], positions[:1]
+    held = first - 1 - (first - 1 - torch.arange(size, device=x.device)) % size  # [S]: each row's position
     keys = torch.cat([b.raw, kv])
-    visible = torch.cat([held >= 0, torch.ones_like(position, dtype=torch.bool)])[None]  # [1, S + 1]
+    if t == 1:  # the ring holds the window before the token, which sees itself
+        visible = torch.cat([held >= 0, torch.ones_like(positions, dtype=torch.bool)])[None]  # [1, S + 1]
+    else:
+        held_and_new = torch.cat([held, positions])
+        ahead = positions[:, None] - held_and_new[None]  # [T, S + T]: the query's position minus the key's
+        visible = (held_and_new >= 0)[None] & (ahead >= 0) & (ahead < shape.window)
     if shape.ratio:
-        entries = _compress_step(b.compressors["attn"], *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio,
-                                 position, rope, shape.eps, b.capacity)
-        threshold = (position[:, None] + 1) // shape.ratio
-        seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold  # [1, n]
-        if p + "indexer.attn_q_b.weight" in w:
-            keys_index = _compress_step(b.compressors["indexer"], *_compressor_inputs(w, p + "indexer_compressor", x),
-                                        shape.ratio, position, rope, shape.eps, b.capacity)
+        compressed = _compress_step if t == 1 else _compress_pass
+        entries = compressed(b.compressors["attn"], *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio,
+                             positions, rope, shape.eps, b.capacity)
+        threshold = (positions[:, None] + 1) // shape.ratio
+        seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold  # [T, n]
+        if shape.indexed:
+            keys_index = compressed(b.compressors["indexer"], *_compressor_inputs(w, p + "indexer_compressor", x),
+                                    shape.ratio, positions, rope, shape.eps, b.capacity)
             index = _index_scores(w, p, x, qr, keys_index, shape, rope, cos, sin)
             picked, tie = _top(index, seen, shape.index_topk)
             if tie is not None:
-                b.ties.index_copy_(0, position, tie)
+                b.ties.index_copy_(0, positions, tie)
             seen = picked
         keys = torch.cat([keys, entries])
         visible = torch.cat([visible, seen], dim=1)
-    if size:
-        b.raw.index_copy_(0, position % size, kv)  # over the position that just left the window
+    if size:  # over the positions that just left the window (the last `size` tokens where more came)
+        m = min(t, size)
+        b.raw.index_copy_(0, positions[t - m:] % size, kv[t - m:])
     return _attend(w, p, q, keys, visible, shape, rope, cos, sin)
 
 
@@ -360,8 +386,48 @@ def _compress_step(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, a
     return c.entries
 
 
-def _overlapping(w: dict, p: str) -> bool:
-    """CSA's compressor projects to two series (2 * d); HCA's to one."""
+def _compress_pass(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
+                   ratio: int, positions: torch.Tensor, rope: Rope, eps: float, capacity: int) -> torch.Tensor:
+    """compress for T tokens at consecutive device positions [T] (a short prompt's) with static
+    shapes: the windows the pass can touch (T // ratio + 2 from the first token's) laid out as a
+    grid of the incomplete window's held rows and the new tokens at their offsets, each pooled as
+    compress pools it; the entries of the windows the pass completes written, the overlap moved
+    to the last of them, and the held rows replaced by the window the next token joins. Returns
+    every entry row [n, d]."""
+    t, n_win, device = kv.shape[0], kv.shape[0] // ratio + 2, kv.device
+    offsets = torch.arange(ratio, device=device)
+    first_window = positions[:1] // ratio  # [1]
+    windows = first_window + torch.arange(n_win, device=device)  # [W]
+    rank = (windows[:, None] * ratio + offsets[None]) - positions[:1]  # [W, ratio]: index among the new tokens
+    new, held = ((rank >= 0) & (rank < t))[..., None], (rank < 0)[..., None]
+    pick = rank.clamp(0, t - 1)
+    grid_kv = torch.where(new, kv[pick], torch.where(held, c.kv[None], 0.0))  # [W, ratio, c*d]
+    grid_gate = torch.where(new, gate[pick], torch.where(held, c.gate[None], 0.0))
+    complete = windows * ratio + ratio - 1 <= positions[-1:]  # [W]
+    d = norm.shape[0]
+    ckv, cgate = grid_kv, grid_gate + ape
+    following = (positions[-1:] + 1) // ratio - first_window  # [1]: the window the next token joins
+    if c.overlap is not None:  # each window's previous first series, then its own second
+        pool_kv = torch.cat([torch.cat([c.overlap[0][None], ckv[:-1, :, :d]]), ckv[..., d:]], dim=1)  # [W, 2r, d]
+        pool_gate = torch.cat([torch.cat([c.overlap[1][None], cgate[:-1, :, :d]]), cgate[..., d:]], dim=1)
+        moved, last = following > 0, (following - 1).clamp(min=0)  # the last window the pass completed
+        c.overlap[0].copy_(torch.where(moved, ckv.index_select(0, last)[0, :, :d], c.overlap[0]))
+        c.overlap[1].copy_(torch.where(moved, cgate.index_select(0, last)[0, :, :d], c.overlap[1]))
+        ckv, cgate = pool_kv, pool_gate
+    pooled = rms_norm((ckv * torch.softmax(cgate, dim=1)).sum(dim=1), norm, eps)  # [W, d]
+    cos, sin = rope.at((windows * ratio).clamp(max=capacity - 1), capacity)  # incomplete windows: never written
+    pooled = rope_tail(pooled[:, None, :], rope, cos, sin)[:, 0, :]
+    row = torch.arange(c.entries.shape[0], device=device) - first_window  # [n]: window index in the grid
+    inside = (row >= 0) & (row < n_win)
+    row = row.clamp(0, n_win - 1)
+    c.entries.copy_(torch.where((inside & complete[row])[:, None], pooled[row], c.entries))
+    c.kv.copy_(grid_kv.index_select(0, following)[0])
+    c.gate.copy_(grid_gate.index_select(0, following)[0])
+    return c.entries
+
+
+def overlapping(w: dict, p: str) -> bool:
+    """Whether layer p's compressor projects to two series (2 * d, CSA's) rather than one (HCA's)."""
     return w[p + "attn_compressor_kv.weight"].shape[1] == 2 * w[p + "attn_compressor_norm.weight"].shape[0]
 
 

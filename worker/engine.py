@@ -213,6 +213,9 @@ class Engine:
         would exceed STATIC_PROMPT_MAX_CAPACITY."""
         if not cache.length and self._adopt_buffers(cache, STATIC_PROMPT_MAX_CAPACITY):
             return True
+        new_states = getattr(self.model, "new_states", None)
+        if not cache.length and not cache.state and new_states is not None:
+            cache.state.update(new_states())  # reserved below, as a filled cache's are
         need = cache.length + t
         capacity = cache.capacity
         if capacity <= need or capacity < MIN_STATIC_CAPACITY or capacity & (capacity - 1):

@@ -126,3 +126,79 @@ def test_deepseek4_state_stays_in_its_buffers_between_eager_and_static_passes() 
     err = (got - want).abs().max().item()
     ties = sorted({p for state in static.state.values() for p in state.ties()})
     assert err < 1e-5, f"max |diff| {err:.2e} (indexer ties at {ties})"
+
+
+def static_pass(engine: Engine, cache: KVCache, tokens: list[int]) -> torch.Tensor:
+    """Logits [1, V] after a pass of several tokens at device positions, as a captured prompt runs."""
+    cache.step_positions = torch.arange(cache.length, cache.length + len(tokens))
+    try:
+        with torch.inference_mode():
+            return engine.model.forward(torch.tensor(tokens), cache, True).to(torch.float32)
+    finally:
+        cache.step_positions = None
+
+
+# DeepSeek-V4's tiny model: window 32, CSA 4 (indexer top 4), HCA 128. Passes of up to 64 tokens
+# (engine.STATIC_PROMPT_MAX_TOKENS) static, longer ones eager, each into the cache the last left.
+STATIC_PASSES = {
+    "empty cache, CSA's first windows": (False, [2, 1, 1, 7, 5]),
+    "passes that complete windows and go round the ring": (True, [40, 33, 1, 1]),
+    "HCA's first window completed inside a pass": (True, [64, 60, 9, 1]),
+    "after a long eager prompt, with the indexer's picks": (False, [122, 9, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STATIC_PASSES))
+def test_deepseek4_static_passes_of_several_tokens_equal_eager_passes(case: str) -> None:
+    """A short prompt with static shapes (what engine captures as a CUDA graph per prompt length):
+    into an empty cache whose states the model made before any token (new_states), and into a
+    filled one; each compressor completes the windows the pass fills. Every pass gives the eager
+    pass's logits, and the states end where eager passes leave them. Where `wide`, the indexer
+    picks every entry: its top-k often ties (scores of exactly 0 after ReLU), where eager and
+    static picks may differ, either being right, and a different pick changes everything after it."""
+    import dataclasses
+
+    wide, plan = STATIC_PASSES[case]
+    engine = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
+    if wide:
+        engine.model.shapes = [dataclasses.replace(s, index_topk=10 ** 6) for s in engine.model.shapes]
+    stream = [(7 * i + 1) % 1000 for i in range(sum(plan))]
+    eager, static = engine.new_cache(), engine.new_cache()
+    static.state.update(engine.model.new_states())
+    static.reserve(256)
+    assert static.capacity == 256 and static.length == 0
+    start = 0
+    for n in plan:
+        tokens, start = stream[start:start + n], start + n
+        with torch.inference_mode():
+            want = engine.model.forward(torch.tensor(tokens), eager, True).to(torch.float32)
+            got = static_pass(engine, static, tokens) if n <= 64 else engine.model.forward(
+                torch.tensor(tokens), static, True).to(torch.float32)
+        err = (got - want).abs().max().item()
+        assert err < 1e-5, f"{case}: pass of {n} tokens ending at {start}: max |diff| {err:.2e}"
+    assert static.length == eager.length == sum(plan)
+    eager.reserve(256)
+    for mine, theirs in zip(static.state_tensors(), eager.state_tensors(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engines_short_prompt_into_an_empty_deepseek4_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine runs a generation's short prompt with static shapes wherever its kernels run
+    (here told they do, the model's arithmetic staying torch's): an empty DeepSeek-V4 cache gets
+    the model's states before any token and a reservation, then a second turn's prompt and decode
+    steps continue it; the logits are those of eager passes."""
+    from expertpack.worker import engine as engine_module
+
+    engine = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
+    prompt, turn = [(3 * i + 11) % 1000 for i in range(21)], [5, 9, 200, 33, 7]
+    eager = engine.new_cache()
+    want = [engine.forward(prompt, eager, last=True), engine.forward(turn, eager, last=True),
+            engine.forward([64], eager)]
+    monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
+    cache = engine.new_cache()
+    got = [engine.forward(prompt, cache, last=True)]
+    assert cache.capacity == engine_module.MIN_STATIC_CAPACITY and cache.length == 21
+    assert all(state.buffers is not None for state in cache.state.values())
+    got += [engine.forward(turn, cache, last=True), engine.forward([64], cache)]
+    err = (torch.cat(got) - torch.cat(want)).abs().max().item()
+    assert err < 1e-5, f"max |diff| {err:.2e}"

@@ -28,7 +28,9 @@ class Model(Protocol):
 
     moe: ExpertFFN  # the one MoE entry point, and through it the expert source
     static_decode: bool  # a one-token step has the same shapes at every position (CUDA graphs)
-    static_prompt: bool  # so has a short prompt (engine.STATIC_PROMPT_MAX_TOKENS): no state a prompt advances
+    static_prompt: bool  # so has a short prompt (engine.STATIC_PROMPT_MAX_TOKENS)
+    # An architecture with its own per-layer states (KVCache.state) that a static prompt can start
+    # from also has `new_states() -> dict[int, LayerCache]`: the states before a first token.
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] (on the device) -> logits [T, n_vocab] ([1, n_vocab], the last position's,

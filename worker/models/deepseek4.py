@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..activation import Activation
-from ..compressed_attention import AttentionShape, LayerState, attention
+from ..compressed_attention import AttentionShape, LayerState, attention, overlapping
 from ..config import Key, read_args
 from ..hyper_connections import HyperConnection
 from ..layers import KVCache, Rope, RopeStyle, output_logits, rms_norm
@@ -88,7 +88,7 @@ KEYS = {
 
 class Model:
     static_decode = True  # once reserved, the compressed-attention states are buffers updated in place
-    static_prompt = False  # a prompt advances its states token by token: its shapes stay as they are
+    static_prompt = True  # a short prompt too: its compressors complete the windows it fills (_compress_pass)
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         a = self.args = read_args(Args, files.arch, files.metadata, KEYS)
@@ -98,7 +98,9 @@ class Model:
         self.compress_rope = Rope(a.rope_dim, a.compress_rope_base, RopeStyle.NORM, a.rope_factor,
                                   a.rope_original_context, a.yarn_beta_fast, a.yarn_beta_slow)  # no mscale
         self.shapes = [AttentionShape(a.n_head, a.head_dim, a.window, int(a.compress_ratios[i]), a.o_groups,
-                                      a.index_heads, a.index_dim, a.index_topk, a.eps) for i in range(a.n_layer)]
+                                      a.index_heads, a.index_dim, a.index_topk, a.eps,
+                                      overlap=bool(a.compress_ratios[i]) and overlapping(w, f"blk.{i}."),
+                                      indexed=f"blk.{i}.indexer.attn_q_b.weight" in w) for i in range(a.n_layer)]
 
         def hc(prefix: str) -> HyperConnection:
             return HyperConnection(w[prefix + "_fn.weight"].dequant(), w[prefix + "_base.weight"].dequant(),
@@ -111,6 +113,12 @@ class Model:
         self.tables = {i: w[f"blk.{i}.ffn_gate_tid2eid.weight"].ints() for i in range(a.n_hash)}
         self.moe.static_routes.update(self.tables)
         self.moe.router = self.route
+
+    def new_states(self) -> dict[int, LayerState]:
+        """Every layer's state before a first token, shaped by the weights: an empty cache reserves
+        these for a static prompt, whose graph then reads and writes the same buffers as the
+        decode step's."""
+        return {i: LayerState(shape, self.device) for i, shape in enumerate(self.shapes)}
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
@@ -125,7 +133,7 @@ class Model:
             rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
             pre, post, comb = self.hc_attn[i].weights(streams)
             h = rms_norm(HyperConnection.collapse(streams, pre), w[p + "attn_norm.weight"].dequant(), a.eps)
-            start = cache.length if cache.step_positions is None else cache.positions(1, h.device)
+            start = cache.length if cache.step_positions is None else cache.positions(len(tokens), h.device)
             out = attention(w, p, h, start, state, rope)
             streams = HyperConnection.expand(streams, out, post, comb)
 
