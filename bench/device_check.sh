@@ -14,9 +14,8 @@
 # (two GPUs, tiny model, argmax and shared reads); each fits one call.
 # `bash bench/device_check.sh streaming` (needs .whl and set a) runs the expert cache's GPU tests, then
 # bench/profile_streaming.py and decode_streaming.py with a RAM tier on the 12-layer Qwen3-30B-A3B.
-# `bash bench/device_check.sh prefill [PRESET:LAYERS ...]` (needs .whl only) runs the GPU tests of the
-# prompt kernels not yet switched on (moe_grouped's integer types, matmul_tl), then times prompts of
-# 512 and 32 tokens with each on and off (default: qwen3-30b-a3b:12 gpt-oss-20b:12 deepseek-v4-flash:2).
+# `bash bench/device_check.sh prefill` (needs .whl only) sweeps which kernels a prompt of 32 and of 512
+# tokens takes (attention, trunk matvec rows, expert paths) on the 12-layer Qwen3-30B-A3B.
 # `bash bench/device_check.sh kernels PRESET LAYERS` (needs .whl only) shows where that preset's resident
 # step goes: the decode step's and a 32-token prompt's profiles, one MoE layer of a prefill by path and
 # prompt length (bench/moe_prefill.py), and a sweep of the expert and trunk kernels' tile settings.
@@ -103,26 +102,18 @@ streaming)  # the streaming path's GPU tests, then its host cost and its speed a
     timeout 200 python3 bench/decode_streaming.py --layers 12 --cache-gib 1 --ram-cache-gib 4 --prompt 16 --decode 24 \
         2>&1 | grep -v Warn | tee "$out/decode_streaming.txt" | tail -10
     ;;
-prefill)  # the prompt kernels that wait on a measurement, A/B on the resident prompt (decode_settings --prefill)
+prefill)  # the paths a prompt's shape takes, swept on the resident step (bench/decode_settings.py --prefill)
     install
     out=${OUT:-/tmp}
-    shift
-    echo "== their tests on CUDA"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernels.py \
-        tests/kernels/test_linear_kernels.py -k "grouped or prompt_matmul" 2>&1 | tail -3
-    specs=("$@")
-    [ ${#specs[@]} -gt 0 ] || specs=(qwen3-30b-a3b:12 gpt-oss-20b:12 deepseek-v4-flash:2)
-    mkdir -p bench-out
-    for spec in "${specs[@]}"; do
-        preset=${spec%:*} layers=${spec#*:}
-        m=bench-out/$preset-${layers}L.gguf
-        [ -f "$m" ] || expertpack synth --preset "$preset" --layers "$layers" -o "$m" -q
-        for n in 512 32; do
-            echo "== $preset, $layers layers, a prompt of $n tokens"
-            timeout 200 python3 bench/decode_settings.py "$m" --prefill $n "" "moe.GROUPED_SCALED_MIN_PAIRS=6" \
-                "linear_tl.DECODED_MIN_ROWS=9" "moe.GROUPED_SCALED_MIN_PAIRS=6 linear_tl.DECODED_MIN_ROWS=9" 2>&1 \
-                | grep -v Warn | tee "$out/prefill-$preset-$n.txt" | grep -v '^{'
-        done
+    m=bench-out/qwen3-30b-a3b-12L.gguf
+    mkdir -p bench-out && { [ -f $m ] || expertpack synth --preset qwen3-30b-a3b --layers 12 -o $m -q; }
+    experts=("moe.TILES_MIN_PAIRS_PER_EXPERT=3" "moe.DENSE_MIN_PAIRS_PER_EXPERT=2")  # pp32: per pair, dense
+    for n in 32 512; do
+        echo "== prefill of $n tokens"
+        timeout 250 python3 bench/decode_settings.py $m --prefill $n "" "layers.DECODE_MAX_QUERIES=$n" \
+            "linear_tl.MATVEC_MAX_ROWS=$n" "layers.DECODE_MAX_QUERIES=$n linear_tl.MATVEC_MAX_ROWS=$n" \
+            "${experts[@]}" 2>&1 | grep -v Warn | tee "$out/prefill-$n.txt"
+        experts=("moe.DENSE_MIN_PAIRS_PER_EXPERT=64")  # pp512 (32 pairs an expert): tiles instead of dense
     done
     ;;
 kernels)  # where one preset's resident step goes, and which kernel settings suit its shapes

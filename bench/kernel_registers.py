@@ -22,8 +22,7 @@ from gguf import GGMLQuantizationType
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from expertpack.worker.kernels import linear_tl, matmul_tl, moe_dense, moe_grouped, moe_tiles, moe_tl
-from expertpack.worker.weights import Q8_0_REGROUPED
+from expertpack.worker.kernels import linear_tl, moe_dense, moe_grouped, moe_tiles, moe_tl
 from expertpack.worker.kernels.dequant_tl import CHUNK
 
 POINTERS = {"x_ptr": "*fp32", "pool_ptr": "*u8", "off_ptr": "*i64", "pair_ptr": "*i32", "gu_ptr": "*fp32",
@@ -61,22 +60,14 @@ def compile_report(fn, constexprs: dict, warps: int, arch: int) -> dict:
 def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
     """(name, kernel, constexprs, warps) as the worker launches them for weights of type qt."""
     act = {"ACT": 0, "GU_BIAS": False, "DOWN_BIAS": False}
-    bf16 = {"OPERAND": triton.language.bfloat16}
-    extra = []
-    if moe_grouped.decodes_type(qt):  # the prompt's on-chip products
-        for wide in (False, True):
-            args = moe_grouped.launch_args(qt, wide)
-            warps = args.pop("num_warps")
-            for name, kernel, more in (("gate/up", moe_grouped._matrix_kernel, {}),
-                                       ("down", moe_grouped._down_kernel, act)):
-                label = f"grouped {name} (prompt, {args['BM']}-pair tiles)"
-                extra.append((label, kernel, {**args, **bf16, **more}, warps))
-    trunk = [qt] + ([Q8_0_REGROUPED] if qt == int(GGMLQuantizationType.Q8_0) else [])  # as placed on the GPU
-    for kernel_type in filter(matmul_tl.decodes, trunk):
-        args = matmul_tl.launch_args(kernel_type)
-        warps = args.pop("num_warps")
-        label = "matmul decoded regrouped" if kernel_type == Q8_0_REGROUPED else "matmul decoded (trunk prompt)"
-        extra.append((label, matmul_tl._matmul_kernel, {**args, **bf16}, warps))
+    g = moe_grouped
+    extra = [
+        (f"grouped {name} (prompt, {bm}-pair tiles)", kernel,
+         {"BM": bm, "BN": g.BN, "BK": g.BK, "PRECISION": precision, "OPERAND": triton.language.bfloat16, **more},
+         g.WARPS)
+        for bm, precision in ((g.BM, g.PRECISION), (g.BM_WIDE, g.PRECISION_WIDE))
+        for name, kernel, more in (("gate/up", g._matrix_kernel, {}), ("down", g._down_kernel, act))
+    ] if qt == moe_grouped.MXFP4 else []  # the prompt's on-chip products decode MXFP4 only
     if qt == int(GGMLQuantizationType.Q8_0):  # trunk matrices of 256-value multiples, as placed on the GPU
         extra.append(("matvec regrouped (trunk)", linear_tl._matvec_q8_0r_kernel, {"BN": linear_tl.BN_REGROUPED},
                         linear_tl.MATVEC_WARPS))

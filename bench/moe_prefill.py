@@ -2,9 +2,9 @@
 """One MoE layer of a prefill, every way the worker can run it, by prompt length: per (token,
 expert) pair (moe_tl, an expert's bytes decoded for every pair), in tiles (moe_tiles, decoded once
 per tile of up to 4 pairs of one expert), dense (moe_dense, each selected expert dequantized
-once and multiplied by all its tokens) and, for the types it decodes, grouped (moe_grouped:
-dense's products with each block of weights decoded on chip). Routing is uniform at random over the
-layer's experts; each case is timed with triton.testing.do_bench, the results are compared with the per-pair one,
+once and multiplied by all its tokens) and, for MXFP4 experts, grouped (moe_grouped: dense's
+products with each block of weights decoded on chip). Routing is uniform at random over the layer's experts;
+each case is timed with triton.testing.do_bench, the results are compared with the per-pair one,
 and the worker's own choice (moe.fused_path) is shown beside the fastest, to set its thresholds
 from measurements.
   python3 bench/moe_prefill.py MODEL.gguf [--tokens 2,4,8,16,32,64,128,256,512]
@@ -22,7 +22,7 @@ import torch
 
 from expertpack.worker.engine import Engine
 from expertpack.worker.kernels import moe_dense, moe_grouped, moe_tiles, moe_tl
-from expertpack.worker.moe import fused_path, grouped_from
+from expertpack.worker.moe import fused_path
 from kernel_bandwidth import bench_ms  # bench/ is on the path when this script runs
 
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if moe_grouped.decodes(roles):
             runs["grouped"] = partial(moe_grouped.experts_grouped, n_expert=n_expert)
         want = moe_tl.experts_per_pair(x, table, offsets, w, roles, act)
-        row = {"tokens": t, "experts": int(torch.unique(ids).numel()), "chosen": fused_path(ids, n_expert, grouped_from(roles))}
+        row = {"tokens": t, "experts": int(torch.unique(ids).numel()), "chosen": fused_path(ids, n_expert, moe_grouped.decodes(roles))}
         for name, run in runs.items():
             got = run(x, table, offsets, w, roles, act)
             row[f"{name}_rel_diff"] = ((got - want).norm() / want.norm()).item()

@@ -47,39 +47,22 @@ Boundary = Callable[[int, torch.Tensor, Guesses], ExpertRows]
 
 DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequantize once and multiply (bench/moe_prefill.py)
 TILES_MIN_PAIRS_PER_EXPERT = 2  # from this many, decode each expert once per tile of its pairs (moe_tiles)
-# From this many, moe_grouped runs experts of its integer-quant types (Q4_K, Q6_K, Q8_0, ...): 0,
-# never, until it is timed on the GPU beside dense (bench/moe_prefill.py shows both; end to end:
-# bench/decode_settings.py MODEL --prefill 512 "" "moe.GROUPED_SCALED_MIN_PAIRS=6").
-GROUPED_SCALED_MIN_PAIRS = 0
 
 
-def grouped_from(roles: ExpertRoles) -> int | None:
-    """Pairs per routed expert from which moe_grouped runs a step of these experts, None where it
-    does not: MXFP4 experts from TILES_MIN_PAIRS_PER_EXPERT (measured faster than tiles and dense
-    there), the integer-quant types from GROUPED_SCALED_MIN_PAIRS."""
-    from .kernels import moe_grouped
-
-    if not moe_grouped.decodes(roles):
-        return None
-    if all(r.ggml_type == moe_grouped.MXFP4 for r in (roles.gate, roles.up, roles.down)):
-        return TILES_MIN_PAIRS_PER_EXPERT
-    return GROUPED_SCALED_MIN_PAIRS or None
-
-
-def fused_path(ids: torch.Tensor, n_expert: int, grouped_min: int | None = None) -> str:
-    """Which kernels run a step's experts: "grouped" (products on tensor cores, each expert's bytes
-    decoded once per tile of its pairs) from `grouped_min` pairs per routed expert (the experts'
-    grouped_from()); otherwise "dense" (moe_dense: dequantized once, grouped products) once the
-    step has enough pairs per expert to repay that, "tiles" (moe_tiles: an expert's bytes decoded
-    once per tile of its pairs) where experts are shared by a few pairs; else "per_pair" (moe_tl,
-    a decode step). A function of the step's shape alone: no host sync, and every wave of a cache
-    decides alike. (bench/moe_prefill.py on the H200, one layer: gpt-oss-20b at 32 / 128 / 512
-    tokens, grouped 1.14 / 1.73 / 3.00 ms against tiles 1.82 and dense 3.31 / 4.56; DeepSeek-V4-Flash
-    at 128 / 512, grouped 8.6 / 9.8 against tiles 10.7 and dense 29.6; per pair below two pairs per
-    expert.)"""
+def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False) -> str:
+    """Which kernels run a step's experts: for MXFP4 experts (`grouped`: moe_grouped.decodes),
+    "grouped" (products on tensor cores, each expert's bytes
+    decoded once per tile of its pairs) from TILES_MIN_PAIRS_PER_EXPERT pairs per routed expert;
+    otherwise "dense" (moe_dense: dequantized once, grouped products) once the step has enough
+    pairs per expert to repay that, "tiles" (moe_tiles: an expert's bytes decoded once per tile of
+    its pairs) where experts are shared by a few pairs; else "per_pair" (moe_tl, a decode step).
+    A function of the step's shape alone: no host sync, and every wave of a cache decides alike.
+    (bench/moe_prefill.py on the H200, one layer: gpt-oss-20b at 32 / 128 / 512 tokens, grouped
+    1.14 / 1.73 / 3.00 ms against tiles 1.82 and dense 3.31 / 4.56; DeepSeek-V4-Flash at 128 / 512,
+    grouped 8.6 / 9.8 against tiles 10.7 and dense 29.6; per pair below two pairs per expert.)"""
     many = ids.shape[0] > 1 and ids.numel() >= TILES_MIN_PAIRS_PER_EXPERT * n_expert
-    if grouped_min is not None and ids.shape[0] > 1 and ids.numel() >= grouped_min * n_expert:
-        return "grouped"
+    if grouped:
+        return "grouped" if many else "per_pair"
     if ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * n_expert:
         return "dense"
     return "tiles" if many else "per_pair"
@@ -178,7 +161,7 @@ class ExpertFFN:
             roles = self._roles[layer]
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
-        path = fused_path(ids, self.n_expert, grouped_from(roles))  # by the whole step: every wave alike
+        path = fused_path(ids, self.n_expert, moe_grouped.decodes(roles))  # by the whole step: every wave alike
         run = {"grouped": partial(moe_grouped.experts_grouped, n_expert=self.n_expert),
                "dense": partial(experts_dense, n_expert=self.n_expert),
                "tiles": partial(experts_in_tiles, n_expert=self.n_expert), "per_pair": experts_per_pair}[path]

@@ -37,34 +37,6 @@ def test_kernels_give_the_torch_paths_logits(path: str) -> None:
     assert err < 1e-4, f"{path}: max |diff| {err:.2e} (mean {(got - want).abs().mean().item():.2e})"
 
 
-def test_prompt_products_decoded_on_chip_give_the_torch_paths_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt's Q4_K/Q6_K experts through moe_grouped and its trunk through matmul_tl (integer
-    quants on tensor cores, scaled per sub-block), once moe.GROUPED_SCALED_MIN_PAIRS and
-    linear_tl.DECODED_MIN_ROWS let them run: the torch path's logits."""
-    from expertpack.worker import moe
-    from expertpack.worker.kernels import linear_tl, matmul_tl, moe_grouped
-
-    calls = {"experts": 0, "trunk": 0}
-
-    def counted(name: str, run):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return run(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(moe_grouped, "experts_grouped", counted("experts", moe_grouped.experts_grouped))
-    monkeypatch.setattr(matmul_tl, "matmul_decoded", counted("trunk", matmul_tl.matmul_decoded))
-    monkeypatch.setattr(moe, "GROUPED_SCALED_MIN_PAIRS", 1)
-    monkeypatch.setattr(linear_tl, "DECODED_MIN_ROWS", 9)
-    engine = Engine.load(FIXTURES / MODELS[0], resident_experts=True)
-    want = engine.forward(TOKENS[:16], engine.new_cache())
-    with kernels_on_cpu():
-        got = engine.forward(TOKENS[:16], engine.new_cache())
-    assert calls["experts"] and calls["trunk"], calls
-    err = (got - want).abs().max().item()
-    assert err < 1e-4, f"max |diff| {err:.2e}"
-
-
 def test_minimal_cache_through_the_kernels_is_bit_exact(fixture_packs, tmp_path) -> None:
     """The expert cache on the fast path: a cache of one step of one layer delivers prefill in waves
     (a subset of the pairs per launch) and evicts at every layer; the logits equal every expert

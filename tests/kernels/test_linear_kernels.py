@@ -10,7 +10,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from expertpack.worker.kernels.linear_tl import dequantize, matvec
 from expertpack.worker.quant import BLOCKS, dequantize as reference
-from expertpack.worker.weights import Q8_0_REGROUPED, regroup_q8_0
 
 from ..worker.test_quant import random_bytes
 
@@ -74,7 +73,7 @@ def test_regrouped_q8_0_decodes_as_the_gguf_bytes(device: torch.device) -> None:
     dequantization, the matvec (one row of x and several, short matrices split along K, every
     chunk of the 8,192-value rows), and one matrix per head; and regrouping is undone exactly."""
     from expertpack.worker.kernels.linear_tl import matvec_heads
-    from expertpack.worker.weights import ungroup_q8_0
+    from expertpack.worker.weights import Q8_0_REGROUPED, regroup_q8_0, ungroup_q8_0
 
     for i, (k, n) in enumerate([(256, 3), (512, 37), (1792, 100), (8192, 5)]):  # 1792: a spare split-K chunk
         raw = torch.from_numpy(random_bytes(T.Q8_0, (k, n), seed=30 + i, valid=True))
@@ -95,33 +94,3 @@ def test_regrouped_q8_0_decodes_as_the_gguf_bytes(device: torch.device) -> None:
     want = torch.einsum("thk,hrk->thr", x.double(), reference(raw, T.Q8_0, (k, r * h)).double().view(h, r, k))
     got = matvec_heads(x.to(device), regroup_q8_0(raw).to(device), Q8_0_REGROUPED, k, r).cpu().double()
     assert ((got - want).norm() / want.norm()).item() < 1e-6
-
-
-DECODED_IN_PROMPTS = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.MXFP4, "Q8_0R"]
-
-
-@pytest.mark.parametrize("ggml_type", DECODED_IN_PROMPTS, ids=lambda t: getattr(t, "name", t))
-def test_prompt_matmul_decoded_on_chip_equals_dense_product(monkeypatch: pytest.MonkeyPatch, ggml_type: T | str,
-                                                            device: torch.device) -> None:
-    """A prompt's product with the weights decoded in registers (matmul_tl: integer quants times
-    bfloat16 parts on tensor cores, scaled per sub-block) against x @ W^T of the reference values,
-    with row tiles of x and of W cut short (70 rows of x, 65 of W: tiles of 64); Q8_0R: Q8_0 as
-    placed where the kernels run (weights.regroup_q8_0). linear_tl.matmul takes it from
-    DECODED_MIN_ROWS rows."""
-    from expertpack.worker.kernels import linear_tl
-    from expertpack.worker.kernels.matmul_tl import matmul_decoded
-
-    k, n = 512, 65
-    qt = T.Q8_0 if ggml_type == "Q8_0R" else ggml_type
-    raw = torch.from_numpy(random_bytes(qt, (k, n), seed=31, valid=True))
-    w = reference(raw, qt, (k, n)).double()
-    kernel_type = int(qt)
-    if ggml_type == "Q8_0R":
-        raw, kernel_type = regroup_q8_0(raw), Q8_0_REGROUPED
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
-    want = x.double() @ w.T
-    got = matmul_decoded(x.to(device), raw.to(device), kernel_type, k, n, linear_tl.row_bytes(kernel_type, k))
-    rel = ((got.cpu().double() - want).norm() / want.norm()).item()
-    assert got.shape == (70, n) and rel < 1e-6, f"{ggml_type}: relative error {rel:.2e}"
-    monkeypatch.setattr(linear_tl, "DECODED_MIN_ROWS", 9)
-    assert torch.equal(linear_tl.matmul(x.to(device), raw.to(device), kernel_type, k, n), got)

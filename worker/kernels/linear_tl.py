@@ -14,7 +14,6 @@ from gguf import GGMLQuantizationType
 
 from ..quant import nbytes_of
 from ..weights import Q8_0_REGROUPED
-from . import matmul_tl
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN_MATVEC = 16  # rows of W per program
@@ -23,9 +22,6 @@ MATVEC_WARPS = 4
 BN_DEQUANT = 16
 PROGRAMS_PER_SM = 4  # split K until a matvec has this many programs per multiprocessor
 MATVEC_MAX_ROWS = 8  # up to this many rows of x, decode in registers; more, dequantize and multiply
-# From this many rows, the types matmul_tl decodes multiply with their bytes decoded on chip instead
-# of dequantized for cuBLAS: 0, never, until timed on the GPU (bash bench/device_check.sh prefill).
-DECODED_MIN_ROWS = 0
 DEQUANT_PIECE_VALUES = 1 << 24  # a prefill dequantizes a big matrix in pieces of 64 MiB of float32
 
 
@@ -180,12 +176,9 @@ def dequantize(raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tenso
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tensor:
     """x [T, K] float32 @ W^T -> [T, N] float32. A few rows (decode) read the bytes once in
-    registers; many rows (prefill) dequantize W once, in pieces, for cuBLAS's float32 product, or
-    from DECODED_MIN_ROWS multiply it decoded on chip (matmul_tl)."""
+    registers; many rows (prefill) dequantize W once, in pieces, for cuBLAS's float32 product."""
     if x.shape[0] <= MATVEC_MAX_ROWS:
         return matvec(x, raw, ggml_type, k, n)
-    if DECODED_MIN_ROWS and x.shape[0] >= DECODED_MIN_ROWS and matmul_tl.decodes(ggml_type):
-        return matmul_tl.matmul_decoded(x, raw, ggml_type, k, n, row_bytes(ggml_type, k))
     rows = max(BN_DEQUANT, DEQUANT_PIECE_VALUES // k // BN_DEQUANT * BN_DEQUANT)
     if rows >= n:
         return x @ dequantize(raw, ggml_type, k, n).T

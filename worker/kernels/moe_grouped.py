@@ -1,21 +1,16 @@
-"""A prefill's experts as grouped matrix products with the weights decoded on chip: the step's
+"""A prefill's MXFP4 experts as grouped matrix products with the weights decoded on chip: the step's
 pairs sorted by expert (expert_tiles.py), a program takes a tile of up to BM pairs of one expert and
-BN rows of one of its matrices, and meets each step of K of those rows, decoded from the GGUF bytes
-in registers, with the pairs' activations on tensor cores. MXFP4 steps (32 values) decode to their
-exact values (dequant_tl.mxfp4_block); the integer-quant types (Q8_0 and the K-quants) to their
-quants, small integers, for the values one scale covers (16 or 32: dequant_tl.scaled_block), whose
-sums are then scaled and have the mins taken off. moe_dense writes every selected expert out as
-float32 first and reads it back: for DeepSeek-V4-Flash's 256 experts at 512 tokens that is 26 GB a
-layer, where their bytes are 3.4 GB; here each expert's bytes are read once per tile of its pairs
-and nothing is written but the results. (The worker runs it for MXFP4 experts, where it was timed;
-for the integer types once moe.GROUPED_SCALED_MIN_PAIRS says so.)
+BN rows of one of its matrices, and meets each 32-value block of those rows, decoded from the GGUF
+bytes in registers (dequant_tl.mxfp4_block), with the pairs' activations on tensor cores. moe_dense
+writes every selected expert out as float32 first and reads it back: for DeepSeek-V4-Flash's 256
+experts at 512 tokens that is 26 GB a layer, where their bytes are 3.4 GB; here each expert's bytes
+are read once per tile of its pairs and nothing is written but the results.
 
 Precision: float32 activations, fp32 accumulation, the products as accurate as float32 ones. Tiles
-of BM pairs multiply on TF32 tensor cores in three passes (`tf32x3`, as moe_dense); tiles of
-BM_WIDE, whose products bind a long prompt, in three bfloat16 passes, which weights exact in
-bfloat16 allow (MXFP4 values, integer quants; `bf16x3`, _part): twice TF32's rate, gpt-oss-20b's
-MoE layer at 512 tokens 4.24 -> 3.00 ms on the H200 with the same 3.8e-7 error against float32
-per-pair products; in tiles of BM pairs they measured slower.
+of BM pairs multiply on TF32 tensor cores in three passes (`tf32x3`, as moe_dense); tiles of BM_WIDE,
+whose products bind a long prompt, in three bfloat16 passes that the MXFP4 weights allow (`bf16x3`,
+_dot: twice TF32's rate; gpt-oss-20b's MoE layer at 512 tokens 4.24 -> 3.00 ms on the H200, its
+error against float32 per-pair products the same 3.8e-7), where at BM pairs they measured slower.
 A pair's row is computed by a tile of fixed shape over K in a fixed order, whichever other pairs
 share the tile, and the tile shape by the whole step's, so a cache that loads a step's experts in
 waves gives the very bits of the resident table."""
@@ -29,23 +24,15 @@ from gguf import GGMLQuantizationType
 
 from ..activation import Activation
 from ..expert_roles import ExpertRoles
-from ..weights import Q8_0_REGROUPED
-from .dequant_tl import mxfp4_block, scaled_block
+from .dequant_tl import mxfp4_block
 from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act
 
-BM, BN = 16, 64  # a product's tile: pairs of one expert x rows of its matrix
+BM, BN, BK = 16, 64, 32  # a product's tile: pairs of one expert x rows of its matrix x a block of K
 BM_WIDE, WIDE_PAIRS = 64, 32  # from this many pairs per routed expert, tiles of BM_WIDE pairs
 WARPS = 4
-WARPS_WIDE_SCALED = 8  # the integer-quant types in tiles of BM_WIDE: with 4 warps ptxas spills (Q4_K 600 B)
-T = GGMLQuantizationType
-MXFP4 = int(T.MXFP4)
-_MXFP4 = tl.constexpr(MXFP4)  # as the kernels see it
-# The types whose blocks it decodes -> the K step: the values one scale covers (32 for MXFP4).
-STEP = {MXFP4: 32, int(T.Q8_0): 32, Q8_0_REGROUPED: 32, int(T.Q4_K): 32, int(T.Q5_K): 32, int(T.Q6_K): 16,
-        int(T.Q3_K): 16, int(T.Q2_K): 16}
-WITH_MINS = {int(T.Q4_K), int(T.Q5_K), int(T.Q2_K)}  # value = scale * q - offset
-PRECISION, PRECISION_WIDE = "tf32x3", "bf16x3"  # the products of tiles of BM and of BM_WIDE pairs: see _part
+MXFP4 = int(GGMLQuantizationType.MXFP4)  # the type whose blocks it decodes, and where it measured faster
+PRECISION, PRECISION_WIDE = "tf32x3", "bf16x3"  # the products of tiles of BM and of BM_WIDE pairs: see _dot
 
 
 @triton.jit
@@ -55,57 +42,35 @@ def _bf16_part(v):
 
 
 @triton.jit
-def _part(a, w, PRECISION: tl.constexpr, OPERAND: tl.constexpr):
-    """a @ w.T, summed from zero, for float32 activations a [BM, BK] and weights w [BN, BK] exact in
-    bfloat16: decoded MXFP4 values (an E2M1 value times a power of two has at most two significant
-    bits) or integer quants. bf16x3: a is exactly hi + mid + lo, three bfloat16 values (8
-    significant bits each, the remainders exact in float32): three bf16 products whose every term
-    is exact in the fp32 accumulator, at twice TF32's rate, with all 24 bits of a where tf32x3
-    keeps about 22. OPERAND is bfloat16 on the GPU; float32 under Triton's interpreter, which
-    multiplies bfloat16 bit patterns as integers: the same parts and products there. Summed from
-    zero, then added to a running total in float32: the tensor cores truncate what they add to an
-    accumulator, and summing into the running total lost a part in 10^5 over a row of 2,880
-    values (as tf32x3 does in Triton: its small products start from zero)."""
-    zero = tl.zeros((a.shape[0], w.shape[0]), tl.float32)
+def _dot(a, w, acc, PRECISION: tl.constexpr, OPERAND: tl.constexpr):
+    """acc + a @ w.T for float32 activations a [BM, BK] and decoded MXFP4 weights w [BN, BK].
+    bf16x3: an E2M1 value times a power of two has at most two significant bits, so w is exact in
+    bfloat16, and a is exactly hi + mid + lo, three bfloat16 values (8 significant bits each, the
+    remainders exact in float32): three bf16 products whose every term is exact in the fp32
+    accumulator, at twice TF32's rate, with all 24 bits of a where tf32x3 keeps about 22. OPERAND
+    is bfloat16 on the GPU; float32 under Triton's interpreter, which multiplies bfloat16 bit
+    patterns as integers: the same parts and products there. The block's products are summed apart
+    and added to acc in float32: the tensor cores truncate what they add to an accumulator, and
+    summing into the running total lost a part in 10^5 over a row of 2,880 values (as tf32x3 does
+    in Triton: its small products start from zero)."""
     if PRECISION == "bf16x3":
         hi = _bf16_part(a)
         rest = a - hi
         mid = _bf16_part(rest)
         lo = rest - mid
         wt = tl.trans(w.to(OPERAND))
-        part = tl.dot(lo.to(OPERAND), wt, zero)
+        part = tl.dot(lo.to(OPERAND), wt, tl.zeros(acc.shape, tl.float32))
         part = tl.dot(mid.to(OPERAND), wt, part)
-        part = tl.dot(hi.to(OPERAND), wt, part)
+        acc += tl.dot(hi.to(OPERAND), wt, part)
     else:
-        part = tl.dot(a, tl.trans(w), zero, input_precision=PRECISION)
-    return part
-
-
-@triton.jit
-def product_step(QT: tl.constexpr, rowp, b, mb, a, acc, MINS: tl.constexpr, PRECISION: tl.constexpr,
-                 OPERAND: tl.constexpr):
-    """acc + a @ W[:, step b].T for the rows at rowp [BN, 1] (mb: those that exist), a [BM, BK].
-    MXFP4 is decoded to its exact values; the other types multiply their integer quants (exact in
-    bfloat16 and TF32) and scale the step's sums, which are summed from zero: the scale is one per
-    step, and the mins come off as scale-free sums of a (value = scale * q - offset)."""
-    if QT == _MXFP4:
-        w = mxfp4_block(rowp, b, mb)
-        if PRECISION == "bf16x3":
-            acc += _part(a, w, PRECISION, OPERAND)
-        else:  # into the running total, as tf32x3 has always summed (the same bits as before bf16x3)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    else:
-        q, scale, offset = scaled_block(QT, rowp, b, mb)
-        acc += _part(a, q, PRECISION, OPERAND) * tl.reshape(scale, (1, scale.shape[0]))
-        if MINS:
-            acc -= tl.reshape(tl.sum(a, axis=1), (a.shape[0], 1)) * tl.reshape(offset, (1, offset.shape[0]))
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     return acc
 
 
 @triton.jit
 def _matrix_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, tiles_ptr, experts, out_ptr, role_off, row_bytes, col0,
-                   out_width, N, K, QT: tl.constexpr, MINS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, PRECISION: tl.constexpr, OPERAND: tl.constexpr):
+                   out_width, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PRECISION: tl.constexpr, OPERAND: tl.constexpr):
     """out[r, col0 + n] = W[n] . x[tok[r]] for the sorted pair rows r of a tile, W the role's [N, K]
     matrix in the block of the tile's expert (gate: col0 = 0, up: col0 = F, rows of out_width);
     grid (tiles, N/BN)."""
@@ -119,17 +84,17 @@ def _matrix_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, tiles_ptr, experts, out_
     j = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
     for b in range(0, K // BK):  # rows of whole blocks
+        w = mxfp4_block(rowp, b, nm[:, None])  # [BN, BK]
         a = tl.load(x_ptr + tok[:, None] * K + b * BK + j[None, :], mask=rm[:, None], other=0.0)
-        acc = product_step(QT, rowp, b, nm[:, None], a, acc, MINS, PRECISION, OPERAND)
+        acc = _dot(a, w, acc, PRECISION, OPERAND)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * out_width + col0 + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
 
 @triton.jit
 def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr, block_ptr, gate_b, up_b, down_off,
                  down_rb, down_b, D, F, limit, alpha, beta, linear_beta, ACT: tl.constexpr,
-                 GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, QT: tl.constexpr, MINS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                 OPERAND: tl.constexpr):
+                 GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, PRECISION: tl.constexpr, OPERAND: tl.constexpr):
     """out[pair[r], n] = weight[pair[r]] * (down[n] . act(gate[r] + bg, up[r] + bu) + bd[n]) for the
     sorted rows r of a tile, the activation applied as each block of gu is read; grid (tiles, D/BN)."""
     rank, _, r, rm, elsewhere = tile_at(tiles_ptr, tl.program_id(0), 0, experts, BM)
@@ -150,7 +115,8 @@ def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr
             g += tl.load((block + gate_b).to(tl.pointer_type(tl.float32)) + k)[None, :]
             u += tl.load((block + up_b).to(tl.pointer_type(tl.float32)) + k)[None, :]
         a = tl.where(rm[:, None], _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
-        acc = product_step(QT, drow, b, nm[:, None], a, acc, MINS, PRECISION, OPERAND)
+        w = mxfp4_block(drow, b, nm[:, None])
+        acc = _dot(a, w, acc, PRECISION, OPERAND)
     if DOWN_BIAS:
         acc += tl.load((block + down_b).to(tl.pointer_type(tl.float32)) + n, mask=nm, other=0.0)[None, :]
     pair = tl.load(pair_ptr + r, mask=rm, other=0)
@@ -158,35 +124,22 @@ def _down_kernel(gu_ptr, tiles_ptr, experts, pair_ptr, wt_ptr, out_ptr, pool_ptr
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc, mask=rm[:, None] & nm[None, :])
 
 
-def decodes_type(ggml_type: int) -> bool:
-    """Whether it reads matrices of this type (STEP's types)."""
-    return ggml_type in STEP
-
-
 def decodes(roles: ExpertRoles) -> bool:
-    """Whether it decodes every matrix of the experts."""
-    return all(decodes_type(r.ggml_type) for r in (roles.gate, roles.up, roles.down))
-
-
-def launch_args(ggml_type: int, wide: bool) -> dict:
-    """A launch's constants and warps for one matrix of this type, in tiles of BM_WIDE pairs or of
-    BM (bench/kernel_registers.py compiles the same)."""
-    bm, precision = (BM_WIDE, PRECISION_WIDE) if wide else (BM, PRECISION)
-    warps = WARPS_WIDE_SCALED if wide and ggml_type != MXFP4 else WARPS
-    return {"QT": ggml_type, "MINS": ggml_type in WITH_MINS, "BK": STEP[ggml_type], "BM": bm, "BN": BN,
-            "PRECISION": precision, "num_warps": warps}
+    """Whether every matrix of the experts is MXFP4 (gpt-oss, DeepSeek-V4): the experts whose
+    prompts it runs."""
+    return all(r.ggml_type == MXFP4 for r in (roles.gate, roles.up, roles.down))
 
 
 def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                     roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, n_expert: int | None = None) -> torch.Tensor:
-    """moe_tiles.experts_in_tiles's contract (arguments, result, no host sync), for the experts it
-    decodes; tiles of BM pairs, or BM_WIDE from WIDE_PAIRS pairs per routed expert."""
+    """moe_tiles.experts_in_tiles's contract (arguments, result, no host sync), for MXFP4 experts;
+    tiles of BM pairs, or BM_WIDE from WIDE_PAIRS pairs per routed expert."""
     total = offsets.shape[0]
     f, d, k = roles.gate.n, roles.down.n, roles.gate.k
     out = torch.empty((total, d), dtype=torch.float32, device=x.device) if out is None else out
     wide = bool(n_expert) and total >= WIDE_PAIRS * n_expert  # by the step's shape: every wave alike
-    bm = BM_WIDE if wide else BM
+    bm, precision = (BM_WIDE, PRECISION_WIDE) if wide else (BM, PRECISION)
     t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, bm, n_expert)
     n_tiles = t.table.shape[0]
     operand = tl.bfloat16 if x.is_cuda else tl.float32
@@ -194,10 +147,10 @@ def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, 
     for role, col0 in ((roles.gate, 0), (roles.up, f)):
         _matrix_kernel[(n_tiles, triton.cdiv(f, BN))](
             x, t.tokens, pool, t.blocks, t.table, t.max_experts, gu, role.offset, role.row_bytes, col0, 2 * f, f, k,
-            **launch_args(role.ggml_type, wide), OPERAND=operand)
+            BM=bm, BN=BN, BK=BK, PRECISION=precision, OPERAND=operand, num_warps=WARPS)
     _down_kernel[(n_tiles, triton.cdiv(d, BN))](
         gu, t.table, t.max_experts, t.order, weights, out, pool, t.blocks, roles.gate_bias or 0, roles.up_bias or 0,
         roles.down.offset, roles.down.row_bytes, roles.down_bias or 0, d, f, act.limit, act.alpha, act.beta,
         act.linear_beta, ACT=int(act.kind), GU_BIAS=roles.gate_bias is not None,
-        DOWN_BIAS=roles.down_bias is not None, **launch_args(roles.down.ggml_type, wide), OPERAND=operand)
+        DOWN_BIAS=roles.down_bias is not None, BM=bm, BN=BN, BK=BK, PRECISION=precision, OPERAND=operand, num_warps=WARPS)
     return out
