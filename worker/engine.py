@@ -209,8 +209,9 @@ class Engine:
     def _reserve_for_prompt(self, cache: KVCache, t: int) -> bool:
         """Readies `cache` for a static prompt of t tokens: an empty one takes the graphs' buffers
         where they allow it, else it is reserved for a power of two above the prompt's end (so its
-        next decode step does not outgrow it). False, and nothing changed, where that reservation
-        would exceed STATIC_PROMPT_MAX_CAPACITY."""
+        next decode step does not outgrow it); an empty one first gets its model's states where it
+        has its own (Model.new_states). False, and no reservation made, where that reservation
+        would exceed STATIC_PROMPT_MAX_CAPACITY (states given are as an eager pass makes them)."""
         if not cache.length and self._adopt_buffers(cache, STATIC_PROMPT_MAX_CAPACITY):
             return True
         new_states = getattr(self.model, "new_states", None)

@@ -202,3 +202,38 @@ def test_the_engines_short_prompt_into_an_empty_deepseek4_cache(monkeypatch: pyt
     got += [engine.forward(turn, cache, last=True), engine.forward([64], cache)]
     err = (torch.cat(got) - torch.cat(want)).abs().max().item()
     assert err < 1e-5, f"max |diff| {err:.2e}"
+
+
+def test_deepseek4_short_prompt_through_a_minimal_expert_cache_equals_every_expert_resident(
+        fixture_packs, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's static-shape prompt (told its kernels run, the arithmetic staying torch's) with
+    DeepSeek-V4's experts streamed through expertd into a cache of one layer's step: its experts
+    come in waves, its hash-routed layers' too, evicted at every layer; the prompt's logits and a
+    second turn's equal every expert resident, bit for bit. (The decode steps between, CUDA graphs
+    split at the MoE layers with the cache, need the kernels: tests/kernels and tests/gpu.)"""
+    from expertpack.worker import engine as engine_module
+
+    from .test_expert_cache import daemon_for, minimal_cache_bytes
+
+    monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
+    pack = fixture_packs["dsv4-tiny.Q2_K"][1]
+    prompt = [(7 * i + 1) % 1000 for i in range(21)]
+
+    def run(engine: Engine) -> torch.Tensor:
+        cache = engine.new_cache()
+        first = engine.forward(prompt, cache, last=True)
+        assert all(state.buffers is not None for state in cache.state.values()), "the prompt ran eagerly"
+        return torch.cat([first, engine.forward(prompt[:9], cache, last=True)])
+
+    d = daemon_for(pack, tmp_path)
+    try:
+        want = run(Engine.load(pack, resident_experts=True))
+        engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+        try:
+            got = run(engine)
+            assert engine.expert_cache.counters.misses > engine.expert_cache.n_slots  # waves, evictions
+        finally:
+            engine.close()
+    finally:
+        assert d.stop()[0] == 0
+    assert torch.equal(got, want)

@@ -117,7 +117,7 @@ class Model:
     def new_states(self) -> dict[int, LayerState]:
         """Every layer's state before a first token, shaped by the weights: an empty cache reserves
         these for a static prompt, whose graph then reads and writes the same buffers as the
-        decode step's."""
+        decode step's. On the first device: static prompts run on workers of one device only."""
         return {i: LayerState(shape, self.device) for i, shape in enumerate(self.shapes)}
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
