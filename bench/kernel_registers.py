@@ -34,10 +34,16 @@ POINTERS = {"x_ptr": "*fp32", "pool_ptr": "*u8", "off_ptr": "*i64", "pair_ptr": 
 ALIGNED = {linear_tl._matvec_q8_0r_kernel: ("x_ptr", "w_ptr", "y_ptr", "K", "row_bytes")}
 
 
+# Where a kernel's argument of a common name points at other data: moe_dense's products read the
+# experts dequantized to float32, not their GGUF bytes.
+POINTERS_OF = {moe_dense._grouped_gate_up_kernel: {"w_ptr": "*fp32"}, moe_dense._grouped_down_kernel: {"w_ptr": "*fp32"}}
+
+
 def compile_report(fn, constexprs: dict, warps: int, arch: int) -> dict:
     """ptxas's registers and spill bytes, and the TTGIR's layout conversions, of one specialization."""
     names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
+    pointers = {**POINTERS, **POINTERS_OF.get(fn, {})}
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED.get(fn, ())}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned),
@@ -84,6 +90,11 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
          {"QD": qt, "G": moe_tiles.G, "BN": moe_tiles.BN, "CH": CHUNK, **act}, moe_tiles.WARPS),
         ("dequantize experts (dense)", moe_dense._dequant_blocks_kernel,
          {"QT": qt, "BN": moe_dense.BN_DEQUANT, "CH": CHUNK}, 4),
+        *((f"dense {name} (prompt, float32)", kernel,
+           {"BM": moe_dense.BM, "BN": moe_dense.BN, "BK": moe_dense.BK, "PRECISION": moe_dense.PRECISION, **more},
+           moe_dense.WARPS)  # the dequantized experts' products, the same for every type
+          for name, kernel, more in (("gate/up", moe_dense._grouped_gate_up_kernel, {}),
+                                     ("down", moe_dense._grouped_down_kernel, act))),
     ] + extra
 
 
