@@ -41,22 +41,11 @@ def test_minimal_cache_through_the_kernels_is_bit_exact(fixture_packs, tmp_path)
     """The expert cache on the fast path: a cache of one step of one layer delivers prefill in waves
     (a subset of the pairs per launch) and evicts at every layer; the logits equal every expert
     resident bit for bit, through prefill and static decode steps."""
-    from ..worker.test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
+    from ..worker.test_expert_cache import greedy_run, resident_and_minimal_cache
 
-    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
-    prompt = TOKENS[:12]
-    d = daemon_for(pack, tmp_path)
-    try:
-        with kernels_on_cpu():
-            want_logits, want_tokens = greedy_run(Engine.load(pack, resident_experts=True), prompt, 3)
-            engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
-            try:
-                got_logits, got_tokens = greedy_run(engine, prompt, 3)
-                assert engine.expert_cache.counters.misses > engine.expert_cache.n_slots  # waves, evictions
-            finally:
-                engine.close()
-    finally:
-        assert d.stop()[0] == 0
+    with kernels_on_cpu():
+        (want_logits, want_tokens), (got_logits, got_tokens) = resident_and_minimal_cache(
+            fixture_packs["qwen3moe-a.Q4_K_M"][1], tmp_path, lambda engine: greedy_run(engine, TOKENS[:12], 3))
     assert got_tokens == want_tokens
     for step, (got, want) in enumerate(zip(got_logits, want_logits)):
         assert torch.equal(got, want), f"step {step} differs from the resident run"
@@ -111,25 +100,13 @@ def test_short_prompts_with_static_shapes_give_the_torch_paths_logits(monkeypatc
 def test_a_short_prompt_through_a_minimal_cache_is_bit_exact(fixture_packs, tmp_path) -> None:
     """The static-shape prompt (a generation's: logits of its last token) with the expert cache,
     whose prefill comes in waves, equals every expert resident bit for bit, as a decode step does."""
-    from ..worker.test_expert_cache import daemon_for, minimal_cache_bytes
-
-    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
-    d = daemon_for(pack, tmp_path)
+    from ..worker.test_expert_cache import resident_and_minimal_cache
 
     def run(engine: Engine) -> torch.Tensor:
         cache = engine.new_cache()
         first = engine.forward(TOKENS[:12], cache, last=True)
         return torch.cat([first, engine.forward([int(first[-1].argmax())], cache)])
 
-    try:
-        with kernels_on_cpu():
-            want = run(Engine.load(pack, resident_experts=True))
-            engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
-            try:
-                got = run(engine)
-                assert engine.expert_cache.counters.misses > engine.expert_cache.n_slots  # waves, evictions
-            finally:
-                engine.close()
-    finally:
-        assert d.stop()[0] == 0
+    with kernels_on_cpu():
+        want, got = resident_and_minimal_cache(fixture_packs["qwen3moe-a.Q4_K_M"][1], tmp_path, run)
     assert torch.equal(got, want)

@@ -22,7 +22,9 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -39,6 +41,8 @@ from expertpack.worker.metrics import ServeCounters, render
 
 from ..conftest import FIXTURES, Daemon, start_daemon
 
+T = TypeVar("T")
+
 
 def assert_every_key_accounted(cache: dict, daemon: dict) -> None:
     """The keys expertd counted against the cache's counters: every miss asked once, on demand or
@@ -49,6 +53,7 @@ def assert_every_key_accounted(cache: dict, daemon: dict) -> None:
     once = cache["misses"] - cache["prefetch_used"] + cache["prefetch_issued"]
     assert once <= daemon["keys"] <= once + cache["refetched"], (cache, daemon)
     assert 0 <= daemon["keys"] - daemon["ready"] - daemon["cancelled"] <= cache["refetched"], (cache, daemon)
+
 
 MODELS = {  # fixture pack -> model of its reference prompt
     "qwen3moe-a.Q4_K_M": "qwen3moe-a",
@@ -85,6 +90,24 @@ def daemon_for(pack: Path, tmp: Path, *extra: str) -> Daemon:
     d = start_daemon(pack, tmp, "--stage-slots", "12", "--client-slots", "3", *extra)
     d.wait_for("READY=1")
     return d
+
+
+def resident_and_minimal_cache(pack: Path, tmp: Path, run: Callable[[Engine], T]) -> tuple[T, T]:
+    """What `run` gives with every expert resident, then through expertd into a cache of one step
+    of one layer, whose steps come in waves and evict at every layer (checked): for a test to
+    compare, bit for bit where the kernels keep each pair's sums its own."""
+    d = daemon_for(pack, tmp)
+    try:
+        want = run(Engine.load(pack, resident_experts=True))
+        engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+        try:
+            got = run(engine)
+            assert engine.expert_cache.counters.misses > engine.expert_cache.n_slots, "no waves or evictions"
+        finally:
+            engine.close()
+    finally:
+        assert d.stop()[0] == 0
+    return want, got
 
 
 @pytest.fixture(scope="module")

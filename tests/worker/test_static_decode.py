@@ -213,10 +213,9 @@ def test_deepseek4_short_prompt_through_a_minimal_expert_cache_equals_every_expe
     split at the MoE layers with the cache, need the kernels: tests/kernels and tests/gpu.)"""
     from expertpack.worker import engine as engine_module
 
-    from .test_expert_cache import daemon_for, minimal_cache_bytes
+    from .test_expert_cache import resident_and_minimal_cache
 
     monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
-    pack = fixture_packs["dsv4-tiny.Q2_K"][1]
     prompt = [(7 * i + 1) % 1000 for i in range(21)]
 
     def run(engine: Engine) -> torch.Tensor:
@@ -225,15 +224,5 @@ def test_deepseek4_short_prompt_through_a_minimal_expert_cache_equals_every_expe
         assert all(state.buffers is not None for state in cache.state.values()), "the prompt ran eagerly"
         return torch.cat([first, engine.forward(prompt[:9], cache, last=True)])
 
-    d = daemon_for(pack, tmp_path)
-    try:
-        want = run(Engine.load(pack, resident_experts=True))
-        engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
-        try:
-            got = run(engine)
-            assert engine.expert_cache.counters.misses > engine.expert_cache.n_slots  # waves, evictions
-        finally:
-            engine.close()
-    finally:
-        assert d.stop()[0] == 0
+    want, got = resident_and_minimal_cache(fixture_packs["dsv4-tiny.Q2_K"][1], tmp_path, run)
     assert torch.equal(got, want)
