@@ -168,6 +168,7 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     from expertpack.worker.kernels import moe_dense
 
     monkeypatch.setattr(moe_dense, "GROUP_VALUES", 2 * (2 * F * D + D * F))
+    monkeypatch.setattr(moe_dense, "GROUP_VALUES_FREE", 2 * (2 * F * D + D * F))  # on a GPU with memory free too
     monkeypatch.setattr(moe_dense, "BM", 16)
     lay, ids, args, want = prompt_case(act, types, fused, biases, 40, (7, 8), device)
     full = moe_dense.experts_dense(*args)
@@ -175,6 +176,19 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert rel < 1e-5, f"relative error {rel:.2e}"
     wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)  # the pairs of experts 1 and 3
     assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)
+
+
+def test_dense_scratch_takes_all_experts_only_where_memory_is_free() -> None:
+    """A prompt's dequantized experts in one group where the device has room (the products' tails
+    once, not once per group), in bounded groups where the expert cache filled it."""
+    from expertpack.worker.kernels import moe_dense
+
+    gib = 1 << 30
+    assert moe_dense.group_values(100 * gib) == moe_dense.GROUP_VALUES_FREE  # 4 GiB of float32
+    assert moe_dense.group_values(moe_dense.GROUP_VALUES_FREE * 8) == moe_dense.GROUP_VALUES_FREE
+    assert moe_dense.group_values(6 * gib) == 6 * gib // 8  # 3 GiB of float32: half of what is free
+    assert moe_dense.group_values(gib) == moe_dense.GROUP_VALUES  # a full GPU: 1 GiB, as before
+    assert moe_dense.scratch_values(torch.device("cpu")) == moe_dense.GROUP_VALUES
 
 
 @pytest.mark.parametrize("act,types,fused,biases,wide", [(ACTS[1], (T.MXFP4, T.MXFP4), True, False, False),

@@ -12,8 +12,12 @@ within a few ulps per product, at tensor-core speed (IEEE float32 `tl.dot` measu
 An expert's result depends on its bytes and its tokens only: a pair's row is computed by a tile of
 fixed shape over K in a fixed order, whichever other pairs share the tile or the launch, so a cache
 that loads a step's experts in waves gives the very bits of the resident table. Dequantized
-experts are held in groups of at most GROUP_VALUES floats, so a model with large experts stays
-within a bounded scratch."""
+experts are held in groups (scratch_values): one group for all of a layer's experts where the
+device has the memory free (Qwen3-30B-A3B's 128 at 512 tokens: 2.4 GB), else groups of
+GROUP_VALUES floats, so a model with large experts, or a GPU full of expert cache, stays within a
+bounded scratch. The group does not change a pair's bits (above), only the speed: each group's
+products end in a tail of idle multiprocessors, and Qwen3-30B-A3B's 512-token prompt took 8% longer
+in three groups than in one on the H200."""
 
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act
 
 BN_DEQUANT = 16  # rows of an expert's matrix per dequantizing program
-GROUP_VALUES = 1 << 28  # float32 values of dequantized experts held at once (1 GiB)
+GROUP_VALUES = 1 << 28  # float32 values of dequantized experts held at once (1 GiB) where less is free
+GROUP_VALUES_FREE = 1 << 30  # at most this many (4 GiB) where twice their bytes are free on the device
 BM, BN, BK = 64, 128, 32  # a product's tile: pairs of one expert x rows of its matrix x the K step
 WARPS, STAGES = 4, 3
 PRECISION = "tf32x3"
@@ -119,6 +124,22 @@ def _dequantize_into(out: torch.Tensor, pool: torch.Tensor, blocks: torch.Tensor
                                  out.stride(0), QT=role.ggml_type, BN=BN_DEQUANT, CH=CHUNK, num_warps=4)
 
 
+def group_values(free_bytes: int) -> int:
+    """Float32 values the dequantized experts of one group may take, with free_bytes free on the
+    device: GROUP_VALUES_FREE where twice their bytes are free (half stays for the rest of the
+    step), else GROUP_VALUES."""
+    return max(GROUP_VALUES, min(GROUP_VALUES_FREE, free_bytes // 8))
+
+
+def scratch_values(dev: torch.device) -> int:
+    """group_values on this device: the driver's free memory and the blocks torch holds unused. No
+    host sync: a driver query."""
+    if dev.type != "cuda":
+        return GROUP_VALUES
+    free, _ = torch.cuda.mem_get_info(dev)
+    return group_values(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+
+
 def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
                   roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, n_expert: int | None = None) -> torch.Tensor:
@@ -136,7 +157,7 @@ def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, we
     t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, BM, n_expert)
     order, tokens, blocks, n_experts, tiles, max_experts = t.order, t.tokens, t.blocks, t.n_experts, t.table, t.max_experts
     gu = torch.empty((order.shape[0], 2 * f), dtype=torch.float32, device=dev)
-    per_group = max(1, min(max_experts, GROUP_VALUES // (2 * f * k + d * f)))
+    per_group = max(1, min(max_experts, scratch_values(dev) // (2 * f * k + d * f)))
     w_gu = torch.empty((per_group, 2 * f, k), dtype=torch.float32, device=dev)
     w_down = torch.empty((per_group, d, f), dtype=torch.float32, device=dev)
     n_tiles = tiles.shape[0]
