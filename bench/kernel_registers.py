@@ -68,10 +68,10 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int]]:
     act = {"ACT": 0, "GU_BIAS": False, "DOWN_BIAS": False}
     g = moe_grouped
     extra = [
-        (f"grouped {name} (prompt, {bm}-pair tiles)", kernel,
-         {"BM": bm, "BN": g.BN, "BK": g.BK, "PRECISION": precision, "OPERAND": triton.language.bfloat16, **more},
+        (f"grouped {name} (prompt, {bm}x{bn} tiles)", kernel,
+         {"BM": bm, "BN": bn, "BK": g.BK, "PRECISION": precision, "OPERAND": triton.language.bfloat16, **more},
          g.WARPS)
-        for bm, precision in ((g.BM, g.PRECISION), (g.BM_WIDE, g.PRECISION_WIDE))
+        for bm, bn, precision in ((g.BM, g.BN, g.PRECISION), (g.BM_WIDE, g.BN_WIDE, g.PRECISION_WIDE))
         for name, kernel, more in (("gate/up", g._matrix_kernel, {}), ("down", g._down_kernel, act))
     ] if qt == moe_grouped.MXFP4 else []  # the prompt's on-chip products decode MXFP4 only
     if qt == int(GGMLQuantizationType.Q8_0):  # trunk matrices of 256-value multiples, as placed on the GPU

@@ -30,6 +30,7 @@ from .moe_tl import _act
 
 BM, BN, BK = 16, 64, 32  # a product's tile: pairs of one expert x rows of its matrix x a block of K
 BM_WIDE, WIDE_PAIRS = 64, 32  # from this many pairs per routed expert, tiles of BM_WIDE pairs
+BN_WIDE = 128  # and of BN_WIDE rows: gpt-oss-20b's 512-token prompt 5,679 tok/s against 5,091 at 64 (H200)
 WARPS = 4
 MXFP4 = int(GGMLQuantizationType.MXFP4)  # the type whose blocks it decodes, and where it measured faster
 PRECISION, PRECISION_WIDE = "tf32x3", "bf16x3"  # the products of tiles of BM and of BM_WIDE pairs: see _dot
@@ -134,23 +135,23 @@ def experts_grouped(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, 
                     roles: ExpertRoles, act: Activation, pairs: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, n_expert: int | None = None) -> torch.Tensor:
     """moe_tiles.experts_in_tiles's contract (arguments, result, no host sync), for MXFP4 experts;
-    tiles of BM pairs, or BM_WIDE from WIDE_PAIRS pairs per routed expert."""
+    tiles of BM pairs x BN rows, or BM_WIDE x BN_WIDE from WIDE_PAIRS pairs per routed expert."""
     total = offsets.shape[0]
     f, d, k = roles.gate.n, roles.down.n, roles.gate.k
     out = torch.empty((total, d), dtype=torch.float32, device=x.device) if out is None else out
     wide = bool(n_expert) and total >= WIDE_PAIRS * n_expert  # by the step's shape: every wave alike
-    bm, precision = (BM_WIDE, PRECISION_WIDE) if wide else (BM, PRECISION)
+    bm, bn, precision = (BM_WIDE, BN_WIDE, PRECISION_WIDE) if wide else (BM, BN, PRECISION)
     t = expert_tiles(offsets, pairs, total // x.shape[0], pool.numel(), roles, bm, n_expert)
     n_tiles = t.table.shape[0]
     operand = tl.bfloat16 if x.is_cuda else tl.float32
     gu = torch.empty((t.order.shape[0], 2 * f), dtype=torch.float32, device=x.device)
     for role, col0 in ((roles.gate, 0), (roles.up, f)):
-        _matrix_kernel[(n_tiles, triton.cdiv(f, BN))](
+        _matrix_kernel[(n_tiles, triton.cdiv(f, bn))](
             x, t.tokens, pool, t.blocks, t.table, t.max_experts, gu, role.offset, role.row_bytes, col0, 2 * f, f, k,
-            BM=bm, BN=BN, BK=BK, PRECISION=precision, OPERAND=operand, num_warps=WARPS)
-    _down_kernel[(n_tiles, triton.cdiv(d, BN))](
+            BM=bm, BN=bn, BK=BK, PRECISION=precision, OPERAND=operand, num_warps=WARPS)
+    _down_kernel[(n_tiles, triton.cdiv(d, bn))](
         gu, t.table, t.max_experts, t.order, weights, out, pool, t.blocks, roles.gate_bias or 0, roles.up_bias or 0,
         roles.down.offset, roles.down.row_bytes, roles.down_bias or 0, d, f, act.limit, act.alpha, act.beta,
         act.linear_beta, ACT=int(act.kind), GU_BIAS=roles.gate_bias is not None,
-        DOWN_BIAS=roles.down_bias is not None, BM=bm, BN=BN, BK=BK, PRECISION=precision, OPERAND=operand, num_warps=WARPS)
+        DOWN_BIAS=roles.down_bias is not None, BM=bm, BN=bn, BK=BK, PRECISION=precision, OPERAND=operand, num_warps=WARPS)
     return out
