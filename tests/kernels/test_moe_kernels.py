@@ -163,8 +163,9 @@ def test_gate_up_split_over_k_equals_the_reference(monkeypatch: pytest.MonkeyPat
 def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act: Activation, types: tuple[T, T],
                                             fused: bool, biases: bool, device: torch.device) -> None:
     """A prefill's experts dequantized once each and multiplied by all their tokens, in groups of
-    experts (two here) and tiles of 16 pairs (several per expert here); a wave (the pairs of some
-    experts, the blocks elsewhere) gives those pairs the very bits of the whole step."""
+    experts (two here) and tiles of 16 pairs (several per expert here); one group of all gives the
+    same bits, and a wave (the pairs of some experts, the blocks elsewhere) gives those pairs the
+    very bits of the whole step."""
     from expertpack.worker.kernels import moe_dense
 
     monkeypatch.setattr(moe_dense, "GROUP_VALUES", 2 * (2 * F * D + D * F))
@@ -176,32 +177,49 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert rel < 1e-5, f"relative error {rel:.2e}"
     wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)  # the pairs of experts 1 and 3
     assert_a_wave_gives_the_same_bits(moe_dense.experts_dense, args, lay.stride, wave)
+    for name in ("GROUP_VALUES", "GROUP_VALUES_FREE"):  # every expert in one group: the same bits
+        monkeypatch.setattr(moe_dense, name, 1 << 28)
+    assert torch.equal(moe_dense.experts_dense(*args), full)
 
 
-def test_dense_scratch_takes_all_experts_only_where_memory_is_free() -> None:
+def test_dense_scratch_takes_all_experts_only_where_memory_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's dequantized experts in one group where the device has room (the products' tails
-    once, not once per group), in bounded groups where the expert cache filled it."""
+    once, not once per group), in bounded groups where the expert cache filled it, and in bounded
+    groups while a CUDA graph is captured (its pool keeps what it allocates)."""
     from expertpack.worker.kernels import moe_dense
 
     gib = 1 << 30
-    assert moe_dense.group_values(100 * gib) == moe_dense.GROUP_VALUES_FREE  # 4 GiB of float32
-    assert moe_dense.group_values(moe_dense.GROUP_VALUES_FREE * 8) == moe_dense.GROUP_VALUES_FREE
+    assert moe_dense.group_values(100 * gib) == moe_dense.GROUP_VALUES_FREE == gib  # 4 GiB of float32
     assert moe_dense.group_values(6 * gib) == 6 * gib // 8  # 3 GiB of float32: half of what is free
-    assert moe_dense.group_values(gib) == moe_dense.GROUP_VALUES  # a full GPU: 1 GiB, as before
+    assert moe_dense.group_values(gib) == moe_dense.GROUP_VALUES == gib // 4  # a full GPU: 1 GiB, as before
     assert moe_dense.scratch_values(torch.device("cpu")) == moe_dense.GROUP_VALUES
+    # On a GPU (the CUDA calls stood in for): the driver's free bytes and torch's unused blocks count.
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (4 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda dev: {"reserved_bytes.all.current": 5 * gib,
+                                                                  "allocated_bytes.all.current": 3 * gib})
+    assert moe_dense.scratch_values(torch.device("cuda")) == 6 * gib // 8
+    capturing[0] = True
+    assert moe_dense.scratch_values(torch.device("cuda")) == moe_dense.GROUP_VALUES
 
 
-@pytest.mark.parametrize("act,types,fused,biases,wide", [(ACTS[1], (T.MXFP4, T.MXFP4), True, False, False),
-                                                         (*CASES[2], False), (*CASES[2], True)],
-                         ids=["clamped-mxfp4-fused", "oai-mxfp4-biases", "oai-mxfp4-biases-wide"])  # MXFP4 only
+@pytest.mark.parametrize("act,types,fused,biases,wide,bn_wide",
+                         [(ACTS[1], (T.MXFP4, T.MXFP4), True, False, False, 128), (*CASES[2], False, 128),
+                          (*CASES[2], True, 128), (*CASES[2], True, 512)],
+                         ids=["clamped-mxfp4-fused", "oai-mxfp4-biases", "oai-mxfp4-biases-wide",
+                              "oai-mxfp4-biases-wide-partial-rows"])  # MXFP4 only
 def test_grouped_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act: Activation, types: tuple[T, T],
-                                              fused: bool, biases: bool, wide: bool, device: torch.device) -> None:
+                                              fused: bool, biases: bool, wide: bool, bn_wide: int,
+                                              device: torch.device) -> None:
     """A prefill's experts as grouped products with each block of weights decoded on chip, in tiles
-    of 16 pairs of one expert (several per expert here), or of 64 (`wide`: the bf16x3 products);
-    a wave gives its pairs the whole step's bits."""
+    of 16 pairs of one expert (several per expert here), or of 64 (`wide`: the bf16x3 products) and
+    BN_WIDE rows (512: rows past the matrices' end masked, as gpt-oss's 2,880 in 128s); a wave
+    gives its pairs the whole step's bits."""
     from expertpack.worker.kernels import moe_grouped
 
     monkeypatch.setattr(moe_grouped, "WIDE_PAIRS", 1 if wide else 10**6)
+    monkeypatch.setattr(moe_grouped, "BN_WIDE", bn_wide)  # 512: a tile of rows past the matrices' 256
     run = partial(moe_grouped.experts_grouped, n_expert=N_EXPERT)
     lay, ids, args, want = prompt_case(act, types, fused, biases, 40, (9, 10), device)
     rel = ((run(*args).cpu().double() - want).norm() / want.norm()).item()

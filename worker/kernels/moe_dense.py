@@ -12,10 +12,10 @@ within a few ulps per product, at tensor-core speed (IEEE float32 `tl.dot` measu
 An expert's result depends on its bytes and its tokens only: a pair's row is computed by a tile of
 fixed shape over K in a fixed order, whichever other pairs share the tile or the launch, so a cache
 that loads a step's experts in waves gives the very bits of the resident table. Dequantized
-experts are held in groups (scratch_values): one group for all of a layer's experts where the
-device has the memory free (Qwen3-30B-A3B's 128 at 512 tokens: 2.4 GB), else groups of
-GROUP_VALUES floats, so a model with large experts, or a GPU full of expert cache, stays within a
-bounded scratch. The group does not change a pair's bits (above), only the speed: each group's
+experts are held in groups (scratch_values) of half what the device has free, between
+GROUP_VALUES and GROUP_VALUES_FREE floats (Qwen3-30B-A3B's 128 at 512 tokens, 2.4 GB, in one group
+where 4.8 GB are free), so a model with large experts, or a GPU full of expert cache, stays within
+a bounded scratch. The group does not change a pair's bits (above), only the speed: each group's
 products end in a tail of idle multiprocessors, and Qwen3-30B-A3B's 512-token prompt took 8% longer
 in three groups than in one on the H200."""
 
@@ -32,8 +32,8 @@ from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act
 
 BN_DEQUANT = 16  # rows of an expert's matrix per dequantizing program
-GROUP_VALUES = 1 << 28  # float32 values of dequantized experts held at once (1 GiB) where less is free
-GROUP_VALUES_FREE = 1 << 30  # at most this many (4 GiB) where twice their bytes are free on the device
+GROUP_VALUES = 1 << 28  # float32 values of dequantized experts held at once: at least (1 GiB), as in a graph
+GROUP_VALUES_FREE = 1 << 30  # at most (4 GiB), where the device has twice their bytes free
 BM, BN, BK = 64, 128, 32  # a product's tile: pairs of one expert x rows of its matrix x the K step
 WARPS, STAGES = 4, 3
 PRECISION = "tf32x3"
@@ -126,18 +126,20 @@ def _dequantize_into(out: torch.Tensor, pool: torch.Tensor, blocks: torch.Tensor
 
 def group_values(free_bytes: int) -> int:
     """Float32 values the dequantized experts of one group may take, with free_bytes free on the
-    device: GROUP_VALUES_FREE where twice their bytes are free (half stays for the rest of the
-    step), else GROUP_VALUES."""
+    device: half of them (half stays for the rest of the step and for what fragments), between
+    GROUP_VALUES and GROUP_VALUES_FREE."""
     return max(GROUP_VALUES, min(GROUP_VALUES_FREE, free_bytes // 8))
 
 
 def scratch_values(dev: torch.device) -> int:
-    """group_values on this device: the driver's free memory and the blocks torch holds unused. No
-    host sync: a driver query."""
-    if dev.type != "cuda":
+    """group_values on this device: the driver's free memory and the blocks torch holds unused (an
+    estimate: some of those are fragments, or a graph pool's). GROUP_VALUES while a CUDA graph is
+    captured, whose pool would keep the scratch as long as the graph lives. No host sync."""
+    if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return GROUP_VALUES
     free, _ = torch.cuda.mem_get_info(dev)
-    return group_values(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+    stats = torch.cuda.memory_stats(dev)
+    return group_values(free + stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0))
 
 
 def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
