@@ -30,8 +30,8 @@ from functools import partial
 
 import torch
 
-from .layers import Rope, rms_norm, swap_values
-from .weights import head_linear, linear
+from .layers import Rope, RopeStyle, rms_norm, swap_values
+from .weights import head_linear, linear, use_kernels
 
 
 @dataclass
@@ -204,10 +204,15 @@ def _ring_rows(length: int, kept: int, size: int, device: torch.device) -> torch
     return torch.arange(length - kept, length, device=device) % size
 
 
-def rope_tail(x: torch.Tensor, rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE on the last rope.dim channels of x [T, H, d]."""
+def rope_tail(x: torch.Tensor, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+              ) -> torch.Tensor:
+    """Interleaved RoPE on the last rope.dim channels of x [T, H, d] (undone where `inverse`)."""
+    if use_kernels(x.device) and x.dtype == torch.float32 and cos.shape[0] == x.shape[0]:
+        from .kernels.pointwise_tl import rope as fused_rope
+
+        return fused_rope(x, cos, sin, rope.dim, rope.style is RopeStyle.NEOX, x.shape[-1] - rope.dim, inverse)
     nope, tail = x[..., :-rope.dim], x[..., -rope.dim:]
-    return torch.cat([nope, rope.apply(tail, cos, sin)], dim=-1)
+    return torch.cat([nope, rope.apply(tail, cos, -sin if inverse else sin)], dim=-1)
 
 
 def compress(state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
@@ -271,12 +276,18 @@ def _attend(w: dict, p: str, q: torch.Tensor, keys: torch.Tensor, visible: torch
             rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """q [T, H, d] over keys (= values) [S, d] where visible [T, S] -> the block's output [T, D]."""
     t, h, d = q.shape
-    scores = torch.einsum("thd,sd->hts", q, keys) * d ** -0.5
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    sinks = w[p + "attn_sinks.weight"].dequant().reshape(h, 1, 1).expand(h, t, 1)
-    probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
-    out = torch.einsum("hts,sd->thd", probs, keys)
-    out = rope_tail(out, rope, cos, -sin)  # V carried the rotation: undo it at the query's position
+    sinks = w[p + "attn_sinks.weight"].dequant()
+    if use_kernels(q.device) and t == 1:  # a decode step: one launch over the keys it sees
+        from .kernels.attention_tl import decode_attention
+
+        out = decode_attention(q, keys[:, None], keys[:, None], None, d ** -0.5,
+                               sinks=sinks, visible=visible)
+    else:
+        scores = torch.einsum("thd,sd->hts", q, keys) * d ** -0.5
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(torch.cat([scores, sinks.reshape(h, 1, 1).expand(h, t, 1)], dim=-1), dim=-1)[..., :-1]
+        out = torch.einsum("hts,sd->thd", probs, keys)
+    out = rope_tail(out, rope, cos, sin, inverse=True)  # V carried the rotation: undo it at the query's position
 
     grouped = head_linear(out.reshape(t, shape.o_groups, -1), w[p + "attn_output_a.weight"])  # [T, g, o_lora]
     return linear(grouped.reshape(t, -1), w[p + "attn_output_b.weight"])
@@ -320,35 +331,53 @@ def _step(w: dict, p: str, x: torch.Tensor, positions: torch.Tensor, state: Laye
     cos, sin = rope.at(positions, b.capacity)
     qr, q, kv = _project(w, p, x, shape, rope, cos, sin)
 
-    size, first = b.raw.shape[0], positions[:1]
-    held = first - 1 - (first - 1 - torch.arange(size, device=x.device)) % size  # [S]: each row's position
-    keys = torch.cat([b.raw, kv])
+    size, keys, n_entries, picked = b.raw.shape[0], [b.raw, kv], 0, None
+    if shape.ratio:
+        compressed = _compress_step if t == 1 else _compress_pass
+        entries = compressed(b.compressors["attn"], *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio,
+                             positions, rope, shape.eps, b.capacity)
+        keys.append(entries)
+        n_entries = entries.shape[0]
+        if shape.indexed:
+            keys_index = compressed(b.compressors["indexer"], *_compressor_inputs(w, p + "indexer_compressor", x),
+                                    shape.ratio, positions, rope, shape.eps, b.capacity)
+            if n_entries > shape.index_topk:  # else it picks every entry a query sees (_top)
+                index = _index_scores(w, p, x, qr, keys_index, shape, rope, cos, sin)
+                picked, tie = _top(index, _entries_seen(positions, n_entries, shape.ratio), shape.index_topk)
+                if tie is not None:
+                    b.ties.index_copy_(0, positions, tie)
+    visible = _visible(positions, size, n_entries, shape.ratio, shape.window)
+    if picked is not None:
+        visible[:, size + t:] = picked
+    keys = torch.cat(keys)
+    if size:  # over the positions that just left the window (the last `size` tokens where more came)
+        m = min(t, size)
+        b.raw.index_copy_(0, positions[t - m:] % size, kv[t - m:])
+    return _attend(w, p, q, keys, visible, shape, rope, cos, sin)
+
+
+def _visible(positions: torch.Tensor, size: int, n_entries: int, ratio: int, window: int) -> torch.Tensor:
+    """[T, size + T + n_entries] bool: the keys of a static pass (the ring of `size` raw entries,
+    the tokens' own, the entry rows) that each of its tokens at `positions` [T] sees."""
+    t, device = positions.shape[0], positions.device
+    if t == 1 and use_kernels(device):
+        from .kernels.compress_tl import step_visible
+
+        return step_visible(positions, size, n_entries, ratio)
+    first = positions[:1]
+    held = first - 1 - (first - 1 - torch.arange(size, device=device)) % size  # [S]: each row's position
     if t == 1:  # the ring holds the window before the token, which sees itself
         visible = torch.cat([held >= 0, torch.ones_like(positions, dtype=torch.bool)])[None]  # [1, S + 1]
     else:
         held_and_new = torch.cat([held, positions])
         ahead = positions[:, None] - held_and_new[None]  # [T, S + T]: the query's position minus the key's
-        visible = (held_and_new >= 0)[None] & (ahead >= 0) & (ahead < shape.window)
-    if shape.ratio:
-        compressed = _compress_step if t == 1 else _compress_pass
-        entries = compressed(b.compressors["attn"], *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio,
-                             positions, rope, shape.eps, b.capacity)
-        threshold = (positions[:, None] + 1) // shape.ratio
-        seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold  # [T, n]
-        if shape.indexed:
-            keys_index = compressed(b.compressors["indexer"], *_compressor_inputs(w, p + "indexer_compressor", x),
-                                    shape.ratio, positions, rope, shape.eps, b.capacity)
-            index = _index_scores(w, p, x, qr, keys_index, shape, rope, cos, sin)
-            picked, tie = _top(index, seen, shape.index_topk)
-            if tie is not None:
-                b.ties.index_copy_(0, positions, tie)
-            seen = picked
-        keys = torch.cat([keys, entries])
-        visible = torch.cat([visible, seen], dim=1)
-    if size:  # over the positions that just left the window (the last `size` tokens where more came)
-        m = min(t, size)
-        b.raw.index_copy_(0, positions[t - m:] % size, kv[t - m:])
-    return _attend(w, p, q, keys, visible, shape, rope, cos, sin)
+        visible = (held_and_new >= 0)[None] & (ahead >= 0) & (ahead < window)
+    return torch.cat([visible, _entries_seen(positions, n_entries, ratio)], dim=1) if n_entries else visible
+
+
+def _entries_seen(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
+    """[T, n_entries] bool: the entries of complete windows, for each token at `positions` [T]."""
+    return torch.arange(n_entries, device=positions.device)[None, :] < (positions[:, None] + 1) // ratio
 
 
 def _compressor_inputs(w: dict, prefix: str, x: torch.Tensor
@@ -364,6 +393,12 @@ def _compress_step(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, a
     window's entry is pooled as compress pools it, at every step, and written (with the overlap
     moving on and the window's rows cleared) only where the window completes. Returns every
     entry row [n, d]."""
+    if use_kernels(kv.device) and rope.style is RopeStyle.NORM:
+        from .kernels.compress_tl import compress_step
+
+        compress_step(c.kv, c.gate, c.overlap, c.entries, kv, gate, ape, norm, eps, position,
+                      *rope.table(kv.device, capacity), rope.dim)
+        return c.entries
     offset = position % ratio
     c.kv.index_copy_(0, offset, kv)
     c.gate.index_copy_(0, offset, gate)

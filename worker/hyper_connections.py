@@ -54,10 +54,22 @@ class HyperConnection:
     def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return (pre.unsqueeze(-1) * streams).sum(dim=1)
 
+    def block_input(self, streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The streams collapsed by `pre` and RMS-normalized times the block's norm weight [D]."""
+        if use_kernels(streams.device) and streams.dtype == torch.float32:
+            from .kernels.hyper_tl import collapse_norm
+
+            return collapse_norm(streams, pre, weight.float(), self.norm_eps)
+        return rms_norm(self.collapse(streams, pre), weight, self.norm_eps)
+
     @staticmethod
     def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The block's output spread by `post`, plus the incoming streams mixed by comb (transposed:
         outgoing stream d takes sum_s comb[s, d] * incoming s)."""
+        if use_kernels(streams.device) and streams.dtype == out.dtype == torch.float32:
+            from .kernels.hyper_tl import expand
+
+            return expand(streams, out, post, comb)
         return post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:

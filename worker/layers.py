@@ -90,12 +90,17 @@ class Rope:
         """cos/sin [T, dim/2] of `positions` (on the device, < upto) looked up in a table made once
         on the CPU with cos_sin's arithmetic (so the same values) and kept on the device: no host
         work per step, which a captured decode step needs."""
-        tables = self._tables.setdefault(positions.device, [])
+        cos, sin = self.table(positions.device, upto)
+        return cos[positions], sin[positions]
+
+    def table(self, device: torch.device, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [N, dim/2] of positions 0..N-1 (N >= upto) on `device`, for `at` and for kernels
+        that look positions up themselves."""
+        tables = self._tables.setdefault(device, [])
         if not tables or tables[-1][0].shape[0] < upto:
             size = max(upto, 2 * tables[-1][0].shape[0] if tables else 1024)
-            tables.append(self.cos_sin(torch.arange(size), positions.device))
-        cos, sin = tables[-1]
-        return cos[positions], sin[positions]
+            tables.append(self.cos_sin(torch.arange(size), device))
+        return tables[-1]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, d]: rotates the first `dim` channels (cos/sin [T, dim/2])."""

@@ -58,6 +58,10 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group
 def sqrtsoftplus_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 top-k layers: scores sqrt(softplus(logit)); the correction bias decides the
     selection only; the chosen scores, renormalized, times the routed scaling factor."""
+    if use_kernels(logits.device):
+        from .kernels.routing_tl import sqrtsoftplus_route
+
+        return sqrtsoftplus_route(logits, k, scale, bias=bias)
     scores = F.softplus(logits.to(torch.float32)).sqrt()
     ids = (scores + bias).topk(k, dim=-1).indices
     return ids, _renormalized(scores.gather(1, ids), scale)
@@ -67,6 +71,10 @@ def sqrtsoftplus_hashed(logits: torch.Tensor, table: torch.Tensor, tokens: torch
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 hash layers: the experts are table[token] (a fixed token-id -> experts table,
     known before the layer runs); the weights are their sqrt-softplus scores, renormalized."""
+    if use_kernels(logits.device):
+        from .kernels.routing_tl import sqrtsoftplus_route
+
+        return sqrtsoftplus_route(logits, table.shape[1], scale, table=table, tokens=tokens)
     scores = F.softplus(logits.to(torch.float32)).sqrt()
     ids = table[tokens].to(torch.int64)
     return ids, _renormalized(scores.gather(1, ids), scale)

@@ -10,7 +10,7 @@ import torch
 from expertpack.worker import layers, routing
 from expertpack.worker.kernels.attention_tl import decode_attention
 from expertpack.worker.kernels.pointwise_tl import add_rms_norm
-from expertpack.worker.kernels.routing_tl import softmax_topk
+from expertpack.worker.kernels.routing_tl import softmax_topk, sqrtsoftplus_route
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,dv", [(8, 2, 64, 64), (4, 4, 48, 32)])
@@ -47,6 +47,26 @@ def test_softmax_routers(experts: int, k: int, softmax_first: bool, normalize: b
     # split-K partial sums of the router, added by the kernel in order
     parts = torch.stack([logits * 0.25, logits * 0.5, logits * 0.25], dim=1)
     ids, w = softmax_topk(parts.to(device), k, normalize, softmax_first)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("experts,k", [(256, 6), (60, 3)])
+def test_sqrtsoftplus_routers(experts: int, k: int, device: torch.device) -> None:
+    """DeepSeek-V4's routers in one launch: top k by score + bias, and hashed by token id, against
+    routing.py's torch formulas; logits past softplus's threshold (20) and far below 0 among them."""
+    g = torch.Generator().manual_seed(experts)
+    logits = torch.randn(5, experts, generator=g) * 4
+    logits[0, :3] = torch.tensor([25.0, -30.0, 20.5])
+    bias = torch.randn(experts, generator=g) * 0.1
+    want_ids, want_w = routing.sqrtsoftplus_topk(logits, bias, k, 1.5)
+    ids, w = sqrtsoftplus_route(logits.to(device), k, 1.5, bias=bias.to(device))
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
+    table = torch.randint(0, experts, (50, k), generator=g, dtype=torch.int32)
+    tokens = torch.tensor([3, 49, 0, 3, 17])
+    want_ids, want_w = routing.sqrtsoftplus_hashed(logits, table, tokens, 1.5)
+    ids, w = sqrtsoftplus_route(logits.to(device), k, 1.5, table=table.to(device), tokens=tokens.to(device))
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
 
@@ -125,3 +145,28 @@ def test_a_matrix_per_head_in_one_launch(device: torch.device) -> None:
     want = torch.einsum("thk,hrk->thr", x.double(), dequantize(raw, T.Q4_K, (k, rows, heads)).double())
     got = matvec_heads(x.to(device), raw.to(device), int(T.Q4_K), k, rows).cpu()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("capacity,d", [(70, 40), (1100, 40), (70, 520)])  # one launch; splits and a merge; wide
+def test_decode_attention_over_the_keys_a_mask_shows(capacity: int, d: int, device: torch.device) -> None:
+    """DeepSeek-V4's keys (a ring of raw entries, the token's own, compressed entries) in no
+    position order: a mask says which each query sees, blocks of only hidden keys among them (the
+    entries of windows not complete yet), with a sink logit per head; against the torch formula of
+    compressed_attention._attend."""
+    g = torch.Generator().manual_seed(capacity + d)
+    heads = 4
+    q = torch.randn(2, heads, d, generator=g)
+    keys = torch.randn(capacity, d, generator=g)
+    visible = torch.rand(2, capacity, generator=g) < 0.3
+    visible[:, 40:] = False  # whole blocks hidden
+    visible[1, 64:66] = True
+    sinks = torch.randn(heads, generator=g)
+    scores = torch.einsum("thd,sd->hts", q, keys) * d ** -0.5
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(torch.cat([scores, sinks.reshape(heads, 1, 1).expand(heads, 2, 1)], dim=-1), dim=-1)[..., :-1]
+    want = torch.einsum("hts,sd->thd", probs, keys)
+    keys[~visible.any(dim=0)] = float("nan")  # a hidden key weighs nothing, whatever it holds
+    got = decode_attention(q.to(device), keys[:, None].to(device), keys[:, None].to(device),
+                           None, d ** -0.5, sinks=sinks.to(device),
+                           visible=visible.to(device)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from expertpack.worker.hyper_connections import HyperConnection
-from expertpack.worker.kernels.hyper_tl import hc_weights
+from expertpack.worker.kernels.hyper_tl import collapse_norm, expand, hc_weights
 from expertpack.worker.kernels.pointwise_tl import rms_norm, rope
 from expertpack.worker.layers import Rope, RopeStyle, rms_norm as torch_rms_norm
 
@@ -36,6 +36,21 @@ def test_rope(style: RopeStyle, head_dim: int, rot: int, device: torch.device) -
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("style", list(RopeStyle))
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_on_the_last_channels(style: RopeStyle, inverse: bool, device: torch.device) -> None:
+    """DeepSeek-V4 rotates the last channels of a head (and undoes it on the output): in place of a
+    copy of the tail, its rotation and a cat."""
+    r = Rope(16, 10000.0, style)
+    g = torch.Generator().manual_seed(int(inverse))
+    x = torch.randn(3, 5, 40, generator=g)
+    cos, sin = r.cos_sin(torch.arange(7, 10), torch.device("cpu"))
+    want = torch.cat([x[..., :-16], r.apply(x[..., -16:], cos, -sin if inverse else sin)], dim=-1)
+    got = rope(x.to(device), cos.to(device), sin.to(device), 16, style is RopeStyle.NEOX, start=24,
+               inverse=inverse).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("n", [4, 3])
 def test_hyper_connection_weights(n: int, device: torch.device) -> None:
     """The Sinkhorn-normalized hyper-connection weights in one launch, against the torch formulas
@@ -50,3 +65,23 @@ def test_hyper_connection_weights(n: int, device: torch.device) -> None:
     for name, w, x in zip(("pre", "post", "comb"), want, got):
         torch.testing.assert_close(x.cpu(), w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert torch.allclose(got[2].sum(dim=-2).cpu(), torch.ones(t, n), atol=1e-4)  # columns: doubly stochastic
+
+
+@pytest.mark.parametrize("n,d", [(4, 96), (3, 80)])
+def test_hyper_connection_collapse_and_expand(n: int, d: int, device: torch.device) -> None:
+    """The streams collapsed into a block's normalized input, and the block's output spread back
+    over them, one launch each, against the torch formulas."""
+    g = torch.Generator().manual_seed(n * d)
+    t = 3
+    streams, out = torch.randn(t, n, d, generator=g), torch.randn(t, d, generator=g)
+    pre, post, comb = torch.rand(t, n, generator=g), torch.rand(t, n, generator=g), torch.rand(t, n, n, generator=g)
+    weight = torch.randn(d, generator=g)
+    hc = HyperConnection(torch.zeros(1), torch.zeros(1), torch.zeros(1), n, 1, 1e-6, norm_eps=1e-6)
+    want = torch_rms_norm(HyperConnection.collapse(streams, pre), weight, 1e-6)
+    got = collapse_norm(streams.to(device), pre.to(device), weight.to(device), 1e-6).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got = hc.block_input(streams.to(device), pre.to(device), weight.to(device)).cpu()  # the seam (torch on a CPU)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want = post[..., None] * out[:, None, :] + torch.matmul(comb.transpose(-1, -2), streams)  # the torch formula
+    got = expand(streams.to(device), out.to(device), post.to(device), comb.to(device)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

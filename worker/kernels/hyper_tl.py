@@ -1,8 +1,10 @@
-"""DeepSeek-V4's hyper-connection weights (hyper_connections.HyperConnection.weights) in one launch:
-a program per token turns its (2 + n) * n mixes into `pre`, `post` and the Sinkhorn-normalized
-`comb`, where torch spends about 120 launches of a few values each (20 iterations of two sums and
-two divisions) on every hyper-connection, four a layer. float32, the formulas of
-hyper_connections.py in the same order."""
+"""DeepSeek-V4's hyper-connections (hyper_connections.HyperConnection) in few launches. The
+weights in one: a program per token turns its (2 + n) * n mixes into `pre`, `post` and the
+Sinkhorn-normalized `comb`, where torch spends about 120 launches of a few values each (20
+iterations of two sums and two divisions) on every hyper-connection, two a layer. The collapse into
+the block's normalized input in one (torch: a product, a sum and the norm), the expansion of the
+block's output over the streams in one (a product, a batched matmul and a sum). float32, the
+formulas of hyper_connections.py (the weights' in the same order)."""
 
 from __future__ import annotations
 
@@ -51,3 +53,52 @@ def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: 
     _hc_weights_kernel[(t,)](mixes.float().contiguous(), base.float().contiguous(), scale.float().contiguous(),
                              pre, post, comb, n, iters, eps, BN=triton.next_power_of_2(n), num_warps=1)
     return pre, post, comb
+
+
+@triton.jit
+def _collapse_norm_kernel(streams_ptr, pre_ptr, w_ptr, y_ptr, D, eps, N: tl.constexpr, BD: tl.constexpr):
+    """grid (T,): y[t] = rms_norm(sum_s pre[t, s] * streams[t, s]) * w."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    x = tl.zeros([BD], tl.float32)
+    for s in tl.static_range(N):
+        x += tl.load(pre_ptr + t * N + s) * tl.load(streams_ptr + (t * N + s) * D + d, mask=d < D, other=0.0)
+    y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)) * tl.load(w_ptr + d, mask=d < D, other=0.0)
+    tl.store(y_ptr + t * D + d, y, mask=d < D)
+
+
+def collapse_norm(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """streams [T, n, D], pre [T, n], weight [D] (float32) -> the block's input [T, D]."""
+    t, n, d = streams.shape
+    out = torch.empty((t, d), dtype=torch.float32, device=streams.device)
+    _collapse_norm_kernel[(t,)](streams.contiguous(), pre.contiguous(), weight.contiguous(), out, d, eps, N=n,
+                                BD=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8)
+    return out
+
+
+@triton.jit
+def _expand_kernel(streams_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, D, N: tl.constexpr, BN: tl.constexpr,
+                   BD: tl.constexpr):
+    """grid (T, cdiv(D, BD)): y[t, o] = post[t, o] * out[t] + sum_s comb[t, s, o] * streams[t, s]."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    o = tl.arange(0, BN)
+    om = o < N
+    x = tl.load(out_ptr + t * D + d, mask=d < D, other=0.0)
+    y = tl.load(post_ptr + t * N + o, mask=om, other=0.0)[:, None] * x[None, :]  # [BN, BD]
+    for s in tl.static_range(N):
+        c = tl.load(comb_ptr + (t * N + s) * N + o, mask=om, other=0.0)
+        y += c[:, None] * tl.load(streams_ptr + (t * N + s) * D + d, mask=d < D, other=0.0)[None, :]
+    tl.store(y_ptr + (t * N + o[:, None]) * D + d[None, :], y, mask=om[:, None] & (d < D)[None, :])
+
+
+def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """streams [T, n, D], the block's output [T, D], post [T, n], comb [T, n, n] -> the new
+    streams [T, n, D]."""
+    t, n, d = streams.shape
+    y = torch.empty_like(streams, dtype=torch.float32)
+    block = 256
+    _expand_kernel[(t, triton.cdiv(d, block))](streams.contiguous(), out.contiguous(), post.contiguous(),
+                                               comb.contiguous(), y, d, N=n, BN=triton.next_power_of_2(n), BD=block,
+                                               num_warps=4)
+    return y

@@ -62,37 +62,43 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | No
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, ROT: tl.constexpr, NEOX: tl.constexpr,
-                 BD: tl.constexpr):
-    """One (token, head) row of D channels; the first ROT are rotated, the rest copied."""
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, START, ROT: tl.constexpr, NEOX: tl.constexpr,
+                 INVERSE: tl.constexpr, BD: tl.constexpr):
+    """One (token, head) row of D channels; ROT of them from START are rotated (backwards where
+    INVERSE: by -sin), the rest copied."""
     row = tl.program_id(0).to(tl.int64)
     t = row // H
     i = tl.arange(0, BD)
     x = tl.load(x_ptr + row * D + i, mask=i < D, other=0.0)
     half = ROT // 2
-    if NEOX:  # pairs (i, i + half)
-        partner = tl.where(i < half, i + half, i - half)
-        f = i % half
-        sign = tl.where(i < half, -1.0, 1.0)
+    k = i - START  # the channel's index among the rotated ones
+    if NEOX:  # pairs (k, k + half)
+        partner = tl.where(k < half, k + half, k - half)
+        f = k % half
+        sign = tl.where(k < half, -1.0, 1.0)
     else:  # pairs (2f, 2f + 1)
-        partner = i ^ 1
-        f = i // 2
-        sign = tl.where(i % 2 == 0, -1.0, 1.0)
-    rot = i < ROT
-    other = tl.load(x_ptr + row * D + partner, mask=rot, other=0.0)
+        partner = k ^ 1
+        f = k // 2
+        sign = tl.where(k % 2 == 0, -1.0, 1.0)
+    if INVERSE:
+        sign = -sign
+    rot = (k >= 0) & (k < ROT)
+    other = tl.load(x_ptr + row * D + START + partner, mask=rot, other=0.0)
     c = tl.load(cos_ptr + t * half + f, mask=rot, other=1.0)
     s = tl.load(sin_ptr + t * half + f, mask=rot, other=0.0)
     y = tl.where(rot, x * c + sign * other * s, x)
     tl.store(y_ptr + row * D + i, y, mask=i < D)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, neox: bool) -> torch.Tensor:
-    """x [T, H, D] float32 with its first `rot` channels rotated by cos/sin [T, rot/2]."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, neox: bool, start: int = 0,
+         inverse: bool = False) -> torch.Tensor:
+    """x [T, H, D] float32 with `rot` channels from `start` rotated by cos/sin [T, rot/2] (by -sin
+    where `inverse`: undoing the rotation)."""
     t, h, d = x.shape
     x = x.contiguous()
     out = torch.empty_like(x)
-    _rope_kernel[(t * h,)](x, cos.contiguous(), sin.contiguous(), out, h, d, ROT=rot, NEOX=neox,
-                           BD=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
+    _rope_kernel[(t * h,)](x, cos.contiguous(), sin.contiguous(), out, h, d, start, ROT=rot, NEOX=neox,
+                           INVERSE=inverse, BD=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
     return out
 
 

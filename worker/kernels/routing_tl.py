@@ -1,6 +1,7 @@
-"""The softmax routers (routing.softmax_topk, routing.topk_softmax) in one launch per step instead of
-four to six: a program per token holds its router logits, picks the top k one at a time (the
-largest left, ties to the lower expert id) and writes ids and weights. float32, the formulas of
+"""The softmax routers (routing.softmax_topk, routing.topk_softmax) and DeepSeek-V4's sqrt-softplus
+ones (top-k with a selection bias, or hashed by token id) in one launch per step instead of four to
+eight: a program per token holds its router logits, picks the top k one at a time (the largest
+left, ties to the lower expert id) and writes ids and weights. float32, the formulas of
 routing.py."""
 
 from __future__ import annotations
@@ -56,4 +57,53 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool, softmax_first: b
     weights = torch.empty((t, k), dtype=torch.float32, device=x.device)
     _softmax_topk_kernel[(t,)](x, ids, weights, e, K=k, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e), PARTS=parts,
                                SOFTMAX_FIRST=softmax_first, NORMALIZE=normalize, num_warps=4)
+    return ids, weights
+
+
+@triton.jit
+def _sqrtsoftplus_kernel(logits_ptr, bias_ptr, table_ptr, tokens_ptr, ids_ptr, w_ptr, E, scale, K: tl.constexpr,
+                         KP: tl.constexpr, BE: tl.constexpr, HASHED: tl.constexpr):
+    """Scores sqrt(softplus(logit)); experts table[token] (HASHED) or the top k of scores + bias;
+    weights their scores renormalized, times scale."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    x = tl.load(logits_ptr + t * E + e, mask=e < E, other=0.0)
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))  # log1p(y) to float32 precision
+    score = tl.sqrt(tl.where(x > 20.0, x, log1p))  # torch's softplus: x itself past its threshold
+    kk = tl.arange(0, KP)
+    if HASHED:
+        token = tl.load(tokens_ptr + t).to(tl.int64)
+        ids = tl.load(table_ptr + token * K + kk, mask=kk < K, other=0).to(tl.int64)
+        vals = tl.sum(tl.where(e[None, :] == ids[:, None], score[None, :], 0.0), axis=1)
+    else:
+        ids = tl.zeros([KP], tl.int64)
+        vals = tl.zeros([KP], tl.float32)
+        left = tl.where(e < E, score + tl.load(bias_ptr + e, mask=e < E, other=0.0), -float("inf"))
+        for i in tl.static_range(K):
+            best = tl.max(left, axis=0)
+            pick = tl.min(tl.where(left == best, e, BE), axis=0)  # the lowest id among equals
+            ids = tl.where(kk == i, pick.to(tl.int64), ids)
+            vals = tl.where(kk == i, tl.sum(tl.where(e == pick, score, 0.0), axis=0), vals)
+            left = tl.where(e == pick, -float("inf"), left)
+    vals = tl.where(kk < K, vals, 0.0)
+    tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+    tl.store(w_ptr + t * K + kk, vals / (tl.sum(vals, axis=0) + 1e-20) * scale, mask=kk < K)
+
+
+def sqrtsoftplus_route(logits: torch.Tensor, k: int, scale: float, bias: torch.Tensor | None = None,
+                       table: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> ids [T, k] int64, weights [T, k] float32: by the bias [E] (top k), or by
+    table [n_vocab, k] at tokens [T] (hashed)."""
+    t, e = logits.shape
+    x = logits.to(torch.float32).contiguous()
+    ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((t, k), dtype=torch.float32, device=x.device)
+    hashed = table is not None
+    _sqrtsoftplus_kernel[(t,)](x, x if hashed else bias.to(torch.float32).contiguous(),
+                               table.contiguous() if hashed else ids, tokens if hashed else ids, ids, weights, e,
+                               scale, K=k, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e), HASHED=hashed,
+                               num_warps=4)
     return ids, weights

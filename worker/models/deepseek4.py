@@ -132,13 +132,13 @@ class Model:
             state = cache.state.setdefault(i, LayerState(self.shapes[i]))
             rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
             pre, post, comb = self.hc_attn[i].weights(streams)
-            h = rms_norm(HyperConnection.collapse(streams, pre), w[p + "attn_norm.weight"].dequant(), a.eps)
+            h = self.hc_attn[i].block_input(streams, pre, w[p + "attn_norm.weight"].dequant())
             start = cache.length if cache.step_positions is None else cache.positions(len(tokens), h.device)
             out = attention(w, p, h, start, state, rope)
             streams = HyperConnection.expand(streams, out, post, comb)
 
             pre, post, comb = self.hc_ffn[i].weights(streams)
-            h = rms_norm(HyperConnection.collapse(streams, pre), w[p + "ffn_norm.weight"].dequant(), a.eps)
+            h = self.hc_ffn[i].block_input(streams, pre, w[p + "ffn_norm.weight"].dequant())
             streams = HyperConnection.expand(streams, self._moe(i, h, tokens), post, comb)
         cache.length += len(tokens)
         x = rms_norm(self.hc_head.head(streams), w["output_norm.weight"].dequant(), a.eps)
