@@ -94,7 +94,8 @@ class QTensor:
                 values = dequantize(self.gguf_raw(), self.ggml_type, self.shape)
                 object.__setattr__(self, "_values", values)  # a cache, not state: frozen stays frozen
         elif use_kernels(self.raw.device) and self.ggml_type is T.F32 and self.raw.data_ptr() % 4 == 0:
-            values = self.raw.view(torch.float32).reshape(tuple(reversed(self.shape)))  # the bytes are the values
+            # the bytes are the values: a view of the weight (read-only, as every caller uses it)
+            values = self.raw.view(torch.float32).reshape(tuple(reversed(self.shape)))
         elif use_kernels(self.raw.device):  # one launch, and nothing a CUDA graph cannot capture
             from .kernels.linear_tl import dequantize as decode
 

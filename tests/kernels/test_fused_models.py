@@ -110,3 +110,29 @@ def test_a_short_prompt_through_a_minimal_cache_is_bit_exact(fixture_packs, tmp_
     with kernels_on_cpu():
         want, got = resident_and_minimal_cache(fixture_packs["qwen3moe-a.Q4_K_M"][1], tmp_path, run)
     assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_deepseek4_decode_steps_through_windows_give_the_torch_paths_logits() -> None:
+    """DeepSeek-V4's static decode steps on the fast path (the compressors in two launches each,
+    the key mask, the masked attention) at positions 124..127 after a long prompt: the raw ring
+    has wrapped, the indexer picks among more entries than its top-k, and the last step completes
+    a CSA window and HCA's first; the logits stay the torch path's eager decode's and the state
+    buffers end where eager decoding leaves them. ~1 min."""
+    from ..worker.test_static_decode import static_steps
+
+    engine = Engine.load(FIXTURES / "flagship/deepseek4/dsv4-tiny.BF16.gguf", resident_experts=True)
+    prompt, feed = [(7 * i + 1) % 1000 for i in range(124)], [33, 7, 1000, 5]
+    eager = engine.new_cache()
+    engine.forward(prompt, eager)
+    want = torch.cat([engine.forward([t], eager) for t in feed])
+    static = engine.new_cache()
+    engine.forward(prompt, static)
+    static.reserve(160)
+    with kernels_on_cpu():
+        got = static_steps(engine, static, feed)
+    err = (got - want).abs().max().item()
+    assert err < 1e-5, f"max |diff| {err:.2e}"
+    eager.reserve(160)
+    for mine, theirs in zip(static.state_tensors(), eager.state_tensors(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)

@@ -87,7 +87,7 @@ def _entry_kernel(pooled_ptr, norm_ptr, cos_ptr, sin_ptr, entries_ptr, kv_ptr, g
             i = tl.arange(0, BD)
             x = tl.load(pooled_ptr + i, mask=i < D, other=0.0)
             inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            rot = i >= D - ROT
+            rot = (i >= D - ROT) & (i < D)
             k = i - (D - ROT)  # index within the roped tail
             partner = (D - ROT) + (k ^ 1)
             y = x * inv * tl.load(norm_ptr + i, mask=i < D, other=0.0)

@@ -96,7 +96,7 @@ def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     """streams [T, n, D], the block's output [T, D], post [T, n], comb [T, n, n] -> the new
     streams [T, n, D]."""
     t, n, d = streams.shape
-    y = torch.empty_like(streams, dtype=torch.float32)
+    y = torch.empty((t, n, d), dtype=torch.float32, device=streams.device)
     block = 256
     _expand_kernel[(t, triton.cdiv(d, block))](streams.contiguous(), out.contiguous(), post.contiguous(),
                                                comb.contiguous(), y, d, N=n, BN=triton.next_power_of_2(n), BD=block,
