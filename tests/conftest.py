@@ -56,6 +56,26 @@ def run_cli(*args: str | Path, check: bool = False, timeout: float = 300) -> sub
     return proc
 
 
+# Triton's interpreter runs a launch's programs one after another in Python, each operation over a
+# whole tile, so its time goes with the program count: whole-model tests on the CPU give the
+# row-tiled kernels 64 rows a program (the GPU's 16 or 32), about a third of the time (DeepSeek-V4's
+# tiny model, a prompt and three steps: 107 -> 35 s in the kernels). What they check (the torch
+# path's logits within float32 rounding, an expert cache against every expert resident bit for bit)
+# holds in any tiling; tests/kernels tests each kernel at the GPU's tiles.
+INTERPRETER_ROWS = 64
+
+
+@pytest.fixture
+def interpreter_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    from expertpack.worker.weights import kernels_on_cpu
+
+    with kernels_on_cpu():  # defined for the interpreter, as the tests' first kernel call would
+        from expertpack.worker.kernels import linear_tl, moe_dense, moe_tiles, moe_tl
+    for module, name in ((linear_tl, "BN_MATVEC"), (linear_tl, "BN_REGROUPED"), (linear_tl, "BN_DEQUANT"),
+                         (moe_tl, "BN"), (moe_tiles, "BN"), (moe_dense, "BN_DEQUANT")):
+        monkeypatch.setattr(module, name, max(getattr(module, name), INTERPRETER_ROWS))
+
+
 @pytest.fixture(scope="session")
 def fixture_packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """fixture id -> (source GGUF, built pack directory), built once per session."""

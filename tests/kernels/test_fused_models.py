@@ -20,8 +20,9 @@ MODELS = [  # one of each expert activation and weight family the fixtures hold
     pytest.param("flagship/deepseek4/dsv4-tiny.Q2_K.gguf", marks=pytest.mark.slow),  # clamped SwiGLU per layer, mHC
     pytest.param("flagship/kimi-k3/k3-tiny.Q2_K.gguf", marks=pytest.mark.slow),  # situ, latent MoE, KDA
 ]
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu runs these models through "
-                                                                 "the kernels on CUDA; the interpreter is for CPUs")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu runs these models through "
+                                                                  "the kernels on CUDA; the interpreter is for CPUs"),
+              pytest.mark.usefixtures("interpreter_tiles")]
 TOKENS = [1, 5, 9, 200, 33, 17, 4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19, 250]  # prefill: trunk through cuBLAS
 
 

@@ -20,6 +20,7 @@ from ..worker.test_multi_device import PROMPT, assert_same, packs  # noqa: F401 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs, tests/gpu/test_multi_gpu.py runs the kernels on CUDA")
+@pytest.mark.usefixtures("interpreter_tiles")
 def test_split_through_the_kernels_is_bit_identical(packs, tmp_path: Path) -> None:
     """The GPU's code path on the CPU (Triton's interpreter): fused layers, decode as static-shape
     steps (the position a device tensor each range reads on its own device), experts through the

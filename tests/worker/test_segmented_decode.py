@@ -27,7 +27,8 @@ from .test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu replays the graphs; "
                                                                   "the interpreter is for CPUs"),
-              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+              pytest.mark.usefixtures("interpreter_tiles")]
 PROMPT = [1, 5, 9]  # the interpreter takes seconds a token
 N_STEPS = 3
 # (pack, prefetch): every layer MoE; DeepSeek-V4, whose hash layers' experts the graphs look up
