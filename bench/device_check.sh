@@ -154,8 +154,13 @@ run | tests)
     have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py
         --deselect tests/gpu/test_cuda_worker.py::test_resident_experts_equal_read_per_use_on_cuda
         --deselect tests/gpu/test_multi_gpu.py::test_two_gpus_through_expertd_share_one_connection)
-    { have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf && have flagship/deepseek4/dsv4-tiny.Q2_K.gguf; } \
-        || skip+=(--deselect tests/gpu/test_segmented_graphs.py)  # its packs are set a's
+    for m in flagship/kimi-k3/k3-tiny.Q2_K flagship/deepseek4/dsv4-tiny.Q2_K; do
+        have "$m.gguf" || skip+=(--deselect "tests/gpu/test_decode_graph.py::test_a_second_request_with_states_replays_the_graph[$m.gguf]")
+    done
+    for m in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M gguf/gptoss-a/gptoss-a.MXFP4_MOE gguf/deepseek3-a/deepseek3-a.Q2_K \
+             flagship/kimi-k3/k3-tiny.Q2_K flagship/deepseek4/dsv4-tiny.Q2_K; do
+        have "$m.gguf" || { skip+=(--deselect tests/gpu/test_segmented_graphs.py); break; }  # its packs: set a's
+    done
     skip+=(--deselect tests/gpu/test_two_workers.py)  # workers-test runs it (several processes; minutes)
     if [ "$1" = tests ]; then timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
     timeout 240 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
