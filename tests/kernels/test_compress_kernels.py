@@ -13,6 +13,9 @@ from expertpack.worker.kernels.compress_tl import compress_step, step_visible
 from expertpack.worker.layers import Rope, RopeStyle
 
 
+# Entry widths that are not powers of two: the entry kernel once read past the pooled row there
+# (values never stored), which the interpreter reports as overflows in the discarded lanes.
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize("ratio,d,overlap", [(4, 24, True), (8, 40, False), (128, 16, False)])
 def test_compress_step_equals_the_torch_step(ratio: int, d: int, overlap: bool, device: torch.device) -> None:
     g = torch.Generator().manual_seed(ratio + d)

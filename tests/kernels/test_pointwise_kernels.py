@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from expertpack.worker.hyper_connections import HyperConnection
-from expertpack.worker.kernels.hyper_tl import collapse_norm, expand, hc_weights
+from expertpack.worker.kernels.hyper_tl import hc_weights
 from expertpack.worker.kernels.pointwise_tl import rms_norm, rope
 from expertpack.worker.layers import Rope, RopeStyle, rms_norm as torch_rms_norm
+from expertpack.worker.weights import kernels_on_cpu
 
 
 @pytest.mark.parametrize("d", [64, 96, 2880])
@@ -70,18 +71,16 @@ def test_hyper_connection_weights(n: int, device: torch.device) -> None:
 @pytest.mark.parametrize("n,d", [(4, 96), (3, 80)])
 def test_hyper_connection_collapse_and_expand(n: int, d: int, device: torch.device) -> None:
     """The streams collapsed into a block's normalized input, and the block's output spread back
-    over them, one launch each, against the torch formulas."""
+    over them, one launch each through HyperConnection's seam, against its torch formulas."""
     g = torch.Generator().manual_seed(n * d)
     t = 3
     streams, out = torch.randn(t, n, d, generator=g), torch.randn(t, d, generator=g)
     pre, post, comb = torch.rand(t, n, generator=g), torch.rand(t, n, generator=g), torch.rand(t, n, n, generator=g)
     weight = torch.randn(d, generator=g)
     hc = HyperConnection(torch.zeros(1), torch.zeros(1), torch.zeros(1), n, 1, 1e-6, norm_eps=1e-6)
-    want = torch_rms_norm(HyperConnection.collapse(streams, pre), weight, 1e-6)
-    got = collapse_norm(streams.to(device), pre.to(device), weight.to(device), 1e-6).cpu()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    got = hc.block_input(streams.to(device), pre.to(device), weight.to(device)).cpu()  # the seam (torch on a CPU)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    want = post[..., None] * out[:, None, :] + torch.matmul(comb.transpose(-1, -2), streams)  # the torch formula
-    got = expand(streams.to(device), out.to(device), post.to(device), comb.to(device)).cpu()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want = hc.block_input(streams, pre, weight), HyperConnection.expand(streams, out, post, comb)  # torch (CPU)
+    with kernels_on_cpu():  # the kernels: on the CPU through the interpreter, else on `device`
+        streams, out, pre, post, comb, weight = (v.to(device) for v in (streams, out, pre, post, comb, weight))
+        got = hc.block_input(streams, pre, weight), HyperConnection.expand(streams, out, post, comb)
+    for name, a, b in zip(("block input", "expanded streams"), got, want):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

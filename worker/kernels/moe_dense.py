@@ -139,7 +139,8 @@ def scratch_values(dev: torch.device) -> int:
         return GROUP_VALUES
     free, _ = torch.cuda.mem_get_info(dev)
     stats = torch.cuda.memory_stats(dev)
-    return group_values(free + stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0))
+    unused = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+    return group_values(free + unused)
 
 
 def experts_dense(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
