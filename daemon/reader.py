@@ -1,10 +1,10 @@
 """reader.py opens experts.pack fail-closed and does aligned O_DIRECT reads into staging slots from a
 pool of threads (os.preadv releases the GIL). It checks the whole contract before the daemon says
 it is ready: manifest against pack (size, header, fingerprint), every block offset, every split read
-range and length a multiple of 4096. Demand reads overtake prefetch reads in its queue. Once a
-block's pieces are in, a check job on the same threads compares its crc32 with the manifest's
-(format 1.1; CorruptBlock on a mismatch), ahead of every read: no byte of a block that fails it is
-served. It knows nothing of sockets or clients: completions go to a callback."""
+range and length a multiple of 4096. Demand reads overtake prefetch reads in its queue. A read
+asked to checksums the payload bytes of its piece as soon as they are in (format 1.1; the server
+joins the pieces' crc32s and compares the block's with the manifest's, block_crc.py). It knows
+nothing of sockets or clients: completions go to a callback."""
 
 from __future__ import annotations
 
@@ -23,9 +23,6 @@ from typing import Any, Callable
 from expertpack.packtools.layout import (
     ALIGNMENT, PACK_FILE, LayerLayout, Manifest, PackHeader, block_crc32, format_crc32, manifest_problems,
 )
-
-CHECK_PRIO = -1  # a check finishes a block whose bytes are in: it goes before any read
-
 
 class PackContractError(RuntimeError):
     """The pack cannot be served safely; the message says what is wrong and what to do."""
@@ -136,9 +133,11 @@ class ReadJob:
     prio: int
     seq: int
     offset: int = field(compare=False)  # in experts.pack
-    dest: memoryview = field(compare=False)  # the slot bytes to fill (a check: the payload to check)
+    dest: memoryview = field(compare=False)  # the slot bytes to fill
     token: Any = field(compare=False)  # the caller's (the key this piece belongs to)
-    crc32: int | None = field(default=None, compare=False)  # set: a check of `dest` against it, not a read
+    piece: int = field(default=0, compare=False)  # which of the token's pieces
+    crc_bytes: int = field(default=0, compare=False)  # leading bytes of `dest` to checksum once read (0: none)
+    crc32: int | None = field(default=None, compare=False)  # their crc32, set by the reader
 
 
 Completion = Callable[[ReadJob, "BaseException | None", int], None]  # job, error, elapsed_ns
@@ -156,13 +155,10 @@ class ReaderPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, prio: int, offset: int, dest: memoryview, token: Any) -> None:
-        self._queue.put(ReadJob(prio, next(self._seq), offset, dest, token))
-
-    def submit_check(self, offset: int, payload: memoryview, crc32: int, token: Any) -> None:
-        """Checks a block read into `payload` (from `offset` in the pack) against `crc32`; the
-        completion's error is CorruptBlock when it does not match."""
-        self._queue.put(ReadJob(CHECK_PRIO, next(self._seq), offset, payload, token, crc32))
+    def submit(self, prio: int, offset: int, dest: memoryview, token: Any, piece: int = 0, crc_bytes: int = 0) -> None:
+        """Reads len(dest) bytes at `offset` into `dest`; with `crc_bytes`, the completion's job
+        carries the crc32 of dest's first crc_bytes bytes."""
+        self._queue.put(ReadJob(prio, next(self._seq), offset, dest, token, piece, crc_bytes))
 
     def promote(self, token: Any, prio: int) -> None:
         """Moves the queued reads of `token` up to `prio`: a demand key that joins a read a prefetch
@@ -187,17 +183,13 @@ class ReaderPool:
                 return
             start = time.monotonic_ns()
             error: BaseException | None = None
-            if job.crc32 is not None:
-                found = block_crc32(job.dest)  # releases the GIL: the threads check in parallel
-                if found != job.crc32:
-                    error = CorruptBlock(job.offset, job.dest.nbytes, job.crc32, found)
-                self._on_complete(job, error, time.monotonic_ns() - start)
-                continue
             try:
                 got = os.preadv(self._fd, [job.dest], job.offset)
                 if got != len(job.dest):
                     error = OSError(errno.EIO, f"short read at byte {job.offset}: {got} of {len(job.dest)} bytes "
                                                "(pack truncated?)")
+                elif job.crc_bytes:  # releases the GIL: the threads checksum in parallel
+                    job.crc32 = block_crc32(job.dest[:job.crc_bytes])
             except BaseException as exc:  # any failure fails this read; the thread lives on
                 error = exc
             self._on_complete(job, error, time.monotonic_ns() - start)

@@ -1,10 +1,11 @@
 """expertd's main loop: one ZeroMQ ROUTER socket, the reader pool's completions (an eventfd) and the
 signal self-pipe, all polled by one thread that owns every piece of state (sessions, requests,
 slots), so nothing here takes a lock. A FETCH's keys queue per client (demand before prefetch) and
-get one of the client's leased slots each; reads land in the slot; once every piece is in, the
-block's crc32 is checked on a reader thread (packs of format 1.1) and only then does READY name the
-slot: a block that fails the check is FAILed CORRUPT, counted and logged by (layer, expert), and
-the daemon serves every other key on.
+get one of the client's leased slots each; reads land in the slot; each reader thread checksums
+the piece it read, and once every piece is in, their crc32s joined (block_crc.py) are the block's,
+checked against the manifest's (packs of format 1.1); only then does READY name the slot: a block
+that fails the check is FAILed CORRUPT, counted and logged by (layer, expert), and the daemon
+serves every other key on.
 A client that disconnects loses its leases: a session keeps the fd (ZMQ_SRCFD) of the connection
 that said HELLO, the socket monitor reports a closed connection's fd, and that ends the sessions on
 it. A client that stays connected but sends nothing (frozen: SIGSTOP, a hung host) loses them once
@@ -62,6 +63,7 @@ from zmq.utils.monitor import recv_monitor_message
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
+from .block_crc import CrcJoiner
 from .config import DaemonConfig
 from .flood import FLOOD_BAN_S, Flooder, FloodGuard, StatsBudget, anon_bytes
 from .notify import notify, watchdog_interval_s
@@ -93,8 +95,8 @@ class Work:
     error: BaseException | None = None
     cancelled: bool = False
     done: bool = False
-    checked: bool = False  # its crc32 check has run (or the pack has none to check)
     ram: bool = False  # `slot` is a RAM tier slot (read into it, or waiting on that read)
+    piece_crc32s: list[int | None] = field(default_factory=list)  # per read piece, as the readers found them
 
 
 @dataclass(eq=False)
@@ -137,6 +139,8 @@ class ExpertDaemon:
             log.warning("%s was built before pack format 1.1 and has no block crc32s: blocks are served without "
                         "a check as they are read (`expertpack verify` checks their sha256; a rebuild adds the "
                         "crc32s)", config.pack)
+        self._crc_joiner = CrcJoiner(min(length, l.payload_bytes - start) for l in self.manifest.layers
+                                     for start, length in self.pack.splits[l.layer] if start < l.payload_bytes)
         self.started = time.monotonic()
         self.counters = Counters()
         self.read_latency = Histogram()
@@ -638,8 +642,26 @@ class ExpertDaemon:
         block = layer.block_offset(work.key.expert)
         pieces = self.pack.splits[layer.layer]
         work.pieces_left = len(pieces)
-        for start, length in pieces:
-            self.readers.submit(int(work.prio), block + start, self.staging.view(work.slot, start, start + length), work)
+        work.piece_crc32s = [None] * len(pieces)
+        for i, (start, length) in enumerate(pieces):
+            crc_bytes = max(0, min(length, layer.payload_bytes - start)) if self.check_crc32 else 0
+            self.readers.submit(int(work.prio), block + start, self.staging.view(work.slot, start, start + length), work,
+                                piece=i, crc_bytes=crc_bytes)
+
+    def _check(self, work: Work) -> None:
+        """Compares the crc32 of the block just read (joined from its pieces') with the manifest's;
+        a mismatch becomes the work's error (CorruptBlock), so no byte of the block is served."""
+        if work.error is not None or not self.check_crc32:
+            return
+        layer = self.layers[work.key.layer]
+        pieces = self.pack.splits[layer.layer]
+        found = self._crc_joiner.join((crc, min(length, layer.payload_bytes - start))
+                                      for crc, (start, length) in zip(work.piece_crc32s, pieces) if crc is not None)
+        self.counters.checked_blocks += 1
+        self.counters.checked_bytes += layer.payload_bytes
+        expected = layer.crc32[work.key.expert]
+        if found != expected:
+            work.error = CorruptBlock(layer.block_offset(work.key.expert), layer.payload_bytes, expected, found)
 
     def _ready_ram(self, work: Work, slot: RamSlot) -> None:
         """READY naming a resident RAM block: the client holds it until it releases it."""
@@ -666,13 +688,7 @@ class ExpertDaemon:
             nbytes = job.dest.nbytes
             job.dest.release()
             work: Work = job.token
-            if job.crc32 is not None:  # a check, not a read
-                self.counters.checked_blocks += 1
-                self.counters.checked_bytes += nbytes
-                work.error = error
-                work.checked = True
-                self._read_complete(work)
-                continue
+            work.piece_crc32s[job.piece] = job.crc32
             self.read_latency.add_ns(elapsed_ns)
             self.counters.read_ops += 1
             if not self.pack.direct:
@@ -693,14 +709,8 @@ class ExpertDaemon:
             return
         slot = self.staging.pool.slots[work.slot]
         session = work.session
-        if not work.checked and work.error is None and not work.cancelled and not session.closed:
-            work.checked = True
-            if self.check_crc32:  # READY waits for the check; the slot stays READING meanwhile
-                layer = self.layers[work.key.layer]
-                self.readers.submit_check(layer.block_offset(work.key.expert),
-                                          self.staging.view(slot.index, 0, layer.payload_bytes),
-                                          layer.crc32[work.key.expert], work)
-                return
+        if not work.cancelled and not session.closed:
+            self._check(work)
         if session.closed:  # the client is gone: its slot leaves with it
             slot.move(SlotState.FREE)
             self.staging.pool.give_back(slot.index)
@@ -735,14 +745,7 @@ class ExpertDaemon:
         block is for everyone), then resident and answered to every key waiting on it, or, failed
         or corrupt, dropped and FAILed to them all."""
         slot = self.ram.slot(work.slot)
-        if not work.checked and work.error is None:
-            work.checked = True
-            if self.check_crc32:
-                layer = self.layers[work.key.layer]
-                self.readers.submit_check(layer.block_offset(work.key.expert),
-                                          self.staging.view(slot.index, 0, layer.payload_bytes),
-                                          layer.crc32[work.key.expert], work)
-                return
+        self._check(work)  # even if its own client left or cancelled: the block is for everyone
         work.session.ram_reads -= 1
         waiting = self._waiting.pop(slot.index)
         self.ram.filled(slot, work.error is None)

@@ -19,16 +19,18 @@ from expertpack.packtools.layout import (
     MANIFEST_FILE, PACK_FILE, ExpertKey, Manifest, PackHeader, block_crc32, fingerprint_of,
 )
 
+from expertpack.daemon.reader import split_ranges
+
 from ..conftest import BIN, start_daemon
 from .test_serving import all_keys
 
 BAD = ExpertKey(1, 5)
 
 
-def flip_byte(pack: Path, key: ExpertKey) -> None:
-    """Flips one bit of one byte in the middle of `key`'s payload in experts.pack."""
+def flip_byte(pack: Path, key: ExpertKey, at_byte: int | None = None) -> None:
+    """Flips one bit of one byte of `key`'s payload in experts.pack (by default, its middle one)."""
     layer = Manifest.load(pack).layer(key.layer)
-    at = layer.block_offset(key.expert) + layer.payload_bytes // 2
+    at = layer.block_offset(key.expert) + (layer.payload_bytes // 2 if at_byte is None else at_byte)
     with open(pack / PACK_FILE, "r+b") as f:
         f.seek(at)
         byte = f.read(1)
@@ -99,6 +101,44 @@ def test_a_flipped_byte_fails_that_key_corrupt_and_only_that_key(tiny_pack: Path
         code, log = d.stop()
     assert code == 0, log
     assert "corrupt block: layer 1 expert 5" in log and log.count("corrupt block:") == 2
+
+
+def test_a_flipped_byte_in_any_piece_of_a_block_fails_it(tiny_pack: Path, tmp_path: Path) -> None:
+    """Each reader thread checksums the piece it read and the daemon joins the pieces' crc32s: a
+    flip in the first byte of the first piece, inside each later piece, or in the last byte of the
+    last (a shorter one) fails that block, through the staging and through the RAM tier."""
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    m = Manifest.load(pack)
+    payload = m.layer(0).payload_bytes
+    pieces = split_ranges(m.layer(0).stride, 4)
+    assert len(pieces) == 4 and len({n for _, n in pieces}) == 2  # the test's point: several pieces, two lengths
+    flips = {ExpertKey(0, 0): 0, ExpertKey(0, 9): pieces[1][0] + 1, ExpertKey(2, 3): pieces[2][0] + 4095,
+             ExpertKey(3, 15): payload - 1}
+    for key, at in flips.items():
+        flip_byte(pack, key, at)
+    for tier in ("0", "1"):
+        (tmp_path / f"tier{tier}").mkdir()
+        d = start_daemon(pack, tmp_path / f"tier{tier}", "--stage-slots", "16", "--client-slots", "4",
+                         "--ram-cache-gib", tier)
+        d.wait_for("READY=1")
+        try:
+            with ExpertClient(d.endpoint) as client:
+                for key in flips:
+                    with pytest.raises(FetchFailed) as caught:
+                        list(client.fetch([key]))
+                    assert caught.value.code is p.FailCode.CORRUPT and caught.value.key == key
+                good = [k for k in all_keys(m) if k not in flips]
+                for expert in client.fetch(good):
+                    layer = m.layer(expert.key.layer)
+                    assert hashlib.sha256(expert.data).hexdigest() == layer.sha256[expert.key.expert], expert.key
+                    expert.release()
+                c = client.stats()["counters"]
+            assert c["corrupt_blocks"] == len(flips) and c["ready"] == len(good)
+            assert c["checked_blocks"] == len(all_keys(m)) and c["checked_bytes"] == len(all_keys(m)) * payload
+        finally:
+            code, log = d.stop()
+        assert code == 0, log
 
 
 def test_a_pack_built_before_crc32s_still_serves(tiny_pack: Path, tmp_path: Path) -> None:
