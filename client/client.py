@@ -39,7 +39,7 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import zmq
 
@@ -278,15 +278,20 @@ class ExpertClient:
         return self._map
 
     def fetch(self, keys: Iterable[tuple[int, int]], prio: p.Priority = p.Priority.DEMAND,
-              timeout_s: float | None = None) -> Iterator[Expert]:
+              timeout_s: float | None = None, on_sent: Callable[[], None] | None = None) -> Iterator[Expert]:
         """Yields every requested expert as it arrives. Raises FetchFailed on the first key expertd
-        cannot deliver (the rest of the request is cancelled). Leaving the loop early cancels too."""
+        cannot deliver (the rest of the request is cancelled). Leaving the loop early cancels too.
+        `on_sent` runs once the FETCH is sent, before the first wait (what to ask for behind it)."""
         wanted = [ExpertKey(int(l), int(e)) for l, e in keys]
         if not wanted:
+            if on_sent is not None:
+                on_sent()
             return
         request_id = next(self._ids)
         self._inbox[request_id] = deque()
         self._send(p.Fetch(request_id, tuple(wanted), prio))
+        if on_sent is not None:
+            on_sent()
         remaining = len(wanted)
         try:
             while remaining:

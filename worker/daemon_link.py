@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import zmq
@@ -199,13 +199,14 @@ class DaemonLink:
                      if c.get("name") == self.name and c.get("pid") in (pid, None)), None)
 
     # ---- fetching -----------------------------------------------------------------------------
-    def fetch(self, keys: list[ExpertKey]) -> Iterator[Expert]:
+    def fetch(self, keys: list[ExpertKey], on_sent: Callable[[], None] | None = None) -> Iterator[Expert]:
         """Every key, as it arrives; across reconnects if the daemon restarts meanwhile. The caller
-        must release each expert (directly, or once a copy out of it has completed)."""
+        must release each expert (directly, or once a copy out of it has completed). `on_sent`
+        runs once the request is sent, before the first wait (again after a reconnect)."""
         with self._lock:
-            yield from self._fetch(keys)
+            yield from self._fetch(keys, on_sent)
 
-    def _fetch(self, keys: list[ExpertKey]) -> Iterator[Expert]:
+    def _fetch(self, keys: list[ExpertKey], on_sent: Callable[[], None] | None = None) -> Iterator[Expert]:
         remaining = list(keys)
         # When the daemon was found gone; None while it serves. No session at the start: an earlier
         # request found it gone, and this one waits for it no longer than down_timeout_s either.
@@ -219,7 +220,7 @@ class DaemonLink:
                 if self.client is None:
                     self._reconnect(down_since)
                 asked = True
-                for expert in self.client.fetch(remaining):
+                for expert in self.client.fetch(remaining, on_sent=on_sent):
                     remaining.remove(expert.key)
                     down_since = None
                     yield expert

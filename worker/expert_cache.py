@@ -19,7 +19,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import torch
 
@@ -37,6 +37,23 @@ def slot_bytes(manifest: Manifest) -> int:
     """One cache slot: the largest expert block, rounded up to the pack's alignment so that slots
     start where blocks start on disk and every role keeps its alignment (typed views, DMA)."""
     return -(-max(l.payload_bytes for l in manifest.layers) // ALIGNMENT) * ALIGNMENT
+
+
+AfterSend = Callable[[], None]  # what a step sends once its own misses are asked for (prefetches)
+
+
+def _once(fn: AfterSend | None) -> AfterSend | None:
+    """`fn`, run at most once however often it is called (a reconnect sends a request again)."""
+    if fn is None:
+        return None
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+    return run
 
 
 class CacheError(RuntimeError):
@@ -141,38 +158,45 @@ class ExpertCache:
     def layout(self, layer: int) -> LayerLayout:
         return self.layers[layer]
 
-    def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
-        slots = self._acquire(layer, experts)
+    def load(self, layer: int, experts: Sequence[int], then: AfterSend | None = None) -> dict[int, ExpertWeights]:
+        """`experts` as weights in their slots; `then`: see waves."""
+        slots = self._acquire(layer, experts, _once(then))
         return {e: block_views(self.layers[layer], self.memory, slot * self.slot_bytes) for e, slot in zip(experts, slots)}
 
-    def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]:
+    def expert_rows(self, layer: int, ids: torch.Tensor, then: AfterSend | None = None) -> Iterator[ExpertRows]:
         """The step's experts in waves the cache can hold (one, unless the step selected more
         experts than there are slots): one host sync for the step's unique ids, one upload of the
-        expert -> slot map per wave."""
-        for offsets, pairs in self.waves(layer, ids.reshape(-1).tolist()):
+        expert -> slot map per wave. `then`: see waves."""
+        for offsets, pairs in self.waves(layer, ids.reshape(-1).tolist(), then):
             yield ExpertRows(self.memory, torch.tensor(offsets, dtype=torch.int64).to(self.device),
                              None if pairs is None else torch.tensor(pairs, dtype=torch.int32).to(self.device))
 
-    def waves(self, layer: int, chosen: list[int]) -> Iterator[tuple[list[int], list[int] | None]]:
+    def waves(self, layer: int, chosen: list[int], then: AfterSend | None = None
+              ) -> Iterator[tuple[list[int], list[int] | None]]:
         """The host side of expert_rows, for the experts `chosen` [T*k] by a step's pairs: per wave,
         each pair's byte offset into `memory` (pairs of other waves point at slot 0 and are not
         run) and the pairs it runs (None: all of them), its slots acquired when the iteration
         reaches it (after the previous wave's compute was enqueued). A segmented decode step
         (engine.SegmentedDecode) takes the one wave of a step from here and uploads the offsets
-        itself, into the buffer its graphs read."""
+        itself, into the buffer its graphs read. `then` (the later layers' prefetches) runs once,
+        as soon as the first wave's misses are asked for (at once when it has none): expertd's idle
+        readers then start on what the model waits for, not on what it may need later."""
         unique = sorted(set(chosen))
         # The layer's routing is known: what was prefetched for it and not chosen is stale now, and its
         # reads not yet started never compete with this step's.
         self.counters.prefetch_stale += self.link.ahead.cancel(layer, keep=unique)
+        then = _once(then)
         for start in range(0, len(unique), self.n_slots):
             wave = unique[start:start + self.n_slots]
-            slot_of = dict(zip(wave, self._acquire(layer, wave)))
+            slot_of = dict(zip(wave, self._acquire(layer, wave, then)))
+            then = None
             offsets = [slot_of.get(e, 0) * self.slot_bytes for e in chosen]  # [T*k]
             pairs = None if len(wave) == len(unique) else [p for p, e in enumerate(chosen) if e in slot_of]
             yield offsets, pairs
 
-    def _acquire(self, layer: int, experts: Sequence[int]) -> list[int]:
-        """The slots of `experts`, fetching what is missing; the compute stream waits for their copies."""
+    def _acquire(self, layer: int, experts: Sequence[int], then: AfterSend | None = None) -> list[int]:
+        """The slots of `experts`, fetching what is missing (`then` run once that is asked for, or
+        at once); the compute stream waits for their copies."""
         keys = [ExpertKey(layer, e) for e in experts]
         if len(keys) > self.n_slots:
             raise CacheTooSmall(f"{len(keys)} experts requested at once, the cache holds {self.n_slots}")
@@ -181,7 +205,9 @@ class ExpertCache:
         misses = [k for k in keys if k not in self.policy.slot_of]
         self.counters.hits += len(keys) - len(misses)
         if misses:
-            self._fetch(misses, protected=set(keys))
+            self._fetch(misses, protected=set(keys), then=then)
+        elif then is not None:
+            then()
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         slots = [self.policy.slot_of[key] for key in keys]
         if compute is not None:
@@ -212,7 +238,7 @@ class ExpertCache:
         self.counters.prefetch_stale += self.link.ahead.cancel(layer)
 
     # ---- misses --------------------------------------------------------------------------------
-    def _fetch(self, misses: list[ExpertKey], protected: set[ExpertKey]) -> None:
+    def _fetch(self, misses: list[ExpertKey], protected: set[ExpertKey], then: AfterSend | None = None) -> None:
         start = time.perf_counter()
         # Prefetches sent since the last fetch may hold slots: before waiting for expertd, copies
         # still in flight leave it one for each key it must still answer (see _release_finished).
@@ -229,7 +255,7 @@ class ExpertCache:
         wanted = set(misses)
         doubtful: list[ExpertKey] = []
         with self._copying():
-            for expert, prefetched in self.link.ahead.fetch(misses):
+            for expert, prefetched in self.link.ahead.fetch(misses, on_sent=then):
                 self.counters.prefetch_used += prefetched
                 self._check_delivery(expert, wanted)
                 slot = free_slots.pop()

@@ -5,8 +5,11 @@ from the tokens, and for the others a prediction: the model's own router of that
 this layer's router input (the hidden state after this layer's attention). The residual stream
 changes little from layer to layer, so the prediction holds several layers ahead (on the 6-layer
 synthetic Qwen3-30B-A3B, of the experts a layer chose: 84% predicted one layer ahead, 84% two, 81%
-three); asking that early keeps the disk's queue full while the layers between compute. It only
-decides what to fetch early; every layer computes with the routing it computes when it runs."""
+three); asking that early keeps the disk's queue full while the layers between compute. Six
+layers ahead (as far as the prefetch budget reaches, nearest first) streamed the 12-layer model
+from a cold RAM tier at 27.6-29.0 tok/s where three gave 21.5-25.2 in the same calls on the H200,
+its precision 74% instead of 77% (BENCHMARKS.md, issue 13). It only decides what to fetch early;
+every layer computes with the routing it computes when it runs."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ Router = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # The lookahead's predictions at one layer: (later layer, its predicted ids [T, k]) for each, nearest first
 Guesses = tuple[tuple[int, torch.Tensor], ...]
 
-LOOKAHEAD_LAYERS = 3  # MoE layers ahead of the running one whose experts are asked for
+LOOKAHEAD_LAYERS = 6  # MoE layers ahead of the running one whose experts are asked for
 
 
 def next_guesses(source: PrefetchingSource, layer: int, x: torch.Tensor, router: Router | None,

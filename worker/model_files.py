@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -56,6 +56,13 @@ class PrefetchingSource(ExpertSource, Protocol):
     told ahead which experts a later layer will likely need (prefetch.py), and when a layer has run."""
 
     def ahead(self, layer: int, depth: int) -> tuple[int, ...]: ...
+
+    # `then`: what the step sends once its own misses are asked for (the later layers' prefetches)
+    def load(self, layer: int, experts: Sequence[int], then: Callable[[], None] | None = None
+             ) -> dict[int, ExpertWeights]: ...
+
+    def expert_rows(self, layer: int, ids: torch.Tensor, then: Callable[[], None] | None = None
+                    ) -> Iterator[ExpertRows]: ...
 
     def prefetch(self, layer: int, experts: Sequence[int], running: int | None = None) -> None: ...
 

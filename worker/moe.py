@@ -3,8 +3,8 @@ selected is computed (all of them, every time: top-k is never reduced, no expert
 substituted) and the weighted outputs are added. Where expert bytes come from (a pack, a GGUF, the
 resident table, a VRAM cache fed by expertd) is the source's business; what an expert computes is
 the architecture's `Activation`, as data. Where the source fetches experts (the expertd-fed
-cache), each call first sends what the layers ahead will likely need (lookahead.py): never a
-change to what this call computes.
+cache), each call also sends what the layers ahead will likely need (lookahead.py), right behind
+its own misses: never a change to what this call computes.
 
 Two paths, one result within rounding: on CUDA (and on the CPU under Triton's interpreter, for
 tests) the source hands the fused kernels a byte-offset map into its memory and every selected
@@ -121,34 +121,36 @@ class ExpertFFN:
                        if prefetching else ())
             y = self._fused(layer, h, ids, weights, [self.boundary(layer, ids, guesses)])
             return y.sum(dim=1).to(h.dtype) if summed else y
-        if prefetching:
-            look_ahead(self.source, layer, h if router_in is None else router_in, self.router, self.static_routes,
-                       self.tokens)
+        ahead = partial(look_ahead, self.source, layer, h if router_in is None else router_in, self.router,
+                        self.static_routes, self.tokens) if prefetching else None
         if use_kernels(h.device):
-            y = self._fused(layer, h, ids, weights)
+            y = self._fused(layer, h, ids, weights, then=ahead)  # the later layers' prefetches behind its misses
             y = y.sum(dim=1).to(h.dtype) if summed else y
         else:
-            y = self._per_expert(layer, h, ids, weights)
+            y = self._per_expert(layer, h, ids, weights, then=ahead)
         if prefetching:
             self.source.layer_done(layer)
         return y
 
     def host_step(self, layer: int, chosen: list[int], guesses: Sequence[tuple[int, list[int]]]) -> list[int]:
         """A segmented decode step's host work at `layer`, what an eager call does around its
-        kernels and in the same order: the later layers' guessed experts sent ahead, the experts
-        `chosen` [T*k] acquired in one wave (the compute stream waiting on their copies), the
-        layer's stale prefetches cancelled. -> the pairs' byte offsets [T*k] into the source's memory.
-        Runs over the expert cache only (ExpertCache.waves), for steps it holds in one wave."""
-        for target, experts in guesses:
-            self.source.prefetch(target, experts, running=layer)
-        offsets, pairs = next(self.source.waves(layer, chosen))
+        kernels and in the same order: the experts `chosen` [T*k] acquired in one wave (the compute
+        stream waiting on their copies), the later layers' guessed experts sent ahead as soon as
+        this layer's misses are asked for, the layer's stale prefetches cancelled. -> the pairs'
+        byte offsets [T*k] into the source's memory. Runs over the expert cache only
+        (ExpertCache.waves), for steps it holds in one wave."""
+        def send_ahead() -> None:
+            for target, experts in guesses:
+                self.source.prefetch(target, experts, running=layer)
+
+        offsets, pairs = next(self.source.waves(layer, chosen, send_ahead if guesses else None))
         assert pairs is None, "a segmented step's experts are loaded in one wave"
         if self.prefetching:
             self.source.layer_done(layer)
         return offsets
 
     def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               rows: Sequence[ExpertRows] | None = None) -> torch.Tensor:
+               rows: Sequence[ExpertRows] | None = None, then: Callable[[], None] | None = None) -> torch.Tensor:
         from .kernels import moe_grouped
         from .kernels.moe_dense import experts_dense
         from .kernels.moe_tiles import experts_in_tiles
@@ -166,11 +168,14 @@ class ExpertFFN:
                "dense": partial(experts_dense, n_expert=self.n_expert),
                "tiles": partial(experts_in_tiles, n_expert=self.n_expert), "per_pair": experts_per_pair}[path]
         y = None
-        for wave in self.source.expert_rows(layer, ids) if rows is None else rows:
+        if rows is None:  # `then` comes with a prefetching source only (ExpertCache, CacheGroup)
+            rows = self.source.expert_rows(layer, ids) if then is None else self.source.expert_rows(layer, ids, then)
+        for wave in rows:
             y = run(x, wave.pool, wave.offsets, w, roles, self.act(layer), wave.pairs, out=y)
         return y.view(t, k, -1)  # summed over k in slot order by the caller: the same sum in every mode
 
-    def _per_expert(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _per_expert(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    then: Callable[[], None] | None = None) -> torch.Tensor:
         experts = sorted(set(ids.flatten().tolist()))
         out = torch.zeros_like(h)
         act = self.act(layer)
@@ -179,7 +184,8 @@ class ExpertFFN:
         wave = getattr(self.source, "capacity", None) or len(experts) or 1
         for start in range(0, len(experts), wave):
             group = experts[start:start + wave]
-            loaded = self.source.load(layer, group)
+            loaded = self.source.load(layer, group) if then is None else self.source.load(layer, group, then)
+            then = None
             for e in group:
                 tokens, slots = (ids == e).nonzero(as_tuple=True)
                 w = {role: t.to(h.device) for role, t in loaded[e].items()}

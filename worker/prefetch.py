@@ -15,7 +15,7 @@ died with the old session) and demand fetches whatever they would have brought."
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Collection, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Iterator
 
 from expertpack.client import ClientError, Expert, ExpertClient, Pending, Priority
 from expertpack.packtools.layout import ExpertKey
@@ -69,7 +69,8 @@ class Prefetches:
             client = self._live()
             if client is None:
                 return 0
-            leaving = sum(key.layer == running for key in self.entries) if running is not None else 0
+            leaving = (sum(key.layer == running for key in self.entries)
+                       + sum(pending.key.layer == running for pending in self.taken)) if running is not None else 0
             room = prefetch_budget(len(client.slots)) - self.held + leaving
             sent = 0
             try:
@@ -131,13 +132,16 @@ class Prefetches:
             log.debug("reading prefetch answers: %s", exc)
 
     # ---- demand ------------------------------------------------------------------------------
-    def fetch(self, keys: list[ExpertKey]) -> Iterator[tuple[Expert, bool]]:
+    def fetch(self, keys: list[ExpertKey], on_sent: Callable[[], None] | None = None
+              ) -> Iterator[tuple[Expert, bool]]:
         """Every key as a demand fetch would give it, and whether a prefetch brought it: first the
         prefetched ones already in, then the rest fetched at DEMAND priority as they arrive, then
         the prefetched ones still on the way, promoted to DEMAND priority. Where prefetched ones are
         in, the rest are asked for before those are handed over (one FETCH each), so that their
-        copies overlap its reads rather than delay its request. A fetch that failed or died is fetched again on demand
-        (which raises what the daemon says, or reconnects)."""
+        copies overlap its reads rather than delay its request. `on_sent` runs once the demand is
+        sent and promoted, before the first wait: the later layers' prefetches go behind it, so
+        that idle readers take the keys the model waits for first. A fetch that failed or died is
+        fetched again on demand (which raises what the daemon says, or reconnects)."""
         with self.link._lock:
             client = self._live()
             if client is not None:
@@ -150,6 +154,8 @@ class Prefetches:
             demand = self._ask(client, rest) if arrived and rest else None
             for pending in waiting:  # needed now: no longer behind other clients' demand reads
                 pending.promote()
+            if on_sent is not None and (demand is not None or not rest):
+                on_sent()
             again: list[ExpertKey] = []
             try:
                 for pending in arrived:
@@ -158,7 +164,7 @@ class Prefetches:
                     for pending in demand:
                         yield from self._result(pending, again, prefetched=False)
                 elif rest:
-                    yield from ((expert, False) for expert in self.link.fetch(rest))
+                    yield from ((expert, False) for expert in self.link.fetch(rest, on_sent))
                 for pending in waiting:
                     yield from self._result(pending, again)
                 if again:

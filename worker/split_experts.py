@@ -6,7 +6,7 @@ daemon link) to the generation loop, /metrics and /health."""
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -36,11 +36,16 @@ class SplitExperts:
     def layout(self, layer: int) -> LayerLayout:
         return self.source_of[layer].layout(layer)
 
-    def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
-        return self.source_of[layer].load(layer, experts)
+    def load(self, layer: int, experts: Sequence[int], then: Callable[[], None] | None = None
+             ) -> dict[int, ExpertWeights]:
+        source = self.source_of[layer]
+        return source.load(layer, experts) if then is None else source.load(layer, experts, then)
 
-    def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]:
-        return self.source_of[layer].expert_rows(layer, ids)
+    def expert_rows(self, layer: int, ids: torch.Tensor, then: Callable[[], None] | None = None
+                    ) -> Iterator[ExpertRows]:
+        """`then`: a prefetching part's (ExpertCache.waves), given only to parts that prefetch."""
+        source = self.source_of[layer]
+        return source.expert_rows(layer, ids) if then is None else source.expert_rows(layer, ids, then)
 
     def close(self) -> None:
         for source in self.parts:

@@ -229,9 +229,9 @@ def kill_during_a_fetch(engine: Engine, daemon: Daemon, on_fetch: int, then=None
     link = engine.expert_cache.link
     real_fetch, calls = link.fetch, [0]
 
-    def fetch(keys):
+    def fetch(keys, on_sent=None):
         calls[0] += 1
-        for i, expert in enumerate(real_fetch(keys)):
+        for i, expert in enumerate(real_fetch(keys, on_sent)):
             yield expert
             if calls[0] == on_fetch and i == 0:
                 daemon.proc.send_signal(signal.SIGKILL)

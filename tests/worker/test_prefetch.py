@@ -11,7 +11,8 @@
 - stale prefetches are cancelled and every slot they held comes back, arrived or not; on the
   kernels' path as soon as the layer's routing is known;
 - prefetches hold at most their budget of the client's staging, and demand is served while they
-  hold all of it; prefetches go at PREFETCH priority, one key each, demand at DEMAND;
+  hold all of it; prefetches go at PREFETCH priority, one key each, demand at DEMAND, a layer's
+  demand before the prefetches its lookahead sends;
 - over expertd's RAM tier, prefetch stays bit-exact and a second pass reads from the pack only
   for mispredicted prefetches.
 """
@@ -29,6 +30,7 @@ from expertpack.packtools.layout import ExpertKey, Manifest
 from expertpack.worker.daemon_link import DaemonLink
 from expertpack.worker.engine import Engine
 from expertpack.worker.expert_cache import ExpertCache, slot_bytes
+from expertpack.worker import lookahead
 from expertpack.worker.lookahead import LOOKAHEAD_LAYERS
 from expertpack.worker.metrics import ServeCounters, render
 from expertpack.worker.model_files import PackExperts
@@ -151,19 +153,22 @@ def test_prefetch_off_sends_nothing_ahead(fixture_packs, tmp_path: Path) -> None
         assert d.stop()[0] == 0
 
 
-def test_the_lookahead_asks_for_the_next_layers_nearest_first(tiny_pack: Path, tmp_path: Path) -> None:
+def test_the_lookahead_asks_for_the_next_layers_nearest_first(tiny_pack: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """While MoE layer L runs, the experts of the next LOOKAHEAD_LAYERS MoE layers are asked for
     (their routers on L's input), in the order they run, and none past the last layer."""
+    depth = 2  # fewer than the fixture's layers
+    monkeypatch.setattr(lookahead, "LOOKAHEAD_LAYERS", depth)
     pack = tiny_pack  # 4 MoE layers, top-4
     k = Manifest.load(pack).model.n_expert_used
-    slots = str(2 * k * LOOKAHEAD_LAYERS)  # a prefetch budget (half) of k for each layer ahead
+    slots = str(2 * k * depth)  # a prefetch budget (half) of k for each layer ahead
     d = start_daemon(pack, tmp_path, "--stage-slots", slots, "--client-slots", slots, "--max-client-slots", slots)
     d.wait_for("READY=1")
     engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
     try:
         cache = engine.expert_cache
         served = cache.served
-        assert len(served) > LOOKAHEAD_LAYERS >= 2, "the fixture has layers to look ahead over"
+        assert len(served) > depth >= 2, "the fixture has layers to look ahead over"
         asked: list[tuple[int, int, int]] = []  # (the layer done before, layer asked for, experts asked)
         done: list[int] = []
         prefetch, layer_done = cache.prefetch, cache.layer_done
@@ -184,9 +189,62 @@ def test_the_lookahead_asks_for_the_next_layers_nearest_first(tiny_pack: Path, t
         engine.forward([3], state)
         want = []
         for i in range(len(served)):
-            ahead = served[i + 1:i + 1 + LOOKAHEAD_LAYERS]
+            ahead = served[i + 1:i + 1 + depth]
             want += [(served[i - 1] if i else -1, target, k) for target in ahead]  # a token's k experts
         assert asked == want
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
+
+
+def test_a_layers_misses_are_asked_for_before_the_layers_ahead(tiny_pack: Path, tmp_path: Path) -> None:
+    """At every MoE layer of a decode step, the layer's own DEMAND FETCH goes out before the
+    prefetches of the layers ahead that its lookahead sends: expertd's idle readers start on what
+    the model waits for (sent after them, it had waited for the prefetches' reads in flight: at a
+    token's first layer, where nothing was asked for ahead, most of its fetch time on the H200).
+    The same holds for a segmented decode step's host work (ExpertFFN.host_step, the GPU's decode)."""
+    pack = tiny_pack
+    k = Manifest.load(pack).model.n_expert_used
+    slots = str(2 * k * LOOKAHEAD_LAYERS)
+    d = start_daemon(pack, tmp_path, "--stage-slots", slots, "--client-slots", slots, "--max-client-slots", slots)
+    d.wait_for("READY=1")
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
+    try:
+        cache = engine.expert_cache
+        events: list[tuple[str, int]] = []  # ("demand", layer) as sent; ("ahead", running layer) as asked
+        send = cache.link.client._send
+
+        def recorded_send(msg: p.Message) -> None:
+            if isinstance(msg, p.Fetch) and msg.prio is p.Priority.DEMAND:
+                events.append(("demand", msg.keys[0].layer))
+            send(msg)
+
+        prefetch = cache.prefetch
+
+        def recorded_prefetch(layer: int, experts: list[int], running: int | None = None) -> None:
+            events.append(("ahead", running))
+            prefetch(layer, experts, running)
+
+        def assert_demand_first() -> None:
+            missed = {layer for kind, layer in events if kind == "demand"}
+            assert missed, "the minimal cache misses at a decode step"
+            for layer in missed:
+                assert ("ahead", layer) in events
+                assert events.index(("ahead", layer)) > events.index(("demand", layer)), (layer, events)
+
+        cache.link.client._send, cache.prefetch = recorded_send, recorded_prefetch
+        state = engine.new_cache()
+        engine.forward(PROMPT[:4], state)
+        for token in DECODE[:3]:
+            events.clear()
+            engine.forward([token], state)
+            assert_demand_first()
+        first, second = cache.served[:2]
+        cached = {key.expert for key in cache.policy.slot_of if key.layer == first}
+        chosen = [e for e in range(Manifest.load(pack).model.n_expert) if e not in cached][:k]
+        events.clear()
+        engine.model.moe.host_step(first, chosen, [(second, list(range(k)))])
+        assert_demand_first()
     finally:
         engine.close()
         assert d.stop()[0] == 0
