@@ -2,14 +2,16 @@
 """Decode speed with the experts streamed from the SSD through expertd into a device cache of a
 fixed size, measured side by side in one run with every expert resident on the device and with the
 I/O bound: the SSD bytes each decoded token needed over the disk's O_DIRECT bandwidth, as fio
-measures it on the same pack (the expertd path instead when fio is not installed).
+measures it on the same pack (the expertd path instead when fio is not installed), the mean of a
+measurement before the streaming runs and one after.
 
 Synthesizes the preset (Qwen3-30B-A3B shapes, Q4_K experts, Q8_0 trunk by default) and packs it
 unless present; starts a real expertd; runs the same prompt and decode (a) streaming with
 --cache-gib of cache, with the worker's prefetch off and on (--prefetch both, the default; each
 against a fresh expertd), and (b) fully resident; checks that every run produces the same argmax at
 every step; prints a table (with prefetch precision and recall, and the seconds per token the
-model stalled waiting for experts), then one JSON line.
+model stalled waiting for experts, and how busy the pack's disk was while each decoded: the kernel's
+counters, see disk_activity.py), then one JSON line.
 
 Decode feeds a fixed pseudo-random token stream, one token at a time through the KV cache, rather
 than the model's own greedy output: a random-weight model's greedy output soon repeats one token,
@@ -30,10 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 
 import torch
+
+from expertpack.bench.disk_activity import DiskCounters, DiskSample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,6 +109,7 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
     from expertpack.worker.engine import Engine
     from expertpack.worker.expert_cache import prefetch_rates
 
+    disk = DiskCounters.open(pack)
     daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64, ram_cache_gib=args.ram_cache_gib)
     try:
         t0 = time.perf_counter()
@@ -113,8 +119,11 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
         load_s = time.perf_counter() - t0
         cache = engine.expert_cache
         marks: dict[str, tuple[dict, int]] = {}
+        disk_marks: dict[str, DiskSample] = {}
 
         def mark(phase: str) -> None:
+            if disk is not None:
+                disk_marks[phase] = disk.sample()
             marks[phase] = (cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"])
 
         out = run(engine, prompt, args.decode, args.device, mark)
@@ -136,6 +145,7 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
                 **prefetch_rates(d)}
 
     out.update(prefill=phase("prefill", "start"), decode=phase("decode", "prefill"))
+    out["disk"] = None if disk is None else DiskCounters.between(disk_marks["prefill"], disk_marks["decode"])
     return out
 
 
@@ -171,22 +181,32 @@ def main() -> int:
     p.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
                    help="synthesize with `expertpack synth --routing-skew S` (Zipf-like expert popularity; "
                         "default 0: uniform routing, where any cache's hit rate is its share of the experts)")
+    p.add_argument("--lookahead", type=int, metavar="N",
+                   help="MoE layers ahead of the running one whose experts the worker asks for (default: the "
+                        "worker's, worker/lookahead.py's LOOKAHEAD_LAYERS)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit on the device")
     p.add_argument("--prefetch", choices=sorted(MODES), default="both",
                    help="stream with the worker's prefetch off, on, or both side by side (default)")
     args = p.parse_args()
 
     from expertpack.packtools.layout import Manifest
+    from expertpack.worker import lookahead
     from expertpack.worker.engine import Engine
 
+    if args.lookahead is not None:
+        lookahead.LOOKAHEAD_LAYERS = args.lookahead
     stem, pack = prepare_pack(args.preset, args.layers, args.dir, args.routing_skew)
     m = Manifest.load(pack)
     expert_bytes = sum(l.payload_bytes * m.model.n_expert for l in m.layers)
     workdir = Path(tempfile.mkdtemp(prefix="decode-streaming-"))
-    bandwidth, bandwidth_how = disk_bandwidth(pack, workdir)
+    before, bandwidth_how = disk_bandwidth(pack, workdir)
     prompt = list(range(100, 100 + args.prompt))
 
     runs = {mode: streaming_run(pack, workdir, prompt, args, mode == "on") for mode in MODES[args.prefetch]}
+    # The lent H200's virtual disk reads faster after a rest than under sustained reads (before the
+    # runs 1.53-1.95 GB/s, after them 1.33-1.72, 2026-12-02): the bound takes the mean of the two.
+    after, _ = disk_bandwidth(pack, workdir)
+    bandwidth = (before + after) / 2
     n_slots, slot_bytes, pinned, load_s = (runs[MODES[args.prefetch][0]][k] for k in ("slots", "slot_bytes", "pinned", "load_s"))
     decode_tokens = args.decode - 1
     for run_ in runs.values():
@@ -208,7 +228,8 @@ def main() -> int:
           f"top-{m.model.n_expert_used}) on {args.device} ({gpu})")
     print(f"cache     {args.cache_gib:g} GiB = {n_slots} slots of {slot_bytes / 2**20:.2f} MiB "
           f"({n_slots * slot_bytes / expert_bytes:.0%} of the experts), staging pinned: {pinned}; load {load_s:.1f} s")
-    print(f"disk      {bandwidth:.2f} GB/s ({bandwidth_how})")
+    print(f"disk      {bandwidth:.2f} GB/s ({bandwidth_how}; {before:.2f} before the streaming runs, {after:.2f} after); "
+          f"prefetch {lookahead.LOOKAHEAD_LAYERS} MoE layers ahead")
     print(f"{'':26}{'prefill tok/s':>14}{'decode tok/s':>14}{'hit rate':>10}{'SSD MB/token':>14}{'stall s/token':>15}"
           f"{'precision':>11}{'recall':>8}")
     for mode, r in runs.items():
@@ -219,7 +240,11 @@ def main() -> int:
     if resident:
         print(f"{'every expert resident':26}{resident['prefill_tps']:14.2f}{resident['decode_tps']:14.2f}")
     for mode, r in runs.items():
-        print(f"{'I/O bound (disk / SSD B per token), prefetch ' + mode:52}{r['io_bound_tps']:14.2f}")
+        print(f"{'I/O bound (disk / SSD B per token), prefetch ' + mode:52}{r['io_bound_tps']:14.2f}"
+              f"   decode at {r['decode_tps'] / r['io_bound_tps']:.2f}x of it")
+    for mode, r in runs.items():
+        if r["disk"] is not None:
+            print(f"decode, prefetch {mode:4} {r['disk'].describe()}")
     print(f"argmax at every step identical across {', '.join(f'prefetch {m}' for m in runs)}"
           f"{' and the resident run' if resident else ''}: {same} (sha256 {digest})")
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -230,13 +255,15 @@ def main() -> int:
         "torch": torch.__version__, "model": f"synth {args.preset}" + (f" --layers {args.layers}" if args.layers else "")
         + (f" --routing-skew {args.routing_skew:g}" if args.routing_skew else ""),
         "expert_bytes": expert_bytes, "cache_bytes": n_slots * slot_bytes, "slots": n_slots, "staging_pinned": pinned,
-        "ram_cache_gib": args.ram_cache_gib,
-        "disk_gb_per_s": round(bandwidth, 3), "disk_measured_by": bandwidth_how,
+        "ram_cache_gib": args.ram_cache_gib, "lookahead_layers": lookahead.LOOKAHEAD_LAYERS,
+        "disk_gb_per_s": round(bandwidth, 3), "disk_gb_per_s_before": round(before, 3), "disk_gb_per_s_after": round(after, 3),
+        "disk_measured_by": bandwidth_how,
         "streaming": {f"prefetch_{mode}": {"prefill_tokens_per_s": round(r["prefill_tps"], 3),
                                            "decode_tokens_per_s": round(r["decode_tps"], 3), "prefill": r["prefill"],
                                            "decode": r["decode"], "stall_s_per_token": r["decode"]["stall_s"] / decode_tokens,
                                            "io_bound_decode_tokens_per_s": round(r["io_bound_tps"], 3),
-                                           "ssd_bytes_per_decoded_token": r["ssd_per_token"]}
+                                           "ssd_bytes_per_decoded_token": r["ssd_per_token"],
+                                           "disk_during_decode": None if r["disk"] is None else asdict(r["disk"])}
                       for mode, r in runs.items()},
         "resident": None if resident is None else {"prefill_tokens_per_s": round(resident["prefill_tps"], 3),
                                                    "decode_tokens_per_s": round(resident["decode_tps"], 3)},
