@@ -204,7 +204,7 @@ def main() -> int:
 
     runs = {mode: streaming_run(pack, workdir, prompt, args, mode == "on") for mode in MODES[args.prefetch]}
     # The lent H200's virtual disk reads faster after a rest than under sustained reads (before the
-    # runs 1.53-1.95 GB/s, after them 1.33-1.72, 2026-12-02): the bound takes the mean of the two.
+    # runs 1.44-1.95 GB/s, after them 1.31-1.72, 2026-12-02): the bound takes the mean of the two.
     after, _ = disk_bandwidth(pack, workdir)
     bandwidth = (before + after) / 2
     n_slots, slot_bytes, pinned, load_s = (runs[MODES[args.prefetch][0]][k] for k in ("slots", "slot_bytes", "pinned", "load_s"))
