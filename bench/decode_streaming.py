@@ -106,10 +106,11 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
     tokens, and per phase the cache's counters (hit rate, stall, prefetch precision and recall)
     and the SSD bytes expertd read."""
     from expertpack.bench import bench_io
+    from expertpack.packtools.layout import PACK_FILE
     from expertpack.worker.engine import Engine
     from expertpack.worker.expert_cache import prefetch_rates
 
-    disk = DiskCounters.open(pack)
+    disk = DiskCounters.open(pack / PACK_FILE)
     daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64, ram_cache_gib=args.ram_cache_gib)
     try:
         t0 = time.perf_counter()
@@ -241,7 +242,7 @@ def main() -> int:
         print(f"{'every expert resident':26}{resident['prefill_tps']:14.2f}{resident['decode_tps']:14.2f}")
     for mode, r in runs.items():
         print(f"{'I/O bound (disk / SSD B per token), prefetch ' + mode:52}{r['io_bound_tps']:14.2f}"
-              f"   decode at {r['decode_tps'] / r['io_bound_tps']:.2f}x of it")
+              + (f"   decode at {r['decode_tps'] / r['io_bound_tps']:.2f}x of it" if r["ssd_per_token"] else ""))
     for mode, r in runs.items():
         if r["disk"] is not None:
             print(f"decode, prefetch {mode:4} {r['disk'].describe()}")

@@ -1,8 +1,10 @@
 """What the block device under a file did between two moments, from the kernel's own counters
 (/sys/dev/block/MAJ:MIN/stat, the fields of /proc/diskstats): bytes read, the share of the time it
 had at least one request in flight (iostat's %util) and the mean number in flight. A streaming run
-below its I/O bound either left the disk idle (utilization under 1) or kept it busy at a lower rate
-than the bound's measurement (utilization near 1, fewer bytes per busy second): these say which."""
+below its I/O bound left the disk idle (utilization under 1), or kept it busy with fewer reads in
+flight than the bound's measurement had (an SSD or a virtual disk is not saturated at 100%
+utilization), or both. The device is the one under the file itself; a partition's counters leave
+out its siblings' load."""
 
 from __future__ import annotations
 

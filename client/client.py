@@ -13,7 +13,8 @@ experts are released. No GPU needed: the worker adds CUDA registration on top.
 for the returned Pending whenever the client reads its socket (during another fetch, or `pump()`),
 and taken with `Pending.result()`. `Pending.cancel()` gives its slot back: at once when the answer
 is in, otherwise with a CANCEL, and the late answer (a READY whose read had started) is released
-as it arrives; `abandoned` counts those still unanswered, which may each still hold a slot.
+as it arrives; a fetch left early (or failed) cancels the rest of its keys the same way.
+`abandoned` counts the answers of cancelled requests still to come, which may each hold a slot.
 
 A daemon that goes away is noticed at once, not after `timeout_s`: a BYE (it is shutting down), or
 the connection closing under the session (it exited, was killed or restarted: a ZeroMQ socket
@@ -190,7 +191,7 @@ class Pending:
             if isinstance(msg, p.Ready):
                 client._release([msg.slot])
             return
-        client._abandoned.add(self.request_id)
+        client._abandoned[self.request_id] = 1
         client._send_if_alive(p.Cancel(self.request_id))
 
     def __repr__(self) -> str:
@@ -235,7 +236,8 @@ class ExpertClient:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._inbox: dict[int, deque[p.Message]] = {}
-        self._abandoned: set[int] = set()  # cancelled submits whose answer has not arrived
+        # Cancelled requests (a submit, a fetch left early) -> their answers not arrived yet
+        self._abandoned: dict[int, int] = {}
         self._map: mmap.mmap | None = None
         try:
             self._send(p.Hello(p.PROTOCOL_VERSION, name or f"pid-{os.getpid()}", expect_fingerprint or ""))
@@ -290,10 +292,10 @@ class ExpertClient:
         request_id = next(self._ids)
         self._inbox[request_id] = deque()
         self._send(p.Fetch(request_id, tuple(wanted), prio))
-        if on_sent is not None:
-            on_sent()
         remaining = len(wanted)
         try:
+            if on_sent is not None:  # inside: whatever it raises, this request is cancelled below
+                on_sent()
             while remaining:
                 msg = self._next_for(request_id, timeout_s)
                 remaining -= 1
@@ -302,11 +304,14 @@ class ExpertClient:
                 assert isinstance(msg, p.Ready)
                 yield self._expert(msg)
         finally:
-            # Experts that arrived for this fetch but were never handed out go straight back.
-            unclaimed = [m.slot for m in self._inbox.pop(request_id) if isinstance(m, p.Ready)]
+            # Experts that arrived for this fetch but were never handed out go straight back; the
+            # answers still to come are released as they arrive (settle() waits for them).
+            inbox = self._inbox.pop(request_id)
+            unclaimed = [m.slot for m in inbox if isinstance(m, p.Ready)]
             if unclaimed:
                 self._release(unclaimed)
-            if remaining > len(unclaimed):
+            if remaining > len(inbox):
+                self._abandoned[request_id] = remaining - len(inbox)
                 self._send_if_alive(p.Cancel(request_id))
 
     def submit(self, key: tuple[int, int], prio: p.Priority = p.Priority.PREFETCH) -> Pending:
@@ -329,11 +334,11 @@ class ExpertClient:
 
     @property
     def abandoned(self) -> int:
-        """Cancelled submits not answered yet: each may still hold one of the client's slots."""
-        return len(self._abandoned)
+        """Answers of cancelled requests not arrived yet: each may still hold one of the client's slots."""
+        return sum(self._abandoned.values())
 
     def settle(self, timeout_s: float | None = None) -> None:
-        """Waits until every cancelled submit has its answer (and its slot is back)."""
+        """Waits until every cancelled request has its answers (and their slots are back)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while self._abandoned:
             msg = self._recv(max(0.0, deadline - time.monotonic()))
@@ -514,7 +519,12 @@ class ExpertClient:
         if request_id in self._inbox:
             self._inbox[request_id].append(msg)
             return
-        self._abandoned.discard(request_id)  # a one-key submit has exactly one answer
+        left = self._abandoned.get(request_id)  # each key of a request has exactly one answer
+        if left is not None:
+            if left > 1:
+                self._abandoned[request_id] = left - 1
+            else:
+                del self._abandoned[request_id]
         if isinstance(msg, p.Ready):  # for a fetch the caller abandoned: hand the slot straight back
             self._release([msg.slot])
 

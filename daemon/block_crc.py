@@ -1,5 +1,5 @@
 """A block's crc32 from the crc32s of the pieces it is read in. Each reader thread checksums its own
-piece as soon as it is in (while its bytes are still in the CPU's cache), the pieces in parallel;
+piece as soon as it is in, the pieces in parallel;
 the main loop then joins them in a few microseconds. Checking the whole block once its last piece
 was in had put a serial pass over all of it (about a millisecond for 2.5 MiB) between the disk and
 READY, on the path of every key a worker waits for.

@@ -2,7 +2,7 @@
 pool of threads (os.preadv releases the GIL). It checks the whole contract before the daemon says
 it is ready: manifest against pack (size, header, fingerprint), every block offset, every split read
 range and length a multiple of 4096. Demand reads overtake prefetch reads in its queue. A read
-asked to checksums the payload bytes of its piece as soon as they are in (format 1.1; the server
+asked to checksum the payload bytes of its piece does so as soon as they are in (format 1.1; the server
 joins the pieces' crc32s and compares the block's with the manifest's, block_crc.py). It knows
 nothing of sockets or clients: completions go to a callback."""
 
@@ -183,16 +183,19 @@ class ReaderPool:
                 return
             start = time.monotonic_ns()
             error: BaseException | None = None
+            read_ns = 0
             try:
                 got = os.preadv(self._fd, [job.dest], job.offset)
                 if got != len(job.dest):
                     error = OSError(errno.EIO, f"short read at byte {job.offset}: {got} of {len(job.dest)} bytes "
                                                "(pack truncated?)")
-                elif job.crc_bytes:  # releases the GIL: the threads checksum in parallel
-                    job.crc32 = block_crc32(job.dest[:job.crc_bytes])
+                else:
+                    read_ns = time.monotonic_ns() - start  # the read's latency (STATS), without the checksum
+                    if job.crc_bytes:  # releases the GIL: the threads checksum in parallel
+                        job.crc32 = block_crc32(job.dest[:job.crc_bytes])
             except BaseException as exc:  # any failure fails this read; the thread lives on
                 error = exc
-            self._on_complete(job, error, time.monotonic_ns() - start)
+            self._on_complete(job, error, read_ns if error is None else time.monotonic_ns() - start)
 
     def stop(self) -> None:
         for _ in self._threads:

@@ -202,7 +202,8 @@ class DaemonLink:
     def fetch(self, keys: list[ExpertKey], on_sent: Callable[[], None] | None = None) -> Iterator[Expert]:
         """Every key, as it arrives; across reconnects if the daemon restarts meanwhile. The caller
         must release each expert (directly, or once a copy out of it has completed). `on_sent`
-        runs once the request is sent, before the first wait (again after a reconnect)."""
+        runs once the request is sent, before the first wait, and again each time a reconnect
+        sends it again (the expert cache runs its prefetches once: ExpertCache.waves)."""
         with self._lock:
             yield from self._fetch(keys, on_sent)
 

@@ -255,7 +255,7 @@ class ExpertCache:
         wanted = set(misses)
         doubtful: list[ExpertKey] = []
         with self._copying():
-            for expert, prefetched in self.link.ahead.fetch(misses, on_sent=then):
+            for expert, prefetched in self.link.ahead.fetch(misses, on_sent=self._on_compute_stream(then)):
                 self.counters.prefetch_used += prefetched
                 self._check_delivery(expert, wanted)
                 slot = free_slots.pop()
@@ -279,6 +279,18 @@ class ExpertCache:
                     self._release_finished(keep_free=1)
         self._release_finished(keep_free=0, wait=self.device.type != "cuda")
         self.counters.stall_s += time.perf_counter() - start
+
+    def _on_compute_stream(self, fn: AfterSend | None) -> AfterSend | None:
+        """`fn` run on the stream current now (the compute stream) even when called from inside
+        `_copying`: the lookahead's router work must not queue the copies behind it."""
+        if fn is None or self.copy_stream is None:
+            return fn
+        compute = torch.cuda.current_stream(self.device)
+
+        def run() -> None:
+            with torch.cuda.stream(compute):
+                fn()
+        return run
 
     def _check_delivery(self, expert: Expert, wanted: set[ExpertKey]) -> None:
         """An expert this request asked for (once) and in its block's size, or CacheError."""

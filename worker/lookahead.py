@@ -7,8 +7,9 @@ changes little from layer to layer, so the prediction holds several layers ahead
 synthetic Qwen3-30B-A3B, of the experts a layer chose: 84% predicted one layer ahead, 84% two, 81%
 three); asking that early keeps the disk's queue full while the layers between compute. Six
 layers ahead (as far as the prefetch budget reaches, nearest first) streamed the 12-layer model
-from a cold RAM tier at 27.6-29.0 tok/s where three gave 21.5-25.2 in the same calls on the H200,
-its precision 74% instead of 77% (BENCHMARKS.md, issue 13). It only decides what to fetch early;
+from a cold RAM tier faster than three in four of five same-call comparisons on the H200 (0.93x and
+0.94x of the I/O bound against 0.80x and 0.83x in the last), its precision 74% instead of 77%
+(BENCHMARKS.md, "Demand before prefetch, six layers ahead"). It only decides what to fetch early;
 every layer computes with the routing it computes when it runs."""
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ class Prefetches:
             if client is None:
                 return 0
             leaving = (sum(key.layer == running for key in self.entries)
-                       + sum(pending.key.layer == running for pending in self.taken)) if running is not None else 0
+                       + sum(pending.key.layer == running and pending.client is client for pending in self.taken)
+                       ) if running is not None else 0
             room = prefetch_budget(len(client.slots)) - self.held + leaving
             sent = 0
             try:
@@ -154,10 +155,10 @@ class Prefetches:
             demand = self._ask(client, rest) if arrived and rest else None
             for pending in waiting:  # needed now: no longer behind other clients' demand reads
                 pending.promote()
-            if on_sent is not None and (demand is not None or not rest):
-                on_sent()
             again: list[ExpertKey] = []
             try:
+                if on_sent is not None and (demand is not None or not rest):
+                    on_sent()
                 for pending in arrived:
                     yield from self._result(pending, again)
                 if demand is not None:

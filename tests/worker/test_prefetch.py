@@ -226,8 +226,8 @@ def test_a_layers_misses_are_asked_for_before_the_layers_ahead(tiny_pack: Path, 
             prefetch(layer, experts, running)
 
         def assert_demand_first() -> None:
-            missed = {layer for kind, layer in events if kind == "demand"}
-            assert missed, "the minimal cache misses at a decode step"
+            missed = {layer for kind, layer in events if kind == "demand" and cache.ahead(layer, LOOKAHEAD_LAYERS)}
+            assert missed, "the minimal cache misses at a decode step, on a layer with layers ahead"
             for layer in missed:
                 assert ("ahead", layer) in events
                 assert events.index(("ahead", layer)) > events.index(("demand", layer)), (layer, events)
@@ -371,6 +371,35 @@ def test_prefetches_still_on_the_way_are_promoted_when_their_layer_needs_them(qw
         assert_as_packed(loaded, direct, layer, [0, 1])
         cache.layer_done(layer)
         assert_nothing_held(cache.link)
+    finally:
+        direct.close()
+        cache.close()
+
+
+@pytest.mark.parametrize("prefetched", [0, 2], ids=["demand-alone", "some-prefetched"])
+def test_a_failing_lookahead_after_the_demand_leaves_nothing_held(prefetched: int, qwen3) -> None:
+    """What a step sends behind its misses (the lookahead) runs once they are asked for; when it
+    raises, the error reaches the caller and the step's requests are cancelled, their slots back:
+    nothing is held past it, and the next step is served."""
+    manifest, pack, d = qwen3
+    cache = cache_on(manifest, d, slots=4)
+    direct = PackExperts(pack, manifest)
+    try:
+        layer = manifest.layers[1].layer
+        if prefetched:
+            cache.prefetch(layer, list(range(prefetched)))
+            wait_answered(cache.link, [ExpertKey(layer, e) for e in range(prefetched)])
+
+        def lookahead_fails() -> None:
+            raise RuntimeError("the lookahead failed")
+
+        with pytest.raises(RuntimeError, match="the lookahead failed"):
+            cache.load(layer, [0, 1, 2, 3], then=lookahead_fails)
+        assert not cache.policy.slot_of, "nothing half-fetched is taken as cached"
+        cache.layer_done(layer)
+        assert_nothing_held(cache.link)
+        loaded = cache.load(layer, [0, 1, 2, 3])
+        assert_as_packed(loaded, direct, layer, [0, 1, 2, 3])
     finally:
         direct.close()
         cache.close()
