@@ -139,8 +139,11 @@ class ExpertDaemon:
             log.warning("%s was built before pack format 1.1 and has no block crc32s: blocks are served without "
                         "a check as they are read (`expertpack verify` checks their sha256; a rebuild adds the "
                         "crc32s)", config.pack)
-        self._crc_joiner = CrcJoiner(min(length, l.payload_bytes - start) for l in self.manifest.layers
-                                     for start, length in self.pack.splits[l.layer] if start < l.payload_bytes)
+        # Per layer, how many payload bytes of each read piece are checksummed (0: a piece of padding)
+        self._crc_bytes = {l.layer: tuple(max(0, min(length, l.payload_bytes - start))
+                                          for start, length in self.pack.splits[l.layer])
+                           for l in self.manifest.layers} if self.check_crc32 else {}
+        self._crc_joiner = CrcJoiner(n for lengths in self._crc_bytes.values() for n in lengths if n)
         self.started = time.monotonic()
         self.counters = Counters()
         self.read_latency = Histogram()
@@ -643,10 +646,10 @@ class ExpertDaemon:
         pieces = self.pack.splits[layer.layer]
         work.pieces_left = len(pieces)
         work.piece_crc32s = [None] * len(pieces)
+        crc_bytes = self._crc_bytes.get(layer.layer) or (0,) * len(pieces)
         for i, (start, length) in enumerate(pieces):
-            crc_bytes = max(0, min(length, layer.payload_bytes - start)) if self.check_crc32 else 0
             self.readers.submit(int(work.prio), block + start, self.staging.view(work.slot, start, start + length), work,
-                                piece=i, crc_bytes=crc_bytes)
+                                piece=i, crc_bytes=crc_bytes[i])
 
     def _check(self, work: Work) -> None:
         """Compares the crc32 of the block just read (joined from its pieces') with the manifest's;
@@ -654,9 +657,7 @@ class ExpertDaemon:
         if work.error is not None or not self.check_crc32:
             return
         layer = self.layers[work.key.layer]
-        pieces = self.pack.splits[layer.layer]
-        found = self._crc_joiner.join((crc, min(length, layer.payload_bytes - start))
-                                      for crc, (start, length) in zip(work.piece_crc32s, pieces) if crc is not None)
+        found = self._crc_joiner.join((crc, n) for crc, n in zip(work.piece_crc32s, self._crc_bytes[layer.layer]) if n)
         self.counters.checked_blocks += 1
         self.counters.checked_bytes += layer.payload_bytes
         expected = layer.crc32[work.key.expert]

@@ -160,7 +160,7 @@ class ExpertCache:
 
     def load(self, layer: int, experts: Sequence[int], then: AfterSend | None = None) -> dict[int, ExpertWeights]:
         """`experts` as weights in their slots; `then`: see waves."""
-        slots = self._acquire(layer, experts, _once(then))
+        slots = self._acquire(layer, experts, then)
         return {e: block_views(self.layers[layer], self.memory, slot * self.slot_bytes) for e, slot in zip(experts, slots)}
 
     def expert_rows(self, layer: int, ids: torch.Tensor, then: AfterSend | None = None) -> Iterator[ExpertRows]:
@@ -185,7 +185,6 @@ class ExpertCache:
         # The layer's routing is known: what was prefetched for it and not chosen is stale now, and its
         # reads not yet started never compete with this step's.
         self.counters.prefetch_stale += self.link.ahead.cancel(layer, keep=unique)
-        then = _once(then)
         for start in range(0, len(unique), self.n_slots):
             wave = unique[start:start + self.n_slots]
             slot_of = dict(zip(wave, self._acquire(layer, wave, then)))
@@ -255,7 +254,8 @@ class ExpertCache:
         wanted = set(misses)
         doubtful: list[ExpertKey] = []
         with self._copying():
-            for expert, prefetched in self.link.ahead.fetch(misses, on_sent=self._on_compute_stream(then)):
+            # once: a reconnect sends the demand again, the prefetches went with the first send
+            for expert, prefetched in self.link.ahead.fetch(misses, on_sent=self._on_compute_stream(_once(then))):
                 self.counters.prefetch_used += prefetched
                 self._check_delivery(expert, wanted)
                 slot = free_slots.pop()
