@@ -111,7 +111,8 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
     from expertpack.worker.expert_cache import prefetch_rates
 
     disk = DiskCounters.open(pack / PACK_FILE)
-    daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64, ram_cache_gib=args.ram_cache_gib)
+    daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64, ram_cache_gib=args.ram_cache_gib,
+                                    client_slots=args.client_slots)
     try:
         t0 = time.perf_counter()
         engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
@@ -179,6 +180,9 @@ def main() -> int:
     p.add_argument("--decode", type=int, default=32, help="tokens decoded one at a time")
     p.add_argument("--ram-cache-gib", type=float, default=0.0,
                    help="expertd's RAM tier (default 0: every miss of the VRAM cache read from the SSD)")
+    p.add_argument("--client-slots", type=int, default=16, metavar="N",
+                   help="expertd's client_slots, the staging slots the worker leases (default 16, expertd's own: "
+                        "what a served worker gets; of 64 in all)")
     p.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
                    help="synthesize with `expertpack synth --routing-skew S` (Zipf-like expert popularity; "
                         "default 0: uniform routing, where any cache's hit rate is its share of the experts)")
@@ -228,7 +232,8 @@ def main() -> int:
     print(f"model     {stem} ({expert_bytes / 1e9:.2f} GB of experts, {m.model.n_expert} x {len(m.layers)} layers, "
           f"top-{m.model.n_expert_used}) on {args.device} ({gpu})")
     print(f"cache     {args.cache_gib:g} GiB = {n_slots} slots of {slot_bytes / 2**20:.2f} MiB "
-          f"({n_slots * slot_bytes / expert_bytes:.0%} of the experts), staging pinned: {pinned}; load {load_s:.1f} s")
+          f"({n_slots * slot_bytes / expert_bytes:.0%} of the experts), staging pinned: {pinned}; load {load_s:.1f} s; "
+          f"expertd client_slots {args.client_slots}")
     print(f"disk      {bandwidth:.2f} GB/s ({bandwidth_how}; {before:.2f} before the streaming runs, {after:.2f} after); "
           f"prefetch {lookahead.LOOKAHEAD_LAYERS} MoE layers ahead")
     print(f"{'':26}{'prefill tok/s':>14}{'decode tok/s':>14}{'hit rate':>10}{'SSD MB/token':>14}{'stall s/token':>15}"
@@ -256,7 +261,7 @@ def main() -> int:
         "torch": torch.__version__, "model": f"synth {args.preset}" + (f" --layers {args.layers}" if args.layers else "")
         + (f" --routing-skew {args.routing_skew:g}" if args.routing_skew else ""),
         "expert_bytes": expert_bytes, "cache_bytes": n_slots * slot_bytes, "slots": n_slots, "staging_pinned": pinned,
-        "ram_cache_gib": args.ram_cache_gib, "lookahead_layers": lookahead.LOOKAHEAD_LAYERS,
+        "ram_cache_gib": args.ram_cache_gib, "client_slots": args.client_slots, "lookahead_layers": lookahead.LOOKAHEAD_LAYERS,
         "disk_gb_per_s": round(bandwidth, 3), "disk_gb_per_s_before": round(before, 3), "disk_gb_per_s_after": round(after, 3),
         "disk_measured_by": bandwidth_how,
         "streaming": {f"prefetch_{mode}": {"prefill_tokens_per_s": round(r["prefill_tps"], 3),

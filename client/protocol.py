@@ -1,4 +1,4 @@
-"""Protocol v5 between expertd and its clients: the one module that knows the wire format.
+"""Protocol v6 between expertd and its clients: the one module that knows the wire format.
 
 Transport: ZeroMQ, the daemon a ROUTER, each client a DEALER. Every message is ONE frame holding ONE
 msgpack map with an integer `op`:
@@ -8,8 +8,8 @@ msgpack map with an integer `op`:
 
     HELLO{version, client, fingerprint, slots}
                                       -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots,
-                                                         ram_first_slot, ram_slots, heartbeat_interval_ms,
-                                                 heartbeat_timeout_ms}
+                                                         ram_first_slot, ram_slots, ram_holds,
+                                                         heartbeat_interval_ms, heartbeat_timeout_ms}
                                          (ERROR FINGERPRINT when the client's trunk was built with another pack;
                                          an empty fingerprint, as ops tools send, skips the check;
                                          `client` is 1..64 printable characters; `slots` asks for that
@@ -65,6 +65,14 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
        priority, in the client's queue and in the readers' queue. Until v4 such keys waited behind
        every other client's demand reads. A v4 daemon would answer PROMOTE with ERROR UNKNOWN_OP,
        which a client reads as the end of its session, hence the new version.
+    6  (2026-12-02) A client's RAM hold share apart from its staging: WELCOME adds ram_holds, the RAM
+       tier blocks it may hold at once (expertd's client_ram_holds, at most half the tier; absent or
+       0: no tier). Until v5 a client held at most as many RAM blocks as it leased staging slots, so
+       a worker under expertd's default client_slots (16) could prefetch one layer of a top-8 model
+       ahead. expertd also starts a PREFETCH key only while the client uses less than half of its
+       holds, its reads into the tier and its staging slots: the rest is its demand's, however many
+       prefetches it sends. A v5 client would size its prefetches by its staging alone, hence the
+       new version.
 """
 
 from __future__ import annotations
@@ -77,7 +85,7 @@ import msgpack
 
 from expertpack.packtools.layout import ExpertKey
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
 MAX_KEYS = 65536
 MAX_TEXT = 1024
@@ -262,9 +270,11 @@ class Welcome(Message):
     # v4: send something at least this often; silent this long, the session ends (absent: 0, no rule)
     heartbeat_interval_ms: int = 0
     heartbeat_timeout_ms: int = 0
+    # v6: the RAM tier blocks this client may hold at once (0: no tier)
+    ram_holds: int = 0
     checks = {"version": _uint(MAX_INDEX), "fingerprint": _fingerprint, "model": _map, "shm": _text,
               "shm_bytes": _BYTES, "slot_bytes": _BYTES, "slots": _slots, "ram_first_slot": _INDEX,
-              "ram_slots": _INDEX, "heartbeat_interval_ms": _uint(MAX_HEARTBEAT_MS),
+              "ram_slots": _INDEX, "ram_holds": _INDEX, "heartbeat_interval_ms": _uint(MAX_HEARTBEAT_MS),
               "heartbeat_timeout_ms": _uint(MAX_HEARTBEAT_MS)}
 
 

@@ -24,6 +24,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "stage_slots": (1, 1 << 20),
     "client_slots": (1, 1 << 20),
     "max_client_slots": (0, 1 << 20),
+    "client_ram_holds": (1, 1 << 20),
     "read_threads": (1, 256),
     "read_splits": (1, 64),
     "ram_cache_gib": (0.0, 65536.0),
@@ -45,6 +46,11 @@ class DaemonConfig:
     # The most slots one client is granted, whatever its HELLO asks: one peer cannot take the staging
     # from the others. 0: half of stage_slots, at least client_slots (see client_slot_cap).
     max_client_slots: int = 0
+    # RAM tier blocks one client may hold at once (READYs naming them not yet released), apart from
+    # its staging: a worker's prefetches wait in the tier for their layer, six layers of a top-8
+    # model ahead need ~100 of them. Never fewer than the client's staging slots, nor more than half
+    # the tier (see ram_hold_share): one client cannot pin it.
+    client_ram_holds: int = 256
     read_threads: int = 8
     read_splits: int = 4  # aligned pieces each block is read in, in parallel
     direct_io: bool = True  # False: buffered reads, counted in fallback_count
@@ -100,6 +106,12 @@ class DaemonConfig:
         that gives each client more, client_slots, raises it to that)."""
         return self.max_client_slots or max(self.client_slots, self.stage_slots // 2)
 
+    def ram_hold_share(self, n_slots: int, ram_slots: int) -> int:
+        """The RAM tier blocks a client leasing `n_slots` staging slots may hold at once:
+        client_ram_holds, at most half the tier, never fewer than its staging slots (the share
+        before the key existed)."""
+        return max(n_slots, min(self.client_ram_holds, ram_slots // 2))
+
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
@@ -113,6 +125,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "client_slots": "slots leased to a client at HELLO that asks for no other number (default 16)",
         "max_client_slots": "the most slots one client is leased, whatever its HELLO asks (default 0: half of "
                             "stage_slots, at least client_slots)",
+        "client_ram_holds": "RAM tier blocks one client may hold at once, its prefetches half of them (default 256; "
+                            "at most half the tier, at least the client's staging slots)",
         "read_threads": "reader threads issuing preadv (default 8)",
         "read_splits": "aligned pieces each expert block is read in (default 4)",
         "direct_io": "O_DIRECT reads (default on); --no-direct-io reads through the page cache",

@@ -36,8 +36,11 @@ The RAM tier (ram_tier.py, protocol v3) sits in front of the reads: a key reside
 answered at once with READY naming its RAM slot (a hold, ended by RELEASE like a lease); a key
 being read into it waits for that read; a miss the policy admits is read into a RAM slot instead of
 the client's staging slot, and is resident for everyone once its crc32 check passed. A client
-holds at most as many RAM blocks as it leases staging slots, and has at most that many reads into
-the RAM tier in flight, so one client cannot pin the tier nor take every reader.
+holds at most its RAM hold share of blocks (client_ram_holds, at most half the tier, WELCOME's
+ram_holds; protocol v6) and has at most as many reads into the tier in flight as it leases staging
+slots, so one client cannot pin the tier nor take every reader. Its PREFETCH keys take at most half
+of each (holds, reads, staging slots), whatever the client sends: the rest stays for its demand,
+which therefore always gets on, however far ahead the client prefetches.
 Several workers (one per GPU) share one daemon as so many clients: STATS reports each one's pid
 (SO_PEERCRED of its ipc connection), what it holds and waits for, and its counters since HELLO."""
 
@@ -118,10 +121,20 @@ class Session:
     closed: bool = False
     ram_holds: Counter[int] = field(default_factory=Counter)  # RAM slot -> READYs naming it not yet released
     ram_reads: int = 0  # reads into the RAM tier this client started that are in flight
+    ram_share: int = 0  # RAM tier blocks it may hold at once (DaemonConfig.ram_hold_share)
+    ram_coming: int = 0  # its keys given a RAM slot and not answered yet (a hold each, once READY)
     pid: int | None = None  # the peer process (SO_PEERCRED of an ipc connection); None over tcp or when unknown
     connected: float = field(default_factory=time.monotonic)
     heard: float = field(default_factory=time.monotonic)  # its connection's last message (liveness)
     counters: ClientCounters = field(default_factory=ClientCounters)
+
+
+def _room(share: int, prefetch: bool) -> int:
+    """How much of a client's share (RAM holds, reads into the tier, staging slots) a key may find in
+    use and still start: all of it for demand; for a prefetch, half, rounded up, so that demand
+    keeps at least one (the worker's own prefetch budget, worker/prefetch.py). A share of one is a
+    prefetch's too: else a client of one slot could never have its prefetches answered."""
+    return max(1, share - max(1, share // 2)) if prefetch else share
 
 
 class ExpertDaemon:
@@ -465,7 +478,8 @@ class ExpertDaemon:
                         f"slots unleased ({len(self.sessions)} clients hold the rest); ask for fewer, or raise "
                         "stage_slots or lower client_slots")
             return
-        self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots), pid=pid)
+        ram_share = self.config.ram_hold_share(len(slots), self.ram.n_slots) if self.ram.n_slots else 0
+        self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots), pid=pid, ram_share=ram_share)
         self.counters.clients_total += 1
         log.info("client %r (pid %s) connected: %d slots%s", msg.client, pid if pid is not None else "unknown",
                  len(slots),
@@ -476,7 +490,7 @@ class ExpertDaemon:
             model={"arch": m.model.arch, "n_layer": m.model.n_layer, "n_expert": m.model.n_expert,
                    "n_expert_used": m.model.n_expert_used, "moe_layers": list(m.model.moe_layers)},
             shm=self.staging.name, shm_bytes=self.staging.size_bytes, slot_bytes=self.staging.slot_bytes,
-            slots=tuple(slots), ram_first_slot=self.ram.first_slot, ram_slots=self.ram.n_slots,
+            slots=tuple(slots), ram_first_slot=self.ram.first_slot, ram_slots=self.ram.n_slots, ram_holds=ram_share,
             heartbeat_interval_ms=round(self.config.heartbeat_interval_s * 1000),
             heartbeat_timeout_ms=round(self.config.heartbeat_timeout_s * 1000)))
 
@@ -595,16 +609,21 @@ class ExpertDaemon:
         """A RAM hit is answered now; a key being read into the RAM tier waits for that read; a
         miss is read into a RAM slot if the policy admits it, else into a free staging slot of the
         client. False when none of these can happen yet: the client holds its share of the tier
-        (it must RELEASE), has its share of reads into it in flight, or has no staging slot free."""
-        share = len(session.slots)
-        holds = sum(session.ram_holds.values())
+        (it must RELEASE), has its share of reads into it in flight, or has no staging slot free; a
+        prefetch, when it would take more than half of any of them (the rest is its demand's)."""
+        prefetch = work.prio is not p.Priority.DEMAND
+        n_slots = len(session.slots)
+        hold_room = _room(session.ram_share, prefetch)
+        read_room = _room(n_slots, prefetch)
+        holds = sum(session.ram_holds.values()) + session.ram_coming
         resident = self.ram.lookup(work.key)
         if resident is not None:
-            if holds >= share:
+            if holds >= hold_room:
                 return False
             self.counters.ram_hits += 1
             session.counters.ram_hits += 1
             work.slot, work.ram = resident.index, True
+            session.ram_coming += 1
             if resident.state is RamState.RESIDENT:
                 self._ready_ram(work, resident)
                 return True
@@ -616,7 +635,7 @@ class ExpertDaemon:
             waiting.append(work)
             return True
         if self.ram.n_slots:
-            if holds >= share or session.ram_reads >= share:
+            if holds >= hold_room or session.ram_reads >= read_room:
                 return False  # a read or a RELEASE of its own lets it on; the key may still be admitted then
             claim = self.ram.claim(work.key, self.layers[work.key.layer].payload_bytes)
             if claim is not None:
@@ -625,10 +644,11 @@ class ExpertDaemon:
                 self.counters.ram_evictions += claim.evicted is not None
                 session.ram_reads += 1
                 work.slot, work.ram = claim.slot.index, True
+                session.ram_coming += 1
                 self._waiting[claim.slot.index] = [work]
                 self._read(work)
                 return True
-        if not session.free:
+        if n_slots - len(session.free) >= read_room:  # the staging slots in use: none free, or half for a prefetch
             return False
         self.counters.ram_misses += 1
         session.counters.ram_misses += 1
@@ -785,6 +805,7 @@ class ExpertDaemon:
         work.done = True
         session = work.session
         session.queued -= 1
+        session.ram_coming -= work.ram
         if ready is not None:
             self.counters.ready += 1
             session.counters.ready += 1
@@ -916,7 +937,8 @@ class ExpertDaemon:
                 "queue_entries": len(s.pending[0]) + len(s.pending[1]),
                 "queued_demand": sum(not w.done for w in s.pending[0]),
                 "queued_prefetch": sum(not w.done for w in s.pending[1]),
-                "requests": len(s.requests), "ram_held": sum(s.ram_holds.values()), "ram_reads": s.ram_reads,
+                "requests": len(s.requests), "ram_held": sum(s.ram_holds.values()), "ram_share": s.ram_share,
+                "ram_reads": s.ram_reads,
                 **s.counters.to_dict()}
 
     def _shutdown(self) -> None:

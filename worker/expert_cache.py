@@ -29,6 +29,7 @@ from expertpack.packtools.layout import ALIGNMENT, ExpertKey, LayerLayout, Manif
 from .cache_policy import CachePolicy, CacheTooSmall, slot_count
 from .daemon_link import DaemonLink
 from .model_files import ExpertRows, ExpertWeights, block_views
+from .prefetch import prefetch_budget
 
 log = logging.getLogger("expert-worker")
 
@@ -338,8 +339,9 @@ class ExpertCache:
 
     def _release_finished(self, keep_free: int, wait: bool = False) -> None:
         """Gives back staging slots whose copy is done. If the client has fewer than `keep_free`
-        staging slots left for the rest of the fetch (those prefetches may hold do not count),
-        waits for the oldest copy."""
+        staging slots left for the rest of the fetch (those prefetches may hold do not count: at
+        most their budget of the staging, which expertd keeps them to, whatever they hold in its
+        RAM tier, where the demand's share is at least as large), waits for the oldest copy."""
         if self._pending and self._pending[0].expert.client is not self.link.client:
             # The daemon went away and the link reconnected: it synchronized the device before
             # unmapping, so those copies are complete, and their leases died with the old session.
@@ -349,7 +351,7 @@ class ExpertCache:
         done: list[Expert] = []  # given back together: one RELEASE
         while self._pending and self._pending[0].done():
             done.append(self._pending.popleft().expert)
-        while self._pending and len(self._pending) > self.link.n_staging_slots - keep_free - self.link.ahead.held:
+        while self._pending and len(self._pending) > self._copy_room(keep_free):
             oldest = self._pending.popleft()
             if oldest.event is not None:
                 oldest.event.synchronize()
@@ -359,6 +361,12 @@ class ExpertCache:
                 done.append(self._pending.popleft().expert)
         if done:
             release_all(done)
+
+    def _copy_room(self, keep_free: int) -> int:
+        """How many copies may still hold staging slots (only asked while some do: the link has a
+        session then)."""
+        n_slots = self.link.n_staging_slots
+        return n_slots - keep_free - min(self.link.ahead.held, prefetch_budget(n_slots))
 
     def stats(self) -> dict:
         """The cache's cumulative counters and state, and the daemon's counters and RAM tier next to

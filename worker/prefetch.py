@@ -6,9 +6,12 @@ it, until the layer runs. Then a key the layer needs is taken from there, withou
 so its slot comes back. Nothing here decides what is computed: the demand path asks for exactly
 the keys the true routing selected, and only where their bytes come from changes.
 
-Prefetches share the link's staging leases with the demand fetches, so they never take more than
-`budget` of them: every prefetch not yet taken or cancelled, and every cancelled one whose answer
-has not arrived, may hold a slot. The rest stay for demand, which therefore always progresses.
+Prefetches share the link's staging leases, or its holds on expertd's RAM tier where there is one
+(protocol v6: WELCOME's ram_holds), with the demand fetches, so they never take more than `budget`
+of them: every prefetch not yet taken or cancelled, and every cancelled one whose answer has not
+arrived, may hold one. The rest stay for demand, which therefore always progresses; expertd keeps
+the same half for demand of the staging slots and reads a prefetch that its tier does not admit
+would take (it cannot be told here in advance).
 The session the prefetches were sent on is the link's; after a reconnect they are forgotten (they
 died with the old session) and demand fetches whatever they would have brought."""
 
@@ -28,10 +31,19 @@ log = logging.getLogger("expert-worker")
 SETTLE_TIMEOUT_S = 5.0  # at close, how long the answers of cancelled prefetches are waited for
 
 
-def prefetch_budget(n_staging_slots: int) -> int:
-    """How many of the link's staging slots prefetches may hold: half, rounded up, so that demand
-    keeps at least one (and on a GPU, room for copies still in flight)."""
-    return n_staging_slots - max(1, n_staging_slots // 2)
+def prefetch_budget(share: int) -> int:
+    """How many of the link's staging slots (or RAM tier holds) prefetches may hold: half, rounded
+    up, so that demand keeps at least one (and on a GPU, room for copies still in flight)."""
+    return share - max(1, share // 2)
+
+
+def prefetch_share(client: ExpertClient) -> int:
+    """What prefetches hold while they wait for their layer: RAM tier holds over a tier (expertd
+    starts no more of them into staging than its half), else staging slots."""
+    welcome = client.welcome
+    if welcome.ram_slots and welcome.ram_holds and len(client.slots) > 1:  # one slot: none to spare at all
+        return welcome.ram_holds
+    return len(client.slots)
 
 
 class Prefetches:
@@ -72,7 +84,7 @@ class Prefetches:
             leaving = (sum(key.layer == running for key in self.entries)
                        + sum(pending.key.layer == running and pending.client is client for pending in self.taken)
                        ) if running is not None else 0
-            room = prefetch_budget(len(client.slots)) - self.held + leaving
+            room = prefetch_budget(prefetch_share(client)) - self.held + leaving
             sent = 0
             try:
                 for key in keys:

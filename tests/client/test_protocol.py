@@ -78,10 +78,22 @@ def test_version_4_adds_liveness() -> None:
 
 def test_version_5_adds_promote() -> None:
     """v5: PROMOTE{id} (op 15, no reply), an id as CANCEL's."""
-    assert p.PROTOCOL_VERSION == 5
     assert p.encode(p.Promote(7)).hex() == "82" "a26f70" "0f" "a26964" "07"
     with pytest.raises(p.ProtocolError, match="PROMOTE.id"):
         p.decode(msgpack.packb({"op": 15, "id": -1}))
+
+
+def test_version_6_adds_the_ram_hold_share_to_welcome() -> None:
+    """v6: WELCOME's ram_holds, the RAM tier blocks the client may hold; absent (no tier), 0."""
+    assert p.PROTOCOL_VERSION == 6
+    welcome = p.Welcome(6, FP, {}, "s", 8192, 4096, (0,), 1, 1, 1000, 10_000, 256)
+    wire = msgpack.unpackb(p.encode(welcome))
+    assert wire["ram_holds"] == 256
+    del wire["ram_holds"]
+    old = p.decode(msgpack.packb(wire))
+    assert isinstance(old, p.Welcome) and old.ram_holds == 0
+    with pytest.raises(p.ProtocolError, match="ram_holds"):
+        p.decode(msgpack.packb({**wire, "ram_holds": -1}))
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

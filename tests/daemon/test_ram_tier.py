@@ -2,7 +2,8 @@
 keys is answered from RAM without a read and byte-exact, by slot references into the segment the
 client maps; a small budget evicts (and keeps the hot block through a scan of cold ones); a block
 a client holds is never overwritten until it is released; a corrupt block is never made resident;
-a tier of 0 serves from staging as before; a bad ram_cache_gib in the file is one line and exit 2
+a tier of 0 serves from staging as before; a client's RAM hold share is apart from its staging
+(v6), and its prefetches take half of it, of its reads and of its staging, its demand the rest; a bad ram_cache_gib in the file is one line and exit 2
 (bad flags: tests/reliability/test_bad_input_table.py); STATS,
 `expertctl stats` and the mlock state say what the tier does."""
 
@@ -396,3 +397,91 @@ def test_clients_racing_over_a_small_tier_get_exact_bytes_and_leave_it_clean(tin
     assert c["ram_hits"] > 0 and c["ram_evictions"] > 0 and c["io_errors"] == 0 and c["corrupt_blocks"] == 0
     assert c["pack_read_bytes"] == c["ram_misses"] * m.max_stride  # every miss read once, whole
     assert "Traceback" not in log and "IllegalTransition" not in log
+
+
+def client_line(sock) -> dict:
+    """This raw client's line of STATS (the next message must be the reply)."""
+    sock.send(p.encode(p.Stats()))
+    reply = recv(sock)
+    assert isinstance(reply, p.StatsReply), f"{reply} came before the STATS reply"
+    (line,) = reply.stats["clients"]
+    return line
+
+
+def test_the_hold_share_is_apart_from_the_staging_and_prefetches_take_half_of_it(tiny_pack: Path,
+                                                                                   tmp_path: Path) -> None:
+    """v6: a client of 4 staging slots may hold 12 RAM blocks (client_ram_holds), WELCOME says so.
+    Of 16 keys prefetched and never released, 6 (half) are answered and the rest wait in expertd;
+    demand then gets the other half, 6 keys, and a seventh only once the client releases one."""
+    keys = all_keys(Manifest.load(tiny_pack))
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "32", "--client-slots", "4", "--client-ram-holds", "12",
+                     "--ram-cache-gib", "1")
+    d.wait_for("READY=1")
+    try:
+        with raw_session(d.endpoint) as (sock, welcome):
+            assert len(welcome.slots) == 4 and welcome.ram_holds == 12
+            sock.send(p.encode(p.Fetch(1, tuple(keys[:16]), p.Priority.PREFETCH)))
+            prefetched = [recv(sock) for _ in range(6)]
+            assert all(isinstance(r, p.Ready) and r.slot >= welcome.ram_first_slot for r in prefetched), prefetched
+            line = client_line(sock)
+            assert (line["ram_held"], line["ram_share"], line["queued_prefetch"]) == (6, 12, 10), line
+            sock.send(p.encode(p.Fetch(2, tuple(keys[16:22]))))
+            demanded = [recv(sock) for _ in range(6)]
+            assert all(isinstance(r, p.Ready) and r.id == 2 for r in demanded), demanded
+            sock.send(p.encode(p.Fetch(3, (keys[22],))))
+            line = client_line(sock)
+            assert (line["ram_held"], line["queued_demand"]) == (12, 1), line  # its share is held
+            sock.send(p.encode(p.Release((demanded[0].slot,))))
+            last = recv(sock)
+            assert isinstance(last, p.Ready) and last.id == 3  # demand before the prefetches waiting
+            held = [r.slot for r in prefetched + demanded[1:] + [last]]
+            answered = 0
+            while answered < 10:  # the prefetches left come as the client releases
+                sock.send(p.encode(p.Release((held.pop(),))))
+                while sock.poll(200):
+                    msg = recv(sock)
+                    assert isinstance(msg, p.Ready) and msg.id == 1, msg
+                    held.append(msg.slot)
+                    answered += 1
+            sock.send(p.encode(p.Release(tuple(held))))
+            line = client_line(sock)
+            assert (line["ram_held"], line["queued"], line["requests"]) == (0, 0, 0), line
+    finally:
+        assert d.stop()[0] == 0
+
+
+def test_prefetches_take_half_the_staging_where_there_is_no_tier(tiny_pack: Path, tmp_path: Path) -> None:
+    """With no RAM tier, of 8 keys prefetched into a client's 4 staging slots 2 are read; demand
+    for 2 more is read at once, into the other two."""
+    keys = all_keys(Manifest.load(tiny_pack))
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "32", "--client-slots", "4", "--ram-cache-gib", "0")
+    d.wait_for("READY=1")
+    try:
+        with raw_session(d.endpoint) as (sock, welcome):
+            assert welcome.ram_slots == welcome.ram_holds == 0
+            sock.send(p.encode(p.Fetch(1, tuple(keys[:8]), p.Priority.PREFETCH)))
+            prefetched = [recv(sock) for _ in range(2)]
+            line = client_line(sock)
+            assert (line["free"], line["queued_prefetch"]) == (2, 6), line
+            sock.send(p.encode(p.Fetch(2, tuple(keys[8:10]))))
+            demanded = [recv(sock) for _ in range(2)]
+            assert all(isinstance(r, p.Ready) and r.id == 2 for r in demanded), demanded
+            assert client_line(sock)["free"] == 0
+            sock.send(p.encode(p.Cancel(1)))
+            sock.send(p.encode(p.Release(tuple(r.slot for r in prefetched + demanded))))
+            cancelled = [recv(sock) for _ in range(6)]
+            assert all(isinstance(f, p.Fail) and f.code is p.FailCode.CANCELLED for f in cancelled), cancelled
+            line = client_line(sock)
+            assert (line["free"], line["queued"]) == (4, 0), line
+    finally:
+        assert d.stop()[0] == 0
+
+
+def test_the_hold_share_defaults_to_256_at_most_half_the_tier_at_least_the_staging() -> None:
+    from expertpack.daemon.config import DaemonConfig
+
+    config = DaemonConfig()
+    assert config.client_ram_holds == 256
+    assert config.ram_hold_share(16, 1536) == 256
+    assert config.ram_hold_share(16, 100) == 50
+    assert config.ram_hold_share(16, 10) == 16

@@ -10,8 +10,8 @@
   arrived or was still being read when its layer asked;
 - stale prefetches are cancelled and every slot they held comes back, arrived or not; on the
   kernels' path as soon as the layer's routing is known;
-- prefetches hold at most their budget of the client's staging, and demand is served while they
-  hold all of it; prefetches go at PREFETCH priority, one key each, demand at DEMAND, a layer's
+- prefetches hold at most their budget of the client's staging, or over expertd's RAM tier of its
+  RAM hold share (v6), and demand is served while they hold all of it; prefetches go at PREFETCH priority, one key each, demand at DEMAND, a layer's
   demand before the prefetches its lookahead sends;
 - over expertd's RAM tier, prefetch stays bit-exact and a second pass reads from the pack only
   for mispredicted prefetches.
@@ -484,8 +484,8 @@ def test_demand_is_served_while_prefetches_hold_all_they_may(qwen3) -> None:
 def test_the_running_layers_prefetches_leave_the_budget_to_the_layers_ahead(qwen3) -> None:
     """A step's own prefetches are taken or cancelled by that step: prefetches it sends for later
     layers may use the budget they hold, and only from that step (else the lookahead could not
-    reach past the next layer); demand for the running layer still completes with every staging
-    slot held by prefetches."""
+    reach past the next layer). expertd starts them once the step's own are taken (prefetches use
+    at most half the client's staging there, v6), and demand for the running layer completes."""
     manifest, _, d = qwen3
     k = manifest.model.n_expert_used
     cache = cache_on(manifest, d, slots=2 * k)
@@ -499,15 +499,45 @@ def test_the_running_layers_prefetches_leave_the_budget_to_the_layers_ahead(qwen
         assert not any(key.layer == ahead for key in entries)
         cache.prefetch(ahead, list(range(budget)), running=now)
         assert sorted(key for key in entries if key.layer == ahead) == [ExpertKey(ahead, e) for e in range(budget)]
-        assert len(entries) == 8  # every staging slot of the client held or about to be
-        wait_answered(cache.link, list(entries))
+        assert len(entries) == 8  # as many as the client's staging slots
+        wait_answered(cache.link, [key for key in entries if key.layer == now])
+        (client,) = cache.link.stats()["clients"]
+        assert client["free"] == 4 and client["queued_prefetch"] == 4  # expertd keeps half for demand
         loaded = cache.load(now, list(range(2 * k)))  # its prefetched 4 taken, the rest read into the slots they free
         assert sorted(loaded) == list(range(2 * k)) and cache.counters.prefetch_used == budget
+        wait_answered(cache.link, list(entries))  # behind the demand
         cache.layer_done(now)
         cache.layer_done(ahead)
         assert_nothing_held(cache.link)
     finally:
         cache.close()
+
+
+def test_over_a_ram_tier_prefetches_hold_half_its_hold_share_and_demand_still_runs(fixture_packs, tmp_path: Path) -> None:
+    """v6: with expertd's RAM tier (here the whole pack, 16 blocks: a hold share of at most 8), the
+    budget is half the client's RAM hold share (4 of 8), not of its 4 staging slots (2); with every
+    prefetch it may hold held, demand for another layer's misses completes."""
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    manifest = Manifest.load(pack)
+    d = daemon_with(pack, tmp_path, 4, "--ram-cache-gib", "1", "--client-ram-holds", "8")
+    cache = cache_on(manifest, d, slots=4)
+    try:
+        assert cache.link.client.welcome.ram_holds == 8 and len(cache.link.client.slots) == 4
+        now, ahead = manifest.layers[0].layer, manifest.layers[1].layer
+        cache.prefetch(ahead, list(range(manifest.model.n_expert)))
+        held = list(cache.link.ahead.entries)
+        assert len(held) == prefetch_budget(8) == 4
+        wait_answered(cache.link, held)
+        k = manifest.model.n_expert_used
+        loaded = cache.load(now, list(range(k)))
+        assert sorted(loaded) == list(range(k)) and cache.counters.misses == k
+        (client,) = cache.link.stats()["clients"]
+        assert client["ram_held"] == 4 and client["free"] == client["slots"]  # the prefetches wait in RAM
+        cache.layer_done(ahead)
+        assert_nothing_held(cache.link)
+    finally:
+        cache.close()
+        assert d.stop()[0] == 0
 
 
 def test_prefetch_over_the_ram_tier_is_bit_exact_and_reads_only_for_mispredictions(fixture_packs, tmp_path: Path) -> None:
