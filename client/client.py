@@ -116,6 +116,13 @@ class Expert:
         """The session that leased the slot (a reconnect starts another)."""
         return self._client
 
+    @property
+    def in_ram_tier(self) -> bool:
+        """Its slot is a RAM tier block (a hold on a block shared by every client), not one of
+        the client's staging slots: holding it longer keeps no read of this client waiting."""
+        welcome = self._client.welcome
+        return welcome.ram_first_slot <= self.slot < welcome.ram_first_slot + welcome.ram_slots
+
     def release(self) -> None:
         """Gives the slot back; idempotent."""
         if self._data is not None:
@@ -324,10 +331,10 @@ class ExpertClient:
 
     def pump(self) -> None:
         """Reads whatever expertd has sent by now, without waiting: answers go to their requests
-        (a submit's, a cancelled one's: released)."""
+        (a submit's, a cancelled one's: released). DaemonUnavailable once the session is known
+        gone (this client was silent past the heartbeat timeout), DaemonError for an ERROR."""
         with self._lock:  # the heartbeat thread sends on this socket
-            while self._sock.poll(0):
-                msg = self._recv(0)
+            while (msg := self._recv_locked(0, wait=False)) is not None:
                 if isinstance(msg, p.Error):
                     raise DaemonError(msg.code, msg.message)
                 self._route(msg)
@@ -459,28 +466,21 @@ class ExpertClient:
         with self._lock:
             return self._recv_locked(timeout_s)
 
-    def _recv_locked(self, timeout_s: float | None) -> p.Message:
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
+    def _recv_locked(self, timeout_s: float | None, wait: bool = True) -> p.Message | None:
+        """The next message; without `wait`, None when none is there yet. A message already in is
+        read without a poll: a streaming worker reads one or two for every miss."""
         # What the daemon sent before it went away is still good (a READY names bytes read whole into
         # a segment we keep mapped): the data socket is read first, the disconnect acted on once it is empty.
         self._check_silence()
         if self._silenced:
             raise DaemonUnavailable(self._lost)  # READYs still queued name slots that are no longer ours
-        while not self._sock.poll(0):
-            self._beat_if_due()
-            if self._disconnected():
-                raise DaemonUnavailable(self._lost)
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                why = ipc_problem(self.endpoint) or "is it running? (systemctl status expertd)"
-                raise DaemonUnavailable(f"no answer from expertd at {self.endpoint} within {timeout:g} s; {why}")
-            poller.poll(min(left_ms, int(self._beat_s * 500) or left_ms))
-        msg = p.decode(self._sock.recv())
+        try:
+            raw = self._sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            if not wait:
+                return None
+            raw = self._wait_for_message(timeout_s)
+        msg = p.decode(raw)
         if isinstance(msg, p.Bye):
             raise DaemonUnavailable(f"expertd at {self.endpoint} is going away: {msg.reason}")
         if isinstance(msg, p.Error) and msg.code is p.ErrorCode.SHUTTING_DOWN:
@@ -492,6 +492,26 @@ class ExpertClient:
             self._lost = f"expertd at {self.endpoint} no longer knows this client: {msg.message}"
             raise DaemonUnavailable(self._lost)
         return msg
+
+    def _wait_for_message(self, timeout_s: float | None) -> bytes:
+        """Waits for the daemon's next message, beating meanwhile; DaemonUnavailable when the
+        session is gone or nothing came within the timeout."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        while not self._sock.poll(0):
+            self._beat_if_due()
+            if self._disconnected():
+                raise DaemonUnavailable(self._lost)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                why = ipc_problem(self.endpoint) or "is it running? (systemctl status expertd)"
+                raise DaemonUnavailable(f"no answer from expertd at {self.endpoint} within {timeout:g} s; {why}")
+            poller.poll(min(left_ms, int(self._beat_s * 500) or left_ms))
+        return self._sock.recv()
 
     def _expect(self, kind: type[p.Message], what: str) -> Any:
         """The reply to a request that has one (WELCOME, STATS_REPLY, PONG); key traffic that

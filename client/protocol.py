@@ -66,8 +66,8 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
        every other client's demand reads. A v4 daemon would answer PROMOTE with ERROR UNKNOWN_OP,
        which a client reads as the end of its session, hence the new version.
     6  (2026-12-02) A client's RAM hold share apart from its staging: WELCOME adds ram_holds, the RAM
-       tier blocks it may hold at once (expertd's client_ram_holds, at most half the tier; absent or
-       0: no tier). Until v5 a client held at most as many RAM blocks as it leased staging slots, so
+       tier blocks it may hold at once (expertd's client_ram_holds, at most half the tier but never
+       fewer than its staging slots; absent or 0: no tier). Until v5 a client held at most as many RAM blocks as it leased staging slots, so
        a worker under expertd's default client_slots (16) could prefetch one layer of a top-8 model
        ahead. expertd also starts a PREFETCH key only while the client uses less than half of its
        holds, its reads into the tier and its staging slots: the rest is its demand's, however many

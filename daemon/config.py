@@ -48,8 +48,8 @@ class DaemonConfig:
     max_client_slots: int = 0
     # RAM tier blocks one client may hold at once (READYs naming them not yet released), apart from
     # its staging: a worker's prefetches wait in the tier for their layer, six layers of a top-8
-    # model ahead need ~100 of them. Never fewer than the client's staging slots, nor more than half
-    # the tier (see ram_hold_share): one client cannot pin it.
+    # model ahead need ~100 of them. At most half the tier, so that one client cannot pin it, but
+    # never fewer than the client's staging slots (the share before v6; see ram_hold_share).
     client_ram_holds: int = 256
     read_threads: int = 8
     read_splits: int = 4  # aligned pieces each block is read in, in parallel

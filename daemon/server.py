@@ -36,11 +36,12 @@ The RAM tier (ram_tier.py, protocol v3) sits in front of the reads: a key reside
 answered at once with READY naming its RAM slot (a hold, ended by RELEASE like a lease); a key
 being read into it waits for that read; a miss the policy admits is read into a RAM slot instead of
 the client's staging slot, and is resident for everyone once its crc32 check passed. A client
-holds at most its RAM hold share of blocks (client_ram_holds, at most half the tier, WELCOME's
-ram_holds; protocol v6) and has at most as many reads into the tier in flight as it leases staging
+holds at most its RAM hold share of blocks (client_ram_holds, at most half the tier but never
+fewer than its staging slots, WELCOME's ram_holds; protocol v6) and has at most as many reads into the tier in flight as it leases staging
 slots, so one client cannot pin the tier nor take every reader. Its PREFETCH keys take at most half
 of each (holds, reads, staging slots), whatever the client sends: the rest stays for its demand,
-which therefore always gets on, however far ahead the client prefetches.
+which its prefetches therefore never hold up, however far ahead the client sends them (its own
+demand's holds are its to give back: the worker does so before a fetch runs out of them).
 Several workers (one per GPU) share one daemon as so many clients: STATS reports each one's pid
 (SO_PEERCRED of its ipc connection), what it holds and waits for, and its counters since HELLO."""
 

@@ -262,11 +262,15 @@ def churner(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: An
                 staging = mmap.mmap(fd, welcome.shm_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
                 os.close(fd)
             wanted = rng.sample(keys, rng.randint(1, 24))
-            sock.send(p.encode(p.Fetch(1, tuple(wanted), p.Priority(rng.randint(0, 1)))))
+            prio = p.Priority(rng.randint(0, 1))
+            sock.send(p.encode(p.Fetch(1, tuple(wanted), prio)))
             out.messages += 1
-            held = 0  # READY slots not released: once they are all of its lease, nothing more arrives
+            # READY slots not released: once they are all of its lease (half of it for a prefetch, v6),
+            # nothing more may arrive
+            held, n = 0, len(welcome.slots)
+            limit = n if prio is p.Priority.DEMAND else max(1, n - max(1, n // 2))
             for _ in range(rng.randint(0, len(wanted))):  # some arrive; the rest are in flight at the end
-                if held == len(welcome.slots) or not sock.poll(5000):
+                if held >= limit or not sock.poll(5000):
                     break
                 msg = decode_reply(sock.recv(), out)
                 if isinstance(msg, p.Ready):

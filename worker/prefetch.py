@@ -50,6 +50,7 @@ class Prefetches:
     def __init__(self, link: "DaemonLink") -> None:
         self.link = link
         self.entries: dict[ExpertKey, Pending] = {}  # sent, not yet taken nor cancelled
+        self._of_layer: dict[int, set[ExpertKey]] = {}  # the keys of `entries` by layer: asked every layer
         self.taken: list[Pending] = []  # taken by the demand fetch running, not yet handed to it
         self._session: ExpertClient | None = None
 
@@ -66,9 +67,20 @@ class Prefetches:
         """The link's session; entries of an earlier one are dropped (they died with it)."""
         client = self.link.client
         if client is not self._session:
-            self.entries.clear()
+            self._clear()
             self._session = client
         return client
+
+    def _pop(self, key: ExpertKey) -> Pending:
+        keys = self._of_layer[key.layer]
+        keys.discard(key)
+        if not keys:
+            del self._of_layer[key.layer]
+        return self.entries.pop(key)
+
+    def _clear(self) -> None:
+        self.entries.clear()
+        self._of_layer.clear()
 
     # ---- sending and cancelling --------------------------------------------------------------
     def submit(self, keys: Iterable[ExpertKey], running: int | None = None) -> int:
@@ -81,7 +93,7 @@ class Prefetches:
             client = self._live()
             if client is None:
                 return 0
-            leaving = (sum(key.layer == running for key in self.entries)
+            leaving = (len(self._of_layer.get(running, ()))
                        + sum(pending.key.layer == running and pending.client is client for pending in self.taken)
                        ) if running is not None else 0
             room = prefetch_budget(prefetch_share(client)) - self.held + leaving
@@ -93,6 +105,7 @@ class Prefetches:
                     if key in self.entries:
                         continue
                     self.entries[key] = client.submit(key)
+                    self._of_layer.setdefault(key.layer, set()).add(key)
                     room -= 1
                     sent += 1
             except ClientError as exc:
@@ -109,9 +122,9 @@ class Prefetches:
         with self.link._lock:
             if self._live() is None:
                 return 0
-            stale = [key for key in self.entries if key.layer == layer and key.expert not in keep]
+            stale = [key for key in self._of_layer.get(layer, ()) if key.expert not in keep]
             for key in stale:
-                self.entries.pop(key).cancel()
+                self._pop(key).cancel()
             self._pump()
             return len(stale)
 
@@ -121,7 +134,7 @@ class Prefetches:
                 return
             for pending in self.entries.values():
                 pending.cancel()
-            self.entries.clear()
+            self._clear()
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """Waits for the answers of cancelled prefetches, so every slot they held is back."""
@@ -159,7 +172,7 @@ class Prefetches:
             client = self._live()
             if client is not None:
                 self._pump()
-                self.taken = [self.entries.pop(key) for key in keys if key in self.entries]
+                self.taken = [self._pop(key) for key in keys if key in self.entries]
             prefetched = {pending.key for pending in self.taken}
             rest = [key for key in keys if key not in prefetched]
             arrived = [pending for pending in self.taken if pending.answered]

@@ -516,11 +516,12 @@ def test_the_running_layers_prefetches_leave_the_budget_to_the_layers_ahead(qwen
 def test_over_a_ram_tier_prefetches_hold_half_its_hold_share_and_demand_still_runs(fixture_packs, tmp_path: Path) -> None:
     """v6: with expertd's RAM tier (here the whole pack, 16 blocks: a hold share of at most 8), the
     budget is half the client's RAM hold share (4 of 8), not of its 4 staging slots (2); with every
-    prefetch it may hold held, demand for another layer's misses completes."""
+    prefetch it may hold held, demand for another layer's 8 misses, more than the share leaves it,
+    completes (a fetch gives its holds back before it runs out of them)."""
     pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
     manifest = Manifest.load(pack)
     d = daemon_with(pack, tmp_path, 4, "--ram-cache-gib", "1", "--client-ram-holds", "8")
-    cache = cache_on(manifest, d, slots=4)
+    cache = cache_on(manifest, d, slots=manifest.model.n_expert)
     try:
         assert cache.link.client.welcome.ram_holds == 8 and len(cache.link.client.slots) == 4
         now, ahead = manifest.layers[0].layer, manifest.layers[1].layer
@@ -528,12 +529,42 @@ def test_over_a_ram_tier_prefetches_hold_half_its_hold_share_and_demand_still_ru
         held = list(cache.link.ahead.entries)
         assert len(held) == prefetch_budget(8) == 4
         wait_answered(cache.link, held)
-        k = manifest.model.n_expert_used
-        loaded = cache.load(now, list(range(k)))
-        assert sorted(loaded) == list(range(k)) and cache.counters.misses == k
+        n = manifest.model.n_expert
+        loaded = cache.load(now, list(range(n)))
+        assert sorted(loaded) == list(range(n)) and cache.counters.misses == n
         (client,) = cache.link.stats()["clients"]
         assert client["ram_held"] == 4 and client["free"] == client["slots"]  # the prefetches wait in RAM
         cache.layer_done(ahead)
+        assert_nothing_held(cache.link)
+    finally:
+        cache.close()
+        assert d.stop()[0] == 0
+
+
+@pytest.mark.parametrize("tier", [True, False], ids=["ram-tier", "staging"])
+def test_a_fetch_gives_its_ram_tier_holds_back_in_one_release(tier: bool, fixture_packs, tmp_path: Path) -> None:
+    """The RAM tier holds a fetch's copies used go back together at its end, one RELEASE for the
+    layer rather than one a miss; staging slots still go back as each copy is done (a read of the
+    same fetch may wait for one)."""
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    manifest = Manifest.load(pack)
+    d = daemon_with(pack, tmp_path, 4, *(("--ram-cache-gib", "1") if tier else ()))
+    k = manifest.model.n_expert_used
+    cache = cache_on(manifest, d, slots=2 * k)
+    sent: list[p.Message] = []
+    send = cache.link.client._put
+    cache.link.client._put = lambda msg: (sent.append(msg), send(msg))[1]
+    try:
+        loaded = cache.load(manifest.layers[0].layer, list(range(k)))
+        assert len(loaded) == k and cache.counters.misses == k
+        releases = [m.slots for m in sent if isinstance(m, p.Release)]
+        released = [slot for r in releases for slot in r]
+        welcome = cache.link.client.welcome
+        assert len(released) == k
+        if tier:
+            assert all(slot >= welcome.ram_first_slot for slot in released) and len(releases) == 1, releases
+        else:
+            assert set(released) <= set(welcome.slots) and len(releases) == k, releases
         assert_nothing_held(cache.link)
     finally:
         cache.close()
