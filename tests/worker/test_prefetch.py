@@ -75,6 +75,14 @@ def assert_nothing_held(link: DaemonLink) -> None:
     assert stats["ram"]["held"] == 0
 
 
+def record_sent(client, method: str) -> list[p.Message]:
+    """Every message the client sends through `method` from now on, in order."""
+    sent: list[p.Message] = []
+    send = getattr(client, method)
+    setattr(client, method, lambda msg: (sent.append(msg), send(msg))[1])
+    return sent
+
+
 def wait_answered(link: DaemonLink, keys: list[ExpertKey], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not all(link.ahead.entries[k].answered for k in keys):
@@ -309,9 +317,7 @@ def test_the_rest_is_asked_for_before_the_prefetched_experts_are_copied(qwen3) -
     manifest, pack, d = qwen3
     cache = cache_on(manifest, d, slots=4)
     direct = PackExperts(pack, manifest)
-    sent: list[p.Message] = []
-    send = cache.link.client._send
-    cache.link.client._send = lambda msg: (sent.append(msg), send(msg))[1]
+    sent = record_sent(cache.link.client, "_send")
     demands_at_copy: list[int] = []
     copy_in = cache._copy_in
     cache._copy_in = lambda *a: (demands_at_copy.append(sum(isinstance(m, p.Fetch) and m.prio is p.Priority.DEMAND
@@ -458,9 +464,7 @@ def test_demand_is_served_while_prefetches_hold_all_they_may(qwen3) -> None:
     manifest, _, d = qwen3
     k = manifest.model.n_expert_used
     cache = cache_on(manifest, d, slots=2 * k)
-    sent: list[p.Message] = []
-    send = cache.link.client._send
-    cache.link.client._send = lambda msg: (sent.append(msg), send(msg))[1]
+    sent = record_sent(cache.link.client, "_send")
     try:
         ahead, now = manifest.layers[1].layer, manifest.layers[0].layer
         cache.prefetch(ahead, list(range(manifest.model.n_expert)))
@@ -551,9 +555,7 @@ def test_a_fetch_gives_its_ram_tier_holds_back_in_one_release(tier: bool, fixtur
     d = daemon_with(pack, tmp_path, 4, *(("--ram-cache-gib", "1") if tier else ()))
     k = manifest.model.n_expert_used
     cache = cache_on(manifest, d, slots=2 * k)
-    sent: list[p.Message] = []
-    send = cache.link.client._put
-    cache.link.client._put = lambda msg: (sent.append(msg), send(msg))[1]
+    sent = record_sent(cache.link.client, "_put")
     try:
         loaded = cache.load(manifest.layers[0].layer, list(range(k)))
         assert len(loaded) == k and cache.counters.misses == k
