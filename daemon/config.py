@@ -109,8 +109,8 @@ class DaemonConfig:
     def ram_hold_share(self, n_slots: int, ram_slots: int) -> int:
         """The RAM tier blocks a client leasing `n_slots` staging slots may hold at once:
         client_ram_holds, at most half the tier, never fewer than its staging slots (the share
-        before the key existed)."""
-        return max(n_slots, min(self.client_ram_holds, ram_slots // 2))
+        before the key existed); 0 without a tier."""
+        return max(n_slots, min(self.client_ram_holds, ram_slots // 2)) if ram_slots else 0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}

@@ -123,7 +123,7 @@ class Session:
     ram_holds: Counter[int] = field(default_factory=Counter)  # RAM slot -> READYs naming it not yet released
     ram_reads: int = 0  # reads into the RAM tier this client started that are in flight
     ram_share: int = 0  # RAM tier blocks it may hold at once (DaemonConfig.ram_hold_share)
-    ram_coming: int = 0  # its keys given a RAM slot and not answered yet (a hold each, once READY)
+    ram_taken: int = 0  # its holds (ram_holds summed) and its keys given a RAM slot, not answered yet
     pid: int | None = None  # the peer process (SO_PEERCRED of an ipc connection); None over tcp or when unknown
     connected: float = field(default_factory=time.monotonic)
     heard: float = field(default_factory=time.monotonic)  # its connection's last message (liveness)
@@ -132,10 +132,10 @@ class Session:
 
 def _room(share: int, prefetch: bool) -> int:
     """How much of a client's share (RAM holds, reads into the tier, staging slots) a key may find in
-    use and still start: all of it for demand; for a prefetch, half, rounded up, so that demand
-    keeps at least one (the worker's own prefetch budget, worker/prefetch.py). A share of one is a
-    prefetch's too: else a client of one slot could never have its prefetches answered."""
-    return max(1, share - max(1, share // 2)) if prefetch else share
+    use and still start: all of it for demand; for a prefetch, half, rounded up, and never the last
+    one, which stays for demand (the worker's own prefetch budget, worker/prefetch.py). A client of
+    one slot prefetches nothing: its prefetches wait until promoted or cancelled."""
+    return share - max(1, share // 2) if prefetch else share
 
 
 class ExpertDaemon:
@@ -479,7 +479,7 @@ class ExpertDaemon:
                         f"slots unleased ({len(self.sessions)} clients hold the rest); ask for fewer, or raise "
                         "stage_slots or lower client_slots")
             return
-        ram_share = self.config.ram_hold_share(len(slots), self.ram.n_slots) if self.ram.n_slots else 0
+        ram_share = self.config.ram_hold_share(len(slots), self.ram.n_slots)
         self.sessions[identity] = Session(identity, fd, msg.client, slots, deque(slots), pid=pid, ram_share=ram_share)
         self.counters.clients_total += 1
         log.info("client %r (pid %s) connected: %d slots%s", msg.client, pid if pid is not None else "unknown",
@@ -555,6 +555,7 @@ class ExpertDaemon:
     def _unhold(self, session: Session, index: int, n: int) -> None:
         self.ram.unhold(self.ram.slot(index), n)
         session.ram_holds[index] -= n
+        session.ram_taken -= n
         if not session.ram_holds[index]:
             del session.ram_holds[index]
 
@@ -616,15 +617,14 @@ class ExpertDaemon:
         n_slots = len(session.slots)
         hold_room = _room(session.ram_share, prefetch)
         read_room = _room(n_slots, prefetch)
-        holds = sum(session.ram_holds.values()) + session.ram_coming
         resident = self.ram.lookup(work.key)
         if resident is not None:
-            if holds >= hold_room:
+            if session.ram_taken >= hold_room:
                 return False
             self.counters.ram_hits += 1
             session.counters.ram_hits += 1
             work.slot, work.ram = resident.index, True
-            session.ram_coming += 1
+            session.ram_taken += 1
             if resident.state is RamState.RESIDENT:
                 self._ready_ram(work, resident)
                 return True
@@ -636,7 +636,7 @@ class ExpertDaemon:
             waiting.append(work)
             return True
         if self.ram.n_slots:
-            if holds >= hold_room or session.ram_reads >= read_room:
+            if session.ram_taken >= hold_room or session.ram_reads >= read_room:
                 return False  # a read or a RELEASE of its own lets it on; the key may still be admitted then
             claim = self.ram.claim(work.key, self.layers[work.key.layer].payload_bytes)
             if claim is not None:
@@ -645,7 +645,7 @@ class ExpertDaemon:
                 self.counters.ram_evictions += claim.evicted is not None
                 session.ram_reads += 1
                 work.slot, work.ram = claim.slot.index, True
-                session.ram_coming += 1
+                session.ram_taken += 1
                 self._waiting[claim.slot.index] = [work]
                 self._read(work)
                 return True
@@ -806,7 +806,8 @@ class ExpertDaemon:
         work.done = True
         session = work.session
         session.queued -= 1
-        session.ram_coming -= work.ram
+        if work.ram and ready is None:
+            session.ram_taken -= 1  # a FAIL: no hold after all (a READY's ends at its RELEASE)
         if ready is not None:
             self.counters.ready += 1
             session.counters.ready += 1

@@ -265,10 +265,10 @@ def churner(index: int, endpoint: str, pack: str, seed: int, stop: Any, sent: An
             prio = p.Priority(rng.randint(0, 1))
             sock.send(p.encode(p.Fetch(1, tuple(wanted), prio)))
             out.messages += 1
-            # READY slots not released: once they are all of its lease (half of it for a prefetch, v6),
-            # nothing more may arrive
+            # READY slots not released: once they are all of its lease (half of it for a prefetch, none
+            # with one slot, v6), nothing more may arrive
             held, n = 0, len(welcome.slots)
-            limit = n if prio is p.Priority.DEMAND else max(1, n - max(1, n // 2))
+            limit = n if prio is p.Priority.DEMAND else n - max(1, n // 2)
             for _ in range(rng.randint(0, len(wanted))):  # some arrive; the rest are in flight at the end
                 if held >= limit or not sock.poll(5000):
                     break

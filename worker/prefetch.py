@@ -40,10 +40,7 @@ def prefetch_budget(share: int) -> int:
 def prefetch_share(client: ExpertClient) -> int:
     """What prefetches hold while they wait for their layer: RAM tier holds over a tier (expertd
     starts no more of them into staging than its half), else staging slots."""
-    welcome = client.welcome
-    if welcome.ram_slots and welcome.ram_holds and len(client.slots) > 1:  # one slot: none to spare at all
-        return welcome.ram_holds
-    return len(client.slots)
+    return client.welcome.ram_holds or len(client.slots)
 
 
 class Prefetches:

@@ -72,13 +72,14 @@ def test_cancel_gives_the_slot_back_answered_or_not(daemon: Daemon, tiny_pack: P
 
 
 def test_a_promoted_prefetch_overtakes_the_prefetches_queued_before_it(tiny_pack: Path, tmp_path: Path) -> None:
-    """One staging slot: the first of five prefetches is read, the other four wait in the client's
-    queue. PROMOTE of the last moves it to the demand queue: it is read second, before the three
-    sent ahead of it; the rest follow in order. Promoting an answered one sends nothing."""
+    """Two staging slots, of which prefetches may take one (v6): the first of five prefetches is
+    read, the other four wait in the client's queue. PROMOTE of the last moves it to the demand
+    queue: it is read second, into the other slot, before the three sent ahead of it; the rest
+    follow in order. Promoting an answered one sends nothing."""
     from ..conftest import start_daemon
 
     m = Manifest.load(tiny_pack)
-    d = start_daemon(tiny_pack, tmp_path, "--client-slots", "1", "--ram-cache-gib", "0")
+    d = start_daemon(tiny_pack, tmp_path, "--client-slots", "2", "--ram-cache-gib", "0")
     try:
         d.wait_for("READY=1")
         with ExpertClient(d.endpoint) as client:
@@ -87,16 +88,19 @@ def test_a_promoted_prefetch_overtakes_the_prefetches_queued_before_it(tiny_pack
             client._put = lambda msg: (sent.append(msg), put(msg))[1]
             layer = m.layers[0].layer
             pendings = [client.submit((layer, e)) for e in range(5)]
+            first = pendings[0].result()  # held: the prefetches' one slot stays taken
+            assert not any(x.answered for x in pendings[1:])
             pendings[4].promote()
             pendings[4].promote()  # once is enough
             assert [msg for msg in sent if isinstance(msg, p.Promote)] == [p.Promote(pendings[4].request_id)]
-            order = []
-            left = list(pendings)
+            order = [first.key.expert]
+            first.release()
+            left = pendings[1:]
             deadline = time.monotonic() + 30
             while left:
                 assert time.monotonic() < deadline
                 client.pump()
-                for pending in [x for x in left if x.answered]:  # one slot: one answer at a time
+                for pending in [x for x in left if x.answered]:  # one at a time: each is released first
                     order.append(pending.key.expert)
                     left.remove(pending)
                     pending.result().release()

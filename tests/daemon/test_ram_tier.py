@@ -485,3 +485,4 @@ def test_the_hold_share_defaults_to_256_at_most_half_the_tier_at_least_the_stagi
     assert config.ram_hold_share(16, 1536) == 256
     assert config.ram_hold_share(16, 100) == 50
     assert config.ram_hold_share(16, 10) == 16
+    assert config.ram_hold_share(16, 0) == 0  # no tier
