@@ -116,13 +116,6 @@ class Expert:
         """The session that leased the slot (a reconnect starts another)."""
         return self._client
 
-    @property
-    def in_ram_tier(self) -> bool:
-        """Its slot is a RAM tier block (a hold on a block shared by every client), not one of
-        the client's staging slots: holding it longer keeps no read of this client waiting."""
-        welcome = self._client.welcome
-        return welcome.ram_first_slot <= self.slot < welcome.ram_first_slot + welcome.ram_slots
-
     def release(self) -> None:
         """Gives the slot back; idempotent."""
         if self._data is not None:

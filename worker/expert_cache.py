@@ -142,7 +142,6 @@ class ExpertCache:
         self.counters = CacheCounters()
         self.ready: dict[int, torch.cuda.Event] = {}  # slot -> event its last copy recorded
         self._pending: deque[_Pending] = deque() if pending is None else pending  # staging slots whose copy may still run
-        self._done_holds: list[Expert] = []  # RAM tier holds copied in, given back at the end of the fetch
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.timeline: list[CopyRecord] | None = None  # set to [] to record every miss (tests, benchmarks)
         self._fetches = 0
@@ -254,19 +253,6 @@ class ExpertCache:
             self._ref = (ref, time.perf_counter())
         free_slots = list(victims)
         wanted = set(misses)
-        try:
-            self._copy_misses(misses, free_slots, wanted, then)
-        except BaseException:  # the holds of its copies done go back now, not at the next fetch
-            if self._done_holds:
-                release_all(self._done_holds)
-                self._done_holds = []
-            raise
-        self._release_finished(keep_free=0, wait=self.device.type != "cuda")
-        self.counters.stall_s += time.perf_counter() - start
-
-    def _copy_misses(self, misses: list[ExpertKey], free_slots: list[int], wanted: set[ExpertKey],
-                     then: AfterSend | None) -> None:
-        """The body of _fetch: each miss copied into a victim slot as it arrives."""
         doubtful: list[ExpertKey] = []
         with self._copying():
             # once: a reconnect sends the demand again, the prefetches went with the first send
@@ -279,7 +265,7 @@ class ExpertCache:
                 self.counters.evictions += self.policy.place(slot, expert.key) is not None
                 if expert.client.silenced():
                     doubtful.append(expert.key)
-                self._release_finished(keep_free=1, holds=False)
+                self._release_finished(keep_free=1)
             while doubtful:  # copied after the session lapsed: read again, over a new session, into the same slots
                 log.warning("this worker was stopped past expertd's heartbeat timeout while copying %d experts out "
                             "of staging: reading them again", len(doubtful))
@@ -292,6 +278,8 @@ class ExpertCache:
                     if expert.client.silenced():
                         doubtful.append(expert.key)
                     self._release_finished(keep_free=1)
+        self._release_finished(keep_free=0, wait=self.device.type != "cuda")
+        self.counters.stall_s += time.perf_counter() - start
 
     def _on_compute_stream(self, fn: AfterSend | None) -> AfterSend | None:
         """`fn` run on the stream current now (the compute stream) even when called from inside
@@ -349,29 +337,21 @@ class ExpertCache:
         self.ready[slot] = event
         self._pending.append(_Pending(event, expert))
 
-    def _release_finished(self, keep_free: int, wait: bool = False, holds: bool = True) -> None:
-        """Gives back staging slots whose copy is done, and with `holds` the RAM tier holds too
-        (else they wait for the fetch's last call: one RELEASE a fetch rather than one a miss, and
-        the hold share is large). If the client has fewer than `keep_free` staging slots left for
-        the rest of the fetch (those prefetches may hold do not count: at most their budget of the
-        staging, which expertd keeps them to, whatever they hold in its RAM tier, where the
-        demand's share is at least as large), waits for the oldest copy."""
+    def _release_finished(self, keep_free: int, wait: bool = False) -> None:
+        """Gives back staging slots (or RAM tier holds) whose copy is done. If the client has fewer
+        than `keep_free` staging slots left for the rest of the fetch (those prefetches may hold do
+        not count: at most their budget of the staging, which expertd keeps them to, whatever they
+        hold in its RAM tier, where the demand's share is at least as large), waits for the oldest
+        copy."""
         if self._pending and self._pending[0].expert.client is not self.link.client:
             # The daemon went away and the link reconnected: it synchronized the device before
             # unmapping, so those copies are complete, and their leases died with the old session.
             kept = [p for p in self._pending if p.expert.client is self.link.client]
             self._pending.clear()  # in place: other caches of the link may share the queue
             self._pending.extend(kept)
-        if self._done_holds and self._done_holds[0].client is not self.link.client:
-            self._done_holds = [e for e in self._done_holds if e.client is self.link.client]  # as above
-        if not holds and len(self._done_holds) + len(self._pending) >= self._deferrable_holds():
-            holds = True  # expertd counts them against the hold share, which the rest of the fetch needs
         done: list[Expert] = []  # given back together: one RELEASE
-        if holds:
-            done, self._done_holds = self._done_holds, []
         while self._pending and self._pending[0].done():
-            expert = self._pending.popleft().expert
-            (done if holds or not expert.in_ram_tier else self._done_holds).append(expert)
+            done.append(self._pending.popleft().expert)
         while self._pending and len(self._pending) > self._copy_room(keep_free):
             oldest = self._pending.popleft()
             if oldest.event is not None:
@@ -382,13 +362,6 @@ class ExpertCache:
                 done.append(self._pending.popleft().expert)
         if done:
             release_all(done)
-
-    def _deferrable_holds(self) -> int:
-        """How many RAM tier holds a fetch may keep until its end: what its hold share leaves
-        beside the prefetches' budget of it, less one for the fetch's next key."""
-        client = self.link.client
-        share = client.welcome.ram_holds if client is not None else 0
-        return share - prefetch_budget(share) - 1 if share else 0
 
     def _copy_room(self, keep_free: int) -> int:
         """How many copies may still hold staging slots (only asked while some do: the link has a
