@@ -24,6 +24,7 @@ for i in range(int(sys.argv[3])):
     s.send(sys.argv[2].encode())
 time.sleep(float(sys.argv[4]))  # connected this long
 s.close()
+zmq.Context.instance().term()  # waits out LINGER: the interpreter's exit alone may drop what is queued
 """
 
 
