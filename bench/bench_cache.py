@@ -6,7 +6,7 @@
            comes back), the least recent among equals
   freq     the policy's frequency rule alone (LRFU: uses fading with a half-life of 32 cache fills,
            the least recent among equals), which was the policy in use until 2026-12-01
-  in use   the worker's own CachePolicy (worker/cache_policy.py), driven as the expert cache drives it:
+  in use   the worker's own CachePolicy (worker/experts/cache_policy.py), driven as the expert cache drives it:
            the frequency rule or LRU, whichever's shadow cache has hit more lately
   LFU*     LFU told each expert's count over the whole trace up front (offline): keeps the most
            popular; where tokens route independently no online policy does better on average
@@ -36,8 +36,8 @@ from pathlib import Path
 
 from expertpack.packtools.layout import Manifest
 from expertpack.packtools.units import GIB
-from expertpack.worker.cache_replay import Row, pack_slot_bytes, replay
-from expertpack.worker.routing_trace import Trace, TraceError, read_trace
+from expertpack.planner.cache_replay import Row, pack_slot_bytes, replay
+from expertpack.worker.experts.routing_trace import Trace, TraceError, read_trace
 
 DEFAULT_FRACTIONS = (0.05, 0.10, 0.25, 0.50)
 COLUMNS = {"lru": "LRU", "lfu": "LFU", "frequency": "freq", "in_use": "in use", "known_counts": "LFU*",

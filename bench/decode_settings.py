@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from expertpack.worker.engine import Engine
+from expertpack.worker.engine.engine import Engine
 
 
 def module_of(name: str):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from expertpack.bench.disk_activity import DiskCounters, DiskSample
+from .disk_activity import DiskCounters, DiskSample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,10 +105,10 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
     """One streaming run against a fresh expertd (nothing warm from another run): its speeds and
     tokens, and per phase the cache's counters (hit rate, stall, prefetch precision and recall)
     and the SSD bytes expertd read."""
-    from expertpack.bench import bench_io
+    from . import bench_io
     from expertpack.packtools.layout import PACK_FILE
-    from expertpack.worker.engine import Engine
-    from expertpack.worker.expert_cache import prefetch_rates
+    from expertpack.worker.engine.engine import Engine
+    from expertpack.worker.experts.expert_cache import prefetch_rates
 
     disk = DiskCounters.open(pack / PACK_FILE)
     daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64, ram_cache_gib=args.ram_cache_gib,
@@ -153,7 +153,7 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
 
 def disk_bandwidth(pack: Path, workdir: Path) -> tuple[float, str]:
     """GB/s of O_DIRECT random whole-expert reads on this pack: fio, else expertd."""
-    from expertpack.bench import bench_io
+    from . import bench_io
     from expertpack.packtools.layout import ExpertKey, Manifest
 
     m = Manifest.load(pack)
@@ -188,15 +188,15 @@ def main() -> int:
                         "default 0: uniform routing, where any cache's hit rate is its share of the experts)")
     p.add_argument("--lookahead", type=int, metavar="N",
                    help="MoE layers ahead of the running one whose experts the worker asks for (default: the "
-                        "worker's, worker/lookahead.py's LOOKAHEAD_LAYERS)")
+                        "worker's, worker/experts/lookahead.py's LOOKAHEAD_LAYERS)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit on the device")
     p.add_argument("--prefetch", choices=sorted(MODES), default="both",
                    help="stream with the worker's prefetch off, on, or both side by side (default)")
     args = p.parse_args()
 
     from expertpack.packtools.layout import Manifest
-    from expertpack.worker import lookahead
-    from expertpack.worker.engine import Engine
+    from expertpack.worker.experts import lookahead
+    from expertpack.worker.engine.engine import Engine
 
     if args.lookahead is not None:
         lookahead.LOOKAHEAD_LAYERS = args.lookahead

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from expertpack.worker.engine import Engine
+from expertpack.worker.engine.engine import Engine
 from expertpack.worker.kernels import linear_tl, moe_tl
-from expertpack.worker.weights import Q8_0_REGROUPED, QTensor, ungroup_q8_0
+from expertpack.worker.weights.qtensor import QTensor, ungroup_q8_0
+from expertpack.worker.weights.quant import Q8_0_REGROUPED
 
 
 def bench_ms(fn) -> float:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from expertpack.worker.engine import Engine
+from expertpack.worker.engine.engine import Engine
 from expertpack.worker.kernels import moe_dense, moe_grouped, moe_tiles, moe_tl
-from expertpack.worker.moe import fused_path
+from expertpack.worker.nn.moe import fused_path
 from kernel_bandwidth import bench_ms  # bench/ is on the path when this script runs
 
 

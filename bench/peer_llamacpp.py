@@ -218,7 +218,7 @@ def measure_expertpack(gguf: Path, device: str, prompt_lengths: list[int], n_dec
     """Every expert resident on the device, the model read from the GGUF itself."""
     import torch
 
-    from expertpack.worker.engine import Engine
+    from expertpack.worker.engine.engine import Engine
 
     t0 = time.perf_counter()
     engine = Engine.load(gguf, device=device, resident_experts=True)

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from decode_settings import apply, parse_setting  # bench/, beside this script
-from expertpack.worker.engine import Engine
+from expertpack.worker.engine.engine import Engine
 
 CLASSES = [  # (class, substrings of kernel names), first match wins
     ("grouped expert products (prefill)", ("_grouped_gate_up_kernel", "_grouped_down_kernel")),

@@ -80,9 +80,9 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25, help="host functions listed")
     args = p.parse_args()
 
-    from expertpack.bench import bench_io
+    from . import bench_io
     from expertpack.packtools.layout import Manifest
-    from expertpack.worker.engine import Engine
+    from expertpack.worker.engine.engine import Engine
 
     stem, pack = prepare_pack(args.preset, args.layers, args.dir)
     m = Manifest.load(pack)

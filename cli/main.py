@@ -14,7 +14,7 @@ import sys
 
 from expertpack.packtools import cli as offline
 from expertpack.packtools.errors import ExpertpackError
-from expertpack.worker import eval_args
+from . import eval_args
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -80,13 +80,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from expertpack.worker import eval_cli  # the worker and torch load only for this verb
+    from . import eval as eval_cli  # the worker and torch load only for this verb
 
     return eval_cli.run(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from expertpack.worker import plan
+    from expertpack.planner import plan
 
     return plan.main(args.rest)
 

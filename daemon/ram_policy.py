@@ -1,6 +1,6 @@
 """Which blocks the RAM tier keeps: the ones asked for most often lately. A request counts
 2**(-age / half-life) (frequency that fades, LRFU, the rule of the worker's VRAM cache in
-worker/cache_policy.py, written again here because the daemon never imports the worker); the least
+worker/experts/cache_policy.py, written again here because the daemon never imports the worker); the least
 recently asked for goes first among equals. Unlike the VRAM cache, which must place every miss, the
 RAM tier admits a block only over a victim asked for no more often than it, so that a scan of cold
 keys (a prompt touching every expert once) cannot flush the hot set. Pure bookkeeping over keys:

@@ -71,8 +71,8 @@ from .block_crc import CrcJoiner
 from .config import DaemonConfig
 from .flood import FLOOD_BAN_S, Flooder, FloodGuard, StatsBudget, anon_bytes
 from .notify import notify, watchdog_interval_s
-from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, open_pack
 from .ram_tier import RamSlot, RamState, RamTier, ram_slot_count
+from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, open_pack
 from .staging import SlotState, StagingSegment, lockable_bytes, remove_orphans
 from .stats import ClientCounters, Counters, Histogram
 
@@ -133,7 +133,7 @@ class Session:
 def _room(share: int, prefetch: bool) -> int:
     """How much of a client's share (RAM holds, reads into the tier, staging slots) a key may find in
     use and still start: all of it for demand; for a prefetch, half, rounded up, and never the last
-    one, which stays for demand (the worker's own prefetch budget, worker/prefetch.py). A client of
+    one, which stays for demand (the worker's own prefetch budget, worker/experts/prefetch.py). A client of
     one slot prefetches nothing: its prefetches wait until promoted or cancelled."""
     return share - max(1, share // 2) if prefetch else share
 

@@ -12,8 +12,8 @@ import pytest
 
 from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.packtools.layout import Manifest
-from expertpack.worker.cache_replay import pack_slot_bytes, replay
-from expertpack.worker.routing_trace import read_trace
+from expertpack.planner.cache_replay import pack_slot_bytes, replay
+from expertpack.worker.experts.routing_trace import read_trace
 
 from ..conftest import BIN, FIXTURES, run_cli, start_daemon
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.quant import BLOCKS, dequantize
-from expertpack.worker.sampling import Sampler
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
+from expertpack.worker.weights.quant import BLOCKS, dequantize
 
 from ..conftest import FIXTURES
 from ..worker.test_quant import SHAPES, random_bytes, reference

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from expertpack.worker.engine import Engine
+from expertpack.worker.engine.engine import Engine
 
 from ..conftest import FIXTURES
 

@@ -17,7 +17,7 @@ import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
-from expertpack.worker.engine import Engine
+from expertpack.worker.engine.engine import Engine
 
 from ..conftest import FIXTURES, start_daemon
 from ..worker.test_expert_cache import greedy_run as greedy

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
-from expertpack.worker.engine import Engine
-from expertpack.worker.split_experts import CacheGroup
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.experts.split_experts import CacheGroup
 
 from ..conftest import FIXTURES, start_daemon
 from ..worker.test_expert_cache import greedy_run, minimal_cache_bytes

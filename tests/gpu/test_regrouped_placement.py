@@ -8,9 +8,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from expertpack.worker.placement import Placement
-from expertpack.worker.quant import dequantize
-from expertpack.worker.weights import QTensor
+from expertpack.worker.nn.placement import Placement
+from expertpack.worker.weights.qtensor import QTensor
+from expertpack.worker.weights.quant import dequantize
 
 from ..worker.test_quant import random_bytes
 

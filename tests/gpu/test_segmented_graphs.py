@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
-from expertpack.worker.engine import Engine, SegmentedDecode
+from expertpack.worker.engine.engine import Engine, SegmentedDecode
 
 from ..conftest import FIXTURES, Daemon, start_daemon
 from ..worker.test_expert_cache import minimal_cache_bytes

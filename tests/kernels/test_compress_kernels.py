@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertpack.worker import compressed_attention as ca
 from expertpack.worker.kernels.compress_tl import compress_step, step_visible
-from expertpack.worker.layers import Rope, RopeStyle
+from expertpack.worker.nn import compressed_attention as ca
+from expertpack.worker.nn.layers import Rope, RopeStyle
 
 
 # Entry widths that are not powers of two: the entry kernel once read past the pooled row there

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertpack.worker import layers, routing
 from expertpack.worker.kernels.attention_tl import decode_attention
 from expertpack.worker.kernels.pointwise_tl import add_rms_norm
 from expertpack.worker.kernels.routing_tl import softmax_topk, sqrtsoftplus_route
+from expertpack.worker.nn import layers, routing
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,dv", [(8, 2, 64, 64), (4, 4, 48, 32)])
@@ -117,7 +117,7 @@ def test_matvec_parts_add_up_to_the_product(device: torch.device) -> None:
     from gguf import GGMLQuantizationType as T
 
     from expertpack.worker.kernels.linear_tl import matvec, matvec_parts
-    from expertpack.worker.quant import dequantize
+    from expertpack.worker.weights.quant import dequantize
 
     from ..worker.test_quant import random_bytes
 
@@ -135,7 +135,7 @@ def test_a_matrix_per_head_in_one_launch(device: torch.device) -> None:
     from gguf import GGMLQuantizationType as T
 
     from expertpack.worker.kernels.linear_tl import matvec_heads
-    from expertpack.worker.quant import dequantize
+    from expertpack.worker.weights.quant import dequantize
 
     from ..worker.test_quant import random_bytes
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.weights import kernels_on_cpu
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.weights.qtensor import kernels_on_cpu
 
 from ..conftest import FIXTURES
 
@@ -55,7 +55,8 @@ def test_minimal_cache_through_the_kernels_is_bit_exact(fixture_packs, tmp_path)
 def test_static_steps_cross_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engine's decode steps on the fast path reserve the KV cache ahead (powers of two) and grow it
     when a step reaches the end; crossing two reservations, the logits stay the torch path's."""
-    from expertpack.worker import engine as engine_module, layers
+    from expertpack.worker.engine import engine as engine_module
+    from expertpack.worker.nn import layers
 
     monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 4)
     monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
@@ -80,7 +81,7 @@ def test_short_prompts_with_static_shapes_give_the_torch_paths_logits(monkeypatc
     CUDA graph per prompt length replays on a GPU): into an empty cache, then a second turn's
     prompt into the filled one, whose reservation it outgrows; logits within float32 rounding of
     the torch path's, and the decode step after them too."""
-    from expertpack.worker import engine as engine_module
+    from expertpack.worker.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 16)
     engine = Engine.load(FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", resident_experts=True)

@@ -1,4 +1,4 @@
-"""The decoding kernels against worker/quant.py (itself bit-equal to gguf-py): every type's whole-
+"""The decoding kernels against worker/weights/quant.py (itself bit-equal to gguf-py): every type's whole-
 matrix dequantization, and the fused matvec against x @ W^T of the reference values, on valid random
 blocks of several shapes, including rows that end inside a 256-value chunk."""
 
@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from expertpack.worker.kernels.linear_tl import dequantize, matvec
-from expertpack.worker.quant import BLOCKS, dequantize as reference
+from expertpack.worker.weights.quant import BLOCKS, dequantize as reference
 
 from ..worker.test_quant import random_bytes
 
@@ -73,7 +73,8 @@ def test_regrouped_q8_0_decodes_as_the_gguf_bytes(device: torch.device) -> None:
     dequantization, the matvec (one row of x and several, short matrices split along K, every
     chunk of the 8,192-value rows), and one matrix per head; and regrouping is undone exactly."""
     from expertpack.worker.kernels.linear_tl import matvec_heads
-    from expertpack.worker.weights import Q8_0_REGROUPED, regroup_q8_0, ungroup_q8_0
+    from expertpack.worker.weights.quant import Q8_0_REGROUPED
+    from expertpack.worker.weights.qtensor import regroup_q8_0, ungroup_q8_0
 
     for i, (k, n) in enumerate([(256, 3), (512, 37), (1792, 100), (8192, 5)]):  # 1792: a spare split-K chunk
         raw = torch.from_numpy(random_bytes(T.Q8_0, (k, n), seed=30 + i, valid=True))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertpack.worker.hyper_connections import HyperConnection
 from expertpack.worker.kernels.hyper_tl import hc_weights
 from expertpack.worker.kernels.pointwise_tl import rms_norm, rope
-from expertpack.worker.layers import Rope, RopeStyle, rms_norm as torch_rms_norm
-from expertpack.worker.weights import kernels_on_cpu
+from expertpack.worker.nn.hyper_connections import HyperConnection
+from expertpack.worker.nn.layers import Rope, RopeStyle, rms_norm as torch_rms_norm
+from expertpack.worker.weights.qtensor import kernels_on_cpu
 
 
 @pytest.mark.parametrize("d", [64, 96, 2880])

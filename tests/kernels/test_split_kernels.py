@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.weights import kernels_on_cpu
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.weights.qtensor import kernels_on_cpu
 
 from ..worker.test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
 from ..worker.test_multi_device import PROMPT, assert_same, packs  # noqa: F401 (packs: a fixture)

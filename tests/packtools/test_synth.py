@@ -69,7 +69,7 @@ def test_every_block_type_is_valid_and_finite() -> None:
 
 
 def test_synthesized_routing_spreads_tokens_over_the_experts(tmp_path: Path) -> None:
-    from expertpack.worker.engine import Engine
+    from expertpack.worker.engine.engine import Engine
 
     path = tmp_path / "small.gguf"
     write_synth(path, SynthOptions(preset="small", progress=False))
@@ -249,9 +249,9 @@ def test_routing_skew_raises_a_caches_hit_rate(tmp_path: Path) -> None:
     traced through the worker's engine on the CPU, replayed against LRU at 25% of the experts:
     the skewed model (S=1) hits far more often than the uniform one, whose hit rate is about the
     cache's share, and its busiest quarter of experts takes most selections."""
-    from expertpack.worker.cache_replay import replay
-    from expertpack.worker.engine import Engine
-    from expertpack.worker.routing_trace import read_trace, start_trace, stop_trace
+    from expertpack.planner.cache_replay import replay
+    from expertpack.worker.engine.engine import Engine
+    from expertpack.worker.experts.routing_trace import read_trace, start_trace, stop_trace
 
     tokens = np.random.default_rng(4).integers(0, PRESETS["small"].n_vocab, 40).tolist()
     lru, top_quarter = {}, {}
@@ -344,7 +344,7 @@ def test_kimi_k3_cut_has_the_fixtures_tensors_and_metadata_for_the_worker() -> N
     """A --layers 3 cut keeps the dense leading layer and one MLA layer (head_count_kv [0, 0, 1]);
     each kind of layer holds exactly the tensor names llama.cpp's converter writes for that kind
     (k3-tiny.Q2_K.gguf), the metadata has every key the fixture has, and kimi_k3.py's Args reads it."""
-    from expertpack.worker.config import read_args
+    from expertpack.worker.models.config import read_args
     from expertpack.worker.models.kimi_k3 import KEYS, Args
 
     plan = plan_synth(SynthOptions(preset="kimi-k3", n_layer=3))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from expertpack.worker.main import client_name
+from expertpack.worker.serve.main import client_name
 
 from ..conftest import start_daemon
 from ..daemon.test_faults import wait_stats

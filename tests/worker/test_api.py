@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 import torch
 
-from expertpack.worker.chat_template import ChatTemplate
+from expertpack.worker.serve.chat_template import ChatTemplate
 
 from .test_expert_worker import CHAT, Worker, local, served  # noqa: F401 (fixtures)
 

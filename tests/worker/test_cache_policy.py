@@ -11,7 +11,7 @@ import random
 import pytest
 
 from expertpack.packtools.layout import ExpertKey
-from expertpack.worker.cache_policy import SHADOW_SLOTS, CachePolicy, CacheTooSmall, FrequencyPolicy, LruKeys, slot_count
+from expertpack.worker.experts.cache_policy import SHADOW_SLOTS, CachePolicy, CacheTooSmall, FrequencyPolicy, LruKeys, slot_count
 
 MIB = 2**20
 

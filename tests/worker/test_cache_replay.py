@@ -10,8 +10,8 @@ import random
 import pytest
 
 from expertpack.packtools.layout import ExpertKey
-from expertpack.worker.cache_policy import FrequencyPolicy
-from expertpack.worker.cache_replay import LFU, LRU, InUse, belady_hits, known_counts_hits, online_hits
+from expertpack.planner.cache_replay import LFU, LRU, InUse, belady_hits, known_counts_hits, online_hits
+from expertpack.worker.experts.cache_policy import FrequencyPolicy
 
 A, B, C, D = (ExpertKey(0, i) for i in range(4))
 ONLINE = {"lru": LRU, "lfu": LFU, "frequency": lambda n: InUse(n, FrequencyPolicy), "in_use": InUse}

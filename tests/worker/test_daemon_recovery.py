@@ -23,10 +23,10 @@ import torch
 
 from expertpack.client import DaemonUnavailable, ExpertClient
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
-from expertpack.worker.daemon_link import DaemonLink
-from expertpack.worker.engine import Engine
-from expertpack.worker.sampling import Sampler
-from expertpack.worker.tokenizer import load_tokenizer
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
+from expertpack.worker.experts.daemon_link import DaemonLink
+from expertpack.worker.serve.tokenizer import load_tokenizer
 
 from ..conftest import Daemon, start_daemon
 from .test_expert_worker import PACK, Worker, start_worker

@@ -32,12 +32,12 @@ import torch
 
 from expertpack.client import FingerprintMismatch
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
-from expertpack.worker.cache_policy import CacheTooSmall
-from expertpack.worker.daemon_link import CorruptExpert, DaemonLost
-from expertpack.worker.engine import Engine
-from expertpack.worker.expert_cache import slot_bytes
-from expertpack.worker.layers import KVCache
-from expertpack.worker.metrics import ServeCounters, render
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.experts.cache_policy import CacheTooSmall
+from expertpack.worker.experts.daemon_link import CorruptExpert, DaemonLost
+from expertpack.worker.experts.expert_cache import slot_bytes
+from expertpack.worker.nn.layers import KVCache
+from expertpack.worker.serve.metrics import ServeCounters, render
 
 from ..conftest import FIXTURES, Daemon, start_daemon
 

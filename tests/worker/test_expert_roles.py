@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from expertpack.packtools.layout import LayerLayout, RoleLayout
-from expertpack.worker.expert_roles import UnsupportedExperts, expert_roles
+from expertpack.worker.weights.expert_roles import UnsupportedExperts, expert_roles
 
 
 def layer(*roles: tuple[str, str, tuple[int, ...]]) -> LayerLayout:

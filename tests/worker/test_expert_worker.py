@@ -31,11 +31,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from expertpack.packtools.layout import PACK_FILE, Manifest
-from expertpack.worker.chat_template import ChatTemplate
-from expertpack.worker.engine import Engine
-from expertpack.worker.expert_cache import slot_bytes
-from expertpack.worker.sampling import Sampler
-from expertpack.worker.tokenizer import load_tokenizer
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
+from expertpack.worker.experts.expert_cache import slot_bytes
+from expertpack.worker.serve.chat_template import ChatTemplate
+from expertpack.worker.serve.tokenizer import load_tokenizer
 
 from ..conftest import BIN, Daemon, free_port, run_cli, start_daemon
 
@@ -518,8 +518,8 @@ def test_health_answers_while_a_prompt_is_being_tokenized(local, monkeypatch: py
     app runs in this process under uvicorn, on the in-process engine (no daemon)."""
     import uvicorn
 
-    from expertpack.worker.api import WorkerService, create_app
-    from expertpack.worker.generation import Generator
+    from expertpack.worker.serve.api import WorkerService, create_app
+    from expertpack.worker.serve.generation import Generator
 
     engine, tokenizer = local
     encode, tokenizing = tokenizer.encode, threading.Event()

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertpack.worker.chat_template import ChatTemplate
-from expertpack.worker.engine import Engine
-from expertpack.worker.sampling import Sampler
-from expertpack.worker.tokenizer import load_tokenizer
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
+from expertpack.worker.serve.chat_template import ChatTemplate
+from expertpack.worker.serve.tokenizer import load_tokenizer
 
 from ..conftest import start_daemon
 from .test_expert_worker import start_worker

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.generation import Generator, Request
-from expertpack.worker.sampling import Sampler
-from expertpack.worker.tokenizer import load_tokenizer
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
+from expertpack.worker.serve.generation import Generator, Request
+from expertpack.worker.serve.tokenizer import load_tokenizer
 
 from ..conftest import FIXTURES
 

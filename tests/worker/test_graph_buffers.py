@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 import torch
 
-from expertpack.worker import engine as engine_module
-from expertpack.worker.engine import Engine
-from expertpack.worker.layers import KVCache
+from expertpack.worker.engine import engine as engine_module
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.nn.layers import KVCache
 
 from ..conftest import FIXTURES
 

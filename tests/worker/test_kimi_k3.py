@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.sampling import Sampler
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
 
 from ..conftest import FIXTURES
 from .test_expert_cache import assert_served_equals_direct

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.sampling import Sampler
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
 
 from ..conftest import FIXTURES
 

@@ -16,14 +16,14 @@ import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.packtools.layout import ExpertKey
-from expertpack.worker import placement
-from expertpack.worker.cache_policy import CacheTooSmall
-from expertpack.worker.engine import Engine
-from expertpack.worker.expert_cache import ExpertCache, prefetch_rates
-from expertpack.worker.model_files import ResidentExperts
-from expertpack.worker.placement import tensor_layer
-from expertpack.worker.split_experts import CacheGroup, SplitExperts
-from expertpack.worker.tokenizer import load_tokenizer
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.experts.cache_policy import CacheTooSmall
+from expertpack.worker.experts.expert_cache import ExpertCache, prefetch_rates
+from expertpack.worker.experts.split_experts import CacheGroup, SplitExperts
+from expertpack.worker.nn import placement
+from expertpack.worker.nn.placement import tensor_layer
+from expertpack.worker.serve.tokenizer import load_tokenizer
+from expertpack.worker.weights.model_files import ResidentExperts
 
 from ..conftest import FIXTURES, run_cli
 from .test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes

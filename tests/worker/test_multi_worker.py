@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from expertpack.worker.main import client_name
+from expertpack.worker.serve.main import client_name
 
 from ..conftest import BIN, start_daemon
 from .test_expert_worker import Worker, metric_values, start_worker

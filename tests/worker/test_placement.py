@@ -1,4 +1,4 @@
-"""worker/placement.py: `--device` lists parsed or refused in one line; the layer split is
+"""worker/nn/placement.py: `--device` lists parsed or refused in one line; the layer split is
 contiguous, covers every layer exactly once, and is the min-max optimum (checked against every
 possible split); a Placement puts each tensor on its layer's device and moves the step's state
 only where a range starts."""
@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from expertpack.worker.placement import (DeviceSpecError, LayerCost, Placement, device_spec, layer_costs,
+from expertpack.worker.nn.placement import (DeviceSpecError, LayerCost, Placement, device_spec, layer_costs,
                                          parse_devices, split_layers, tensor_layer)
-from expertpack.worker.weights import QTensor
+from expertpack.worker.weights.qtensor import QTensor
 from gguf import GGMLQuantizationType as T
 
 

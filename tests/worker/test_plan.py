@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from expertpack.packtools.gguf_source import open_source
-from expertpack.worker.cache_replay import pack_slot_bytes, replay, requests_of, tiered_hit_rates
 from expertpack.daemon.config import load_config
+from expertpack.packtools.gguf_source import open_source
 from expertpack.packtools.layout import Manifest
-from expertpack.worker import main as worker_main
-from expertpack.worker.routing_trace import read_trace
+from expertpack.planner.cache_replay import pack_slot_bytes, replay, requests_of, tiered_hit_rates
+from expertpack.worker.experts.routing_trace import read_trace
+from expertpack.worker.serve import main as worker_main
 
 from ..conftest import run_cli
 

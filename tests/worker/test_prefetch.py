@@ -1,4 +1,4 @@
-"""Prefetch (worker/lookahead.py, worker/prefetch.py) against a real expertd process, on the CPU:
+"""Prefetch (worker/experts/lookahead.py, worker/experts/prefetch.py) against a real expertd process, on the CPU:
 
 - across the fixture architectures (DeepSeek-V4's hash layers and Kimi-K3's latent experts
   included), a cache of the minimum size with prefetch on gives the resident run's logits bit for
@@ -27,14 +27,14 @@ import torch
 
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey, Manifest
-from expertpack.worker.daemon_link import DaemonLink
-from expertpack.worker.engine import Engine
-from expertpack.worker.expert_cache import ExpertCache, slot_bytes
-from expertpack.worker import lookahead
-from expertpack.worker.lookahead import LOOKAHEAD_LAYERS
-from expertpack.worker.metrics import ServeCounters, render
-from expertpack.worker.model_files import PackExperts
-from expertpack.worker.prefetch import prefetch_budget
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.experts import lookahead
+from expertpack.worker.experts.daemon_link import DaemonLink
+from expertpack.worker.experts.expert_cache import ExpertCache, slot_bytes
+from expertpack.worker.experts.lookahead import LOOKAHEAD_LAYERS
+from expertpack.worker.experts.prefetch import prefetch_budget
+from expertpack.worker.serve.metrics import ServeCounters, render
+from expertpack.worker.weights.model_files import PackExperts
 
 from ..conftest import Daemon, start_daemon
 
@@ -572,7 +572,7 @@ def test_prefetch_over_the_ram_tier_is_bit_exact_and_reads_only_for_mispredictio
 
 
 def test_the_worker_prefetches_unless_told_not_to(tmp_path: Path) -> None:
-    from expertpack.worker.main import SettingsError, settings
+    from expertpack.worker.serve.main import SettingsError, settings
 
     assert settings(["--pack", "p"]).prefetch is True
     assert settings(["--pack", "p", "--no-prefetch"]).prefetch is False

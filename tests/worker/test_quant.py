@@ -16,7 +16,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
 from expertpack.packtools.synth.quant_fill import BLOCKS as FILLABLE, RandomFill
-from expertpack.worker.quant import BLOCKS, UnsupportedType, check_supported, dequantize
+from expertpack.worker.weights.quant import BLOCKS, UnsupportedType, check_supported, dequantize
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference on NaN scales
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.sampling import Sampler
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
 
 from .synthetic import gguf_values, load_exactly, stack, synth_gguf
 

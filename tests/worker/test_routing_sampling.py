@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertpack.worker.config import ConfigError, Key, read_args
+from expertpack.worker.engine.sampling import Sampler
 from expertpack.worker.models import UnsupportedArchitecture, model_module
-from expertpack.worker.routing import sigmoid_group_topk, softmax_topk, topk_softmax
-from expertpack.worker.sampling import Sampler
+from expertpack.worker.models.config import ConfigError, Key, read_args
+from expertpack.worker.nn.routing import sigmoid_group_topk, softmax_topk, topk_softmax
 
 
 def naive_softmax_topk(row: list[float], k: int, normalize: bool) -> dict[int, float]:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.routing_trace import FORMAT, TraceError, read_trace, start_trace, stop_trace
-from expertpack.worker.sampling import Sampler
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
+from expertpack.worker.experts.routing_trace import FORMAT, TraceError, read_trace, start_trace, stop_trace
 
 from ..conftest import start_daemon
 

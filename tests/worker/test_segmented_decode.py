@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from expertpack.worker import engine as engine_module, layers
-from expertpack.worker.engine import Engine, SegmentedDecode
-from expertpack.worker.weights import kernels_on_cpu
+from expertpack.worker.engine import engine as engine_module
+from expertpack.worker.engine.engine import Engine, SegmentedDecode
+from expertpack.worker.nn import layers
+from expertpack.worker.weights.qtensor import kernels_on_cpu
 
 from .test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertpack.worker.engine import Engine
-from expertpack.worker.layers import KVCache
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.nn.layers import KVCache
 
 from ..conftest import FIXTURES
 
@@ -187,7 +187,7 @@ def test_the_engines_short_prompt_into_an_empty_deepseek4_cache(monkeypatch: pyt
     (here told they do, the model's arithmetic staying torch's): an empty DeepSeek-V4 cache gets
     the model's states before any token and a reservation, then a second turn's prompt and decode
     steps continue it; the logits are those of eager passes."""
-    from expertpack.worker import engine as engine_module
+    from expertpack.worker.engine import engine as engine_module
 
     engine = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
     prompt, turn = [(3 * i + 11) % 1000 for i in range(21)], [5, 9, 200, 33, 7]
@@ -211,7 +211,7 @@ def test_deepseek4_short_prompt_through_a_minimal_expert_cache_equals_every_expe
     come in waves, its hash-routed layers' too, evicted at every layer; the prompt's logits and a
     second turn's equal every expert resident, bit for bit. (The decode steps between, CUDA graphs
     split at the MoE layers with the cache, need the kernels: tests/kernels and tests/gpu.)"""
-    from expertpack.worker import engine as engine_module
+    from expertpack.worker.engine import engine as engine_module
 
     from .test_expert_cache import resident_and_minimal_cache
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from expertpack.packtools.gguf_source import open_source
-from expertpack.worker.tokenizer import TokenizerError, load_tokenizer
+from expertpack.worker.serve.tokenizer import TokenizerError, load_tokenizer
 
 from ..conftest import FIXTURES
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from expertpack.worker.quant import dequantize as reference
-from expertpack.worker.weights import QTensor, kernels_on_cpu, stacked_rows
+from expertpack.worker.weights.qtensor import QTensor, kernels_on_cpu, stacked_rows
+from expertpack.worker.weights.quant import dequantize as reference
 
 from .test_quant import random_bytes
 

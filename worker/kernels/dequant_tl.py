@@ -2,7 +2,7 @@
 (256 values: one K-quant superblock, eight 32-value blocks, or 256 plain floats) into float32
 registers, straight from the GGUF bytes; no float copy of a weight is written anywhere.
 
-Each decoder below is the arithmetic of worker/quant.py (which is gguf-py's, bit for bit) written
+Each decoder below is the arithmetic of worker/weights/quant.py (which is gguf-py's, bit for bit) written
 per value: `j` is the value's index in its chunk, every byte it needs is loaded at the offset the
 block layout of ggml-common.h gives (BLOCKS in quant.py, the same sums); the hot types (Q4_K,
 Q8_0, MXFP4: the `_rows` decoders) are written per block instead, each byte loaded once. The f16 scales sit at even

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..expert_roles import ExpertRoles
+from ..weights.expert_roles import ExpertRoles
 
 
 @dataclass

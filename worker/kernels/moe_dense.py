@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation import Activation
-from ..expert_roles import ExpertRoles, MatrixRole
+from ..nn.activation import Activation
+from ..weights.expert_roles import ExpertRoles, MatrixRole
 from .dequant_tl import CHUNK, chunk
 from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act

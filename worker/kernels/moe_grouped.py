@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from ..activation import Activation
-from ..expert_roles import ExpertRoles
+from ..nn.activation import Activation
+from ..weights.expert_roles import ExpertRoles
 from .dequant_tl import mxfp4_block
 from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation import Activation
-from ..expert_roles import ExpertRoles
+from ..nn.activation import Activation
+from ..weights.expert_roles import ExpertRoles
 from .dequant_tl import CHUNK, chunk
 from .expert_tiles import expert_tiles
 from .moe_tl import _act

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation import Activation
-from ..expert_roles import ExpertRoles
+from ..nn.activation import Activation
+from ..weights.expert_roles import ExpertRoles
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN = 16  # rows of an expert's matrix per program

@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
-from ..layers import KVCache
-from ..moe import ExpertFFN
+from ..nn.layers import KVCache
+from ..nn.moe import ExpertFFN
 from . import deepseek2, deepseek4, gpt_oss, kimi_k3, llama, qwen2moe, qwen3moe
 
 ARCHITECTURES: dict[str, ModuleType] = {

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, attention, output_logits, rms_norm
-from ..mla import absorbed_attention, mla_keys_values, mla_query
-from ..model_files import ModelFiles, expert_count
-from ..moe import ExpertFFN
-from ..placement import Placement
-from ..routing import sigmoid_group_topk, softmax_topk
-from ..weights import QTensor, linear, use_kernels
+from ..nn.layers import KVCache, Rope, RopeStyle, attention, output_logits, rms_norm
+from ..nn.mla import absorbed_attention, mla_keys_values, mla_query
+from ..nn.moe import ExpertFFN
+from ..nn.placement import Placement
+from ..nn.routing import sigmoid_group_topk, softmax_topk
+from ..weights.model_files import ModelFiles, expert_count
+from ..weights.qtensor import QTensor, linear, use_kernels
+from .config import Key, read_args
 
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # {arch}.expert_gating_func; absent means softmax (DeepSeek-V2)
 

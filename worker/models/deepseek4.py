@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..activation import Activation
-from ..compressed_attention import AttentionShape, LayerState, attention, overlapping
-from ..config import Key, read_args
-from ..hyper_connections import HyperConnection
-from ..layers import KVCache, Rope, RopeStyle, output_logits, rms_norm
-from ..model_files import ModelFiles, expert_count
-from ..moe import ExpertFFN
-from ..placement import Placement
-from ..routing import sqrtsoftplus_hashed, sqrtsoftplus_topk
-from ..weights import linear
+from ..nn.activation import Activation
+from ..nn.compressed_attention import AttentionShape, LayerState, attention, overlapping
+from ..nn.hyper_connections import HyperConnection
+from ..nn.layers import KVCache, Rope, RopeStyle, output_logits, rms_norm
+from ..nn.moe import ExpertFFN
+from ..nn.placement import Placement
+from ..nn.routing import sqrtsoftplus_hashed, sqrtsoftplus_topk
+from ..weights.model_files import ModelFiles, expert_count
+from ..weights.qtensor import linear
+from .config import Key, read_args
 
 
 @dataclass(frozen=True)

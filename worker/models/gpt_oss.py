@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..activation import Activation, ActKind
-from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, output_logits, rms_norm
-from ..model_files import ModelFiles, expert_count
-from ..moe import ExpertFFN
-from ..placement import Placement
-from ..routing import topk_softmax
-from ..weights import linear
+from ..nn.activation import Activation, ActKind
+from ..nn.layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, output_logits, rms_norm
+from ..nn.moe import ExpertFFN
+from ..nn.placement import Placement
+from ..nn.routing import topk_softmax
+from ..weights.model_files import ModelFiles, expert_count
+from ..weights.qtensor import linear
+from .config import Key, read_args
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..activation import Activation, ActKind
-from ..config import Key, read_args
-from ..kda import kda
-from ..layers import KVCache, attention, output_logits, rms_norm
-from ..mla import absorbed_attention, mla_keys_values, mla_query
-from ..model_files import ModelFiles, expert_count
-from ..moe import ExpertFFN
-from ..placement import Placement
-from ..routing import sigmoid_group_topk
-from ..weights import linear, use_kernels
+from ..nn.activation import Activation, ActKind
+from ..nn.kda import kda
+from ..nn.layers import KVCache, attention, output_logits, rms_norm
+from ..nn.mla import absorbed_attention, mla_keys_values, mla_query
+from ..nn.moe import ExpertFFN
+from ..nn.placement import Placement
+from ..nn.routing import sigmoid_group_topk
+from ..weights.model_files import ModelFiles, expert_count
+from ..weights.qtensor import linear, use_kernels
+from .config import Key, read_args
 
 
 @dataclass(frozen=True)

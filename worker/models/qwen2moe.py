@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, gqa_attention, output_logits, rms_norm
-from ..model_files import ModelFiles, expert_count
-from ..moe import ExpertFFN
-from ..placement import Placement
-from ..routing import softmax_topk
-from ..weights import linear
+from ..nn.layers import KVCache, Rope, RopeStyle, gqa_attention, output_logits, rms_norm
+from ..nn.moe import ExpertFFN
+from ..nn.placement import Placement
+from ..nn.routing import softmax_topk
+from ..weights.model_files import ModelFiles, expert_count
+from ..weights.qtensor import linear
+from .config import Key, read_args
 
 
 @dataclass(frozen=True)

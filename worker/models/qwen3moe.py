@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Key, read_args
-from ..layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, output_logits, rms_norm
-from ..model_files import ModelFiles, expert_count
-from ..moe import ExpertFFN
-from ..placement import Placement
-from ..routing import softmax_topk
-from ..weights import linear_parts
+from ..nn.layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, output_logits, rms_norm
+from ..nn.moe import ExpertFFN
+from ..nn.placement import Placement
+from ..nn.routing import softmax_topk
+from ..weights.model_files import ModelFiles, expert_count
+from ..weights.qtensor import linear_parts
+from .config import Key, read_args
 
 
 @dataclass(frozen=True)

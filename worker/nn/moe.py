@@ -25,11 +25,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..experts.lookahead import Guesses, Router, look_ahead, next_guesses
+from ..weights.expert_roles import ExpertRoles, expert_roles
+from ..weights.model_files import ExpertRows, ExpertSource, ExpertWeights, PrefetchingSource
+from ..weights.qtensor import linear, use_kernels
 from .activation import SWIGLU, Activation
-from .expert_roles import ExpertRoles, expert_roles
-from .lookahead import Guesses, Router, look_ahead, next_guesses
-from .model_files import ExpertRows, ExpertSource, ExpertWeights, PrefetchingSource
-from .weights import linear, use_kernels
 
 
 def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Tensor:
@@ -151,10 +151,10 @@ class ExpertFFN:
 
     def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                rows: Sequence[ExpertRows] | None = None, then: Callable[[], None] | None = None) -> torch.Tensor:
-        from .kernels import moe_grouped
-        from .kernels.moe_dense import experts_dense
-        from .kernels.moe_tiles import experts_in_tiles
-        from .kernels.moe_tl import experts_per_pair
+        from ..kernels import moe_grouped
+        from ..kernels.moe_dense import experts_dense
+        from ..kernels.moe_tiles import experts_in_tiles
+        from ..kernels.moe_tl import experts_per_pair
 
         t, k = ids.shape
         roles = self._roles.get(layer)

@@ -17,8 +17,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from .model_files import ModelFiles, expert_layers
-from .weights import QTensor
+from ..weights.model_files import ModelFiles, expert_layers
+from ..weights.qtensor import QTensor
 
 
 class DeviceSpecError(ValueError):

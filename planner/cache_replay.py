@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 from expertpack.packtools.layout import ALIGNMENT, ExpertKey, Manifest
 from expertpack.packtools.units import GIB
 
-from .cache_policy import CachePolicy, FrequencyPolicy, LruKeys
-from .routing_trace import Trace, unique_experts
+from expertpack.worker.experts.cache_policy import CachePolicy, FrequencyPolicy, LruKeys
+from expertpack.worker.experts.routing_trace import Trace, unique_experts
 
 Requests = Sequence[Sequence[ExpertKey]]  # per layer call, the unique keys it needs at once
 

@@ -30,8 +30,8 @@ from functools import partial
 
 import torch
 
+from ..weights.qtensor import head_linear, linear, use_kernels
 from .layers import Rope, RopeStyle, rms_norm, swap_values
-from .weights import head_linear, linear, use_kernels
 
 
 @dataclass
@@ -208,7 +208,7 @@ def rope_tail(x: torch.Tensor, rope: Rope, cos: torch.Tensor, sin: torch.Tensor,
               ) -> torch.Tensor:
     """Interleaved RoPE on the last rope.dim channels of x [T, H, d] (undone where `inverse`)."""
     if use_kernels(x.device) and x.dtype == torch.float32 and cos.shape[0] == x.shape[0]:
-        from .kernels.pointwise_tl import rope as fused_rope
+        from ..kernels.pointwise_tl import rope as fused_rope
 
         return fused_rope(x, cos, sin, rope.dim, rope.style is RopeStyle.NEOX, x.shape[-1] - rope.dim, inverse)
     nope, tail = x[..., :-rope.dim], x[..., -rope.dim:]
@@ -278,7 +278,7 @@ def _attend(w: dict, p: str, q: torch.Tensor, keys: torch.Tensor, visible: torch
     t, h, d = q.shape
     sinks = w[p + "attn_sinks.weight"].dequant()
     if use_kernels(q.device) and t == 1:  # a decode step: one launch over the keys it sees
-        from .kernels.attention_tl import decode_attention
+        from ..kernels.attention_tl import decode_attention
 
         out = decode_attention(q, keys[:, None], keys[:, None], None, d ** -0.5,
                                sinks=sinks, visible=visible)
@@ -361,7 +361,7 @@ def _visible(positions: torch.Tensor, size: int, n_entries: int, ratio: int, win
     the tokens' own, the entry rows) that each of its tokens at `positions` [T] sees."""
     t, device = positions.shape[0], positions.device
     if t == 1 and use_kernels(device):
-        from .kernels.compress_tl import step_visible
+        from ..kernels.compress_tl import step_visible
 
         return step_visible(positions, size, n_entries, ratio)
     first = positions[:1]
@@ -394,7 +394,7 @@ def _compress_step(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, a
     moving on and the window's rows cleared) only where the window completes. Returns every
     entry row [n, d]."""
     if use_kernels(kv.device) and rope.style is RopeStyle.NORM:
-        from .kernels.compress_tl import compress_step
+        from ..kernels.compress_tl import compress_step
 
         compress_step(c.kv, c.gate, c.overlap, c.entries, kv, gate, ape, norm, eps, position,
                       *rope.table(kv.device, capacity), rope.dim)

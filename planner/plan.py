@@ -48,7 +48,7 @@ from expertpack.packtools.layout import PACK_FILE, Manifest
 from expertpack.packtools.units import GIB, human_bytes
 
 from .cache_replay import pack_slot_bytes, requests_of, tiered_hit_rates, uniform_requests
-from .routing_trace import TraceError, read_trace
+from expertpack.worker.experts.routing_trace import TraceError, read_trace
 
 DEFAULT_RESERVE_GIB = 1.5  # VRAM kept for the KV cache, activations and CUDA's own (the worker's cache_reserve)
 DEFAULT_PCIE_GBPS = 25.0  # a PCIe 4.0 x16 link's practical pinned copy rate; PCIe 5.0 about twice

@@ -39,11 +39,11 @@ from starlette.exceptions import HTTPException
 from expertpack.client import ClientError
 from expertpack.client.expertctl import health as daemon_health
 
+from ..engine.sampling import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS_VALUE, MAX_PENALTY, Sampler
+from ..experts.daemon_link import CorruptExpert, DaemonLost
 from .chat_template import ChatTemplate, ChatTemplateError
-from .daemon_link import CorruptExpert, DaemonLost
 from .generation import Completion, ContextExceeded, Generator, Request as GenRequest, TokenLogprob, Usage
 from .metrics import ServeCounters, render
-from .sampling import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS_VALUE, MAX_PENALTY, Sampler
 from .tokenizer import TokenTexts
 
 log = logging.getLogger("expert-worker")

@@ -15,10 +15,9 @@ from typing import Iterator
 import torch
 from gguf import GGMLQuantizationType as T
 
-from .quant import check_supported, dequantize
+from .quant import Q8_0_REGROUPED, check_supported, dequantize
 
 _kernels_on_cpu = False
-Q8_0_REGROUPED = 264  # the kernels' type id for Q8_0 rows rewritten by regroup_q8_0 (no ggml type has it)
 
 
 def use_kernels(device: torch.device) -> bool:
@@ -97,7 +96,7 @@ class QTensor:
             # the bytes are the values: a view of the weight (read-only, as every caller uses it)
             values = self.raw.view(torch.float32).reshape(tuple(reversed(self.shape)))
         elif use_kernels(self.raw.device):  # one launch, and nothing a CUDA graph cannot capture
-            from .kernels.linear_tl import dequantize as decode
+            from ..kernels.linear_tl import dequantize as decode
 
             values = decode(self.raw, self.kernel_type, self.shape[0], math.prod(self.shape[1:]))
             values = values.reshape(tuple(reversed(self.shape)))
@@ -115,7 +114,7 @@ class QTensor:
         row_bytes = self.raw.numel() // self.shape[1]
         picked = self.raw.reshape(self.shape[1], row_bytes)[ids.reshape(-1)]
         if use_kernels(picked.device):
-            from .kernels.linear_tl import dequantize as decode_rows
+            from ..kernels.linear_tl import dequantize as decode_rows
 
             out = decode_rows(picked, self.kernel_type, self.shape[0], picked.shape[0])
         else:
@@ -154,7 +153,7 @@ def linear_parts(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     q/k/v RoPE kernel, the routers): [T, S, out], S split-K parts on the fast path of a decode step,
     else [T, out], the sum."""
     if use_kernels(x.device) and x.dim() == 2:
-        from .kernels.linear_tl import MATVEC_MAX_ROWS, matvec_parts
+        from ..kernels.linear_tl import MATVEC_MAX_ROWS, matvec_parts
 
         if x.shape[0] <= MATVEC_MAX_ROWS:
             k, n = w.shape[0], math.prod(w.shape[1:])
@@ -169,7 +168,7 @@ def head_linear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     t, h, k = x.shape
     r = math.prod(w.shape[1:]) // h
     if use_kernels(x.device):
-        from .kernels.linear_tl import MATVEC_MAX_ROWS, matvec_heads
+        from ..kernels.linear_tl import MATVEC_MAX_ROWS, matvec_heads
 
         if t <= MATVEC_MAX_ROWS:
             return matvec_heads(x.to(torch.float32), w.raw, w.kernel_type, k, r).to(x.dtype)
@@ -179,7 +178,7 @@ def head_linear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 def linear(x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
     """x [..., in] @ w^T -> [..., out], with float32 accumulation."""
     if use_kernels(x.device):
-        from .kernels.linear_tl import matmul
+        from ..kernels.linear_tl import matmul
 
         k, n = w.shape[0], math.prod(w.shape[1:])
         y = matmul(x.reshape(-1, k).to(torch.float32).contiguous(), w.raw, w.kernel_type, k, n)

@@ -14,17 +14,17 @@ import torch
 
 from expertpack.packtools.layout import Manifest
 
-from .cache_policy import CacheTooSmall
-from .daemon_link import DaemonLink
-from .expert_cache import ExpertCache
-from .layers import KVCache
-from .lookahead import Guesses
-from .model_files import ExpertRows, ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
-from .models import Model, model_module
-from .placement import Placement, parse_devices, plan
+from ..experts.cache_policy import CacheTooSmall
+from ..experts.daemon_link import DaemonLink
+from ..experts.expert_cache import ExpertCache
+from ..experts.lookahead import Guesses
+from ..experts.split_experts import CacheGroup, SplitExperts
+from ..models import Model, model_module
+from ..nn.layers import KVCache
+from ..nn.placement import Placement, parse_devices, plan
+from ..weights.model_files import ExpertRows, ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
+from ..weights.qtensor import use_kernels
 from .sampling import Sampler
-from .split_experts import CacheGroup, SplitExperts
-from .weights import use_kernels
 
 
 log = logging.getLogger("expert-worker")

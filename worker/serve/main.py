@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", help="debug, info, warning (default info)")
     p.add_argument("--trace", type=Path, metavar="FILE",
                    help="record the experts every token selects in every MoE layer (prompts and decoding) into "
-                        "FILE, a routing trace for `expertpack bench cache` (format: worker/routing_trace.py); "
+                        "FILE, a routing trace for `expertpack bench cache` (format: worker/experts/routing_trace.py); "
                         "costs one host copy of the routing ids per layer call")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="while a layer runs, fetch the experts the next layers will likely miss (the next layer's "
@@ -141,7 +141,7 @@ def pick_device(requested: str | None) -> str:
     in canonical form."""
     import torch
 
-    from .placement import DeviceSpecError, device_spec, parse_devices
+    from ..nn.placement import DeviceSpecError, device_spec, parse_devices
 
     if requested is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -205,11 +205,11 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     from expertpack.packtools.errors import ExpertpackError
 
     from .api import Limits, WorkerService, create_app
-    from .cache_policy import CacheTooSmall
-    from .daemon_link import CorruptExpert
-    from .engine import Engine
+    from ..experts.cache_policy import CacheTooSmall
+    from ..experts.daemon_link import CorruptExpert
+    from ..engine.engine import Engine
     from .generation import Generator
-    from .routing_trace import start_trace, stop_trace
+    from ..experts.routing_trace import start_trace, stop_trace
     from .tokenizer import TokenizerError, load_tokenizer
 
     try:

@@ -11,12 +11,12 @@ from typing import Protocol
 
 import torch
 
-from .weights import QTensor, linear, linear_parts, stacked_rows, use_kernels
+from ..weights.qtensor import QTensor, linear, linear_parts, stacked_rows, use_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     if use_kernels(x.device) and x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
-        from .kernels.pointwise_tl import rms_norm as fused_rms_norm
+        from ..kernels.pointwise_tl import rms_norm as fused_rms_norm
 
         return fused_rms_norm(x, weight, eps)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -30,7 +30,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | No
     added over n first)."""
     if (use_kernels(x.device) and x.dim() == 2 and x.dtype == delta.dtype == torch.float32
             and (weight is None or weight.dtype == torch.float32)):
-        from .kernels.pointwise_tl import add_rms_norm as fused_add_rms_norm
+        from ..kernels.pointwise_tl import add_rms_norm as fused_add_rms_norm
 
         return fused_add_rms_norm(x, delta, weight, eps)
     x = x + (delta.sum(dim=1) if delta.dim() == 3 else delta)
@@ -105,7 +105,7 @@ class Rope:
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, d]: rotates the first `dim` channels (cos/sin [T, dim/2])."""
         if use_kernels(x.device) and x.dtype == torch.float32 and x.dim() == 3 and cos.shape[0] == x.shape[0]:
-            from .kernels.pointwise_tl import rope
+            from ..kernels.pointwise_tl import rope
 
             return rope(x, cos, sin, self.dim, self.style is RopeStyle.NEOX)
         rot, rest = x[..., :self.dim], x[..., self.dim:]
@@ -299,7 +299,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | to
     the softmax and takes probability mass without contributing a value."""
     t, h = q.shape[0], q.shape[1]
     if use_kernels(q.device) and t <= DECODE_MAX_QUERIES and q.dtype == k.dtype == v.dtype == torch.float32:
-        from .kernels.attention_tl import decode_attention
+        from ..kernels.attention_tl import decode_attention
 
         positions = start if isinstance(start, torch.Tensor) else torch.arange(start, start + t, device=q.device)
         return decode_attention(q, k, v, positions, scale, window, sinks)
@@ -384,7 +384,7 @@ def _fused_gqa(w: dict, p: str, h: torch.Tensor, fused: tuple[QTensor, QTensor |
     """gqa_attention on the fast path: one launch for q/k/v, one for their norms, RoPE and the
     cache write, two for attention, one for the output projection (whose split-K partial sums,
     with `parts`, are left for add_rms_norm to add)."""
-    from .kernels.pointwise_tl import qkv_rope_store
+    from ..kernels.pointwise_tl import qkv_rope_store
 
     t = h.shape[0]
     weight, bias = fused

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..weights.qtensor import use_kernels
 from .layers import rms_norm
-from .weights import use_kernels
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class HyperConnection:
         n = self.n
         mixes = self._mixes(streams)
         if use_kernels(mixes.device):
-            from .kernels.hyper_tl import hc_weights
+            from ..kernels.hyper_tl import hc_weights
 
             return hc_weights(mixes, self.base, self.scale, n, self.sinkhorn_iters, self.eps)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
@@ -57,7 +57,7 @@ class HyperConnection:
     def block_input(self, streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The streams collapsed by `pre` and RMS-normalized times the block's norm weight [D]."""
         if use_kernels(streams.device) and streams.dtype == torch.float32:
-            from .kernels.hyper_tl import collapse_norm
+            from ..kernels.hyper_tl import collapse_norm
 
             return collapse_norm(streams, pre, weight.float(), self.norm_eps)
         return rms_norm(self.collapse(streams, pre), weight, self.norm_eps)
@@ -67,7 +67,7 @@ class HyperConnection:
         """The block's output spread by `post`, plus the incoming streams mixed by comb (transposed:
         outgoing stream d takes sum_s comb[s, d] * incoming s)."""
         if use_kernels(streams.device) and streams.dtype == out.dtype == torch.float32:
-            from .kernels.hyper_tl import expand
+            from ..kernels.hyper_tl import expand
 
             return expand(streams, out, post, comb)
         return post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)

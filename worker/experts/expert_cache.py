@@ -26,9 +26,9 @@ import torch
 from expertpack.client import Expert, release_all
 from expertpack.packtools.layout import ALIGNMENT, ExpertKey, LayerLayout, Manifest
 
+from ..weights.model_files import ExpertRows, ExpertWeights, block_views
 from .cache_policy import CachePolicy, CacheTooSmall, slot_count
 from .daemon_link import DaemonLink
-from .model_files import ExpertRows, ExpertWeights, block_views
 from .prefetch import prefetch_budget
 
 log = logging.getLogger("expert-worker")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..weights.qtensor import linear
 from .layers import rms_norm, swap_values
-from .weights import linear
 
 
 @dataclass

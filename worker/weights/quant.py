@@ -15,6 +15,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 QK_K = 256
+# The kernels' type id for Q8_0 rows rewritten by qtensor.regroup_q8_0 (no ggml type has it).
+Q8_0_REGROUPED = 264
 
 
 class UnsupportedType(ValueError):

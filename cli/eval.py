@@ -16,13 +16,13 @@ import torch
 
 from expertpack.client import ClientError
 
-from .cache_policy import CacheTooSmall
-from .daemon_link import DaemonLost
-from .engine import Engine
-from .main import SettingsError, pick_device
-from .routing_trace import start_trace, stop_trace
-from .sampling import Sampler
-from .tokenizer import load_tokenizer
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.sampling import Sampler
+from expertpack.worker.experts.cache_policy import CacheTooSmall
+from expertpack.worker.experts.daemon_link import DaemonLost
+from expertpack.worker.experts.routing_trace import start_trace, stop_trace
+from expertpack.worker.serve.main import SettingsError, pick_device
+from expertpack.worker.serve.tokenizer import load_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,8 +12,8 @@ import torch
 
 from expertpack.packtools.layout import LayerLayout
 
+from ..weights.model_files import ExpertRows, ExpertSource, ExpertWeights
 from .expert_cache import CacheCounters, ExpertCache, prefetch_rates
-from .model_files import ExpertRows, ExpertSource, ExpertWeights
 
 
 class SplitExperts:

@@ -14,14 +14,14 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from expertpack.packtools.errors import ManifestError
 from expertpack.packtools.experts import classify
 from expertpack.packtools.gguf_source import GGUFSource, SourceTensor, open_source
-from expertpack.packtools.errors import ManifestError
 from expertpack.packtools.layout import (PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, LayerLayout, Manifest,
                                          RoleSpec, manifest_problems, plan_layers)
 
+from .qtensor import QTensor
 from .quant import check_supported
-from .weights import QTensor
 
 ExpertWeights = dict[str, QTensor]  # role ("gate", "up", "down", "gate_up", "down.bias", ...) -> tensor
 

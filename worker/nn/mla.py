@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
+from ..weights.qtensor import head_linear, linear
 from .layers import KVCache, attention, rms_norm
-from .weights import head_linear, linear
 
 
 def mla_query(w: dict, p: str, h: torch.Tensor, n_head: int, key_mla: int, eps: float) -> torch.Tensor:

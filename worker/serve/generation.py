@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from .engine import Engine
-from .sampling import Sampler
+from ..engine.engine import Engine
+from ..engine.sampling import Sampler
 from .tokenizer import GGUFTokenizer
 
 

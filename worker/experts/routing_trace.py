@@ -157,7 +157,7 @@ class RoutingTap(dict):
 
 def header_for(engine: Any, model: str = "") -> TraceHeader:
     """The header of a trace of this engine's model (torch is loaded by then)."""
-    from .model_files import expert_layers
+    from ..weights.model_files import expert_layers
 
     files = engine.files
     cache = engine.expert_cache
