@@ -132,10 +132,9 @@ class Session:
 
 def _room(share: int, prefetch: bool) -> int:
     """How much of a client's share (RAM holds, reads into the tier, staging slots) a key may find in
-    use and still start: all of it for demand; for a prefetch, half, rounded up, and never the last
-    one, which stays for demand (the worker's own prefetch budget, worker/prefetch.py). A client of
-    one slot prefetches nothing: its prefetches wait until promoted or cancelled."""
-    return share - max(1, share // 2) if prefetch else share
+    use and still start: all of it for demand, the protocol's prefetch budget for a prefetch (a
+    client of one slot's prefetches wait until promoted or cancelled)."""
+    return p.prefetch_budget(share) if prefetch else share
 
 
 class ExpertDaemon:

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from expertpack.client import protocol as p
+from expertpack.client.protocol import prefetch_budget
 from expertpack.packtools.layout import ExpertKey, Manifest
 from expertpack.worker.daemon_link import DaemonLink
 from expertpack.worker.engine import Engine
@@ -34,7 +35,6 @@ from expertpack.worker import lookahead
 from expertpack.worker.lookahead import LOOKAHEAD_LAYERS
 from expertpack.worker.metrics import ServeCounters, render
 from expertpack.worker.model_files import PackExperts
-from expertpack.worker.prefetch import prefetch_budget
 
 from ..conftest import Daemon, start_daemon
 
