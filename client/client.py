@@ -34,12 +34,10 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import socket
 import threading
 import time
 import weakref
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import zmq
@@ -47,46 +45,15 @@ import zmq
 from expertpack.packtools.layout import ExpertKey
 
 from . import protocol as p
+from .errors import ClientError, DaemonError, DaemonUnavailable, FetchFailed, FingerprintMismatch
+from .ipc import PERMISSION_HINT, ipc_problem, map_staging, may_connect
 
 DEFAULT_ENDPOINT = "ipc:///run/expertpack/expertd.sock"
-SHM_DIR = Path("/dev/shm")
 # ZMTP heartbeats this client sends: a PING every second, and 10 s without a PONG tell the client
 # that the daemon is frozen. They carry no TTL: the daemon's rule for a silent client is protocol
 # v4's HEARTBEAT (README "Liveness").
 ZMTP_HEARTBEAT_INTERVAL_MS = 1000
 ZMTP_HEARTBEAT_TIMEOUT_MS = 10_000
-
-
-class ClientError(Exception):
-    """Base of everything ExpertClient raises on purpose."""
-
-
-class DaemonUnavailable(ClientError):
-    """No answer from expertd in time, it said BYE or that it is shutting down, or the connection
-    closed under the session."""
-
-
-class DaemonError(ClientError):
-    """expertd answered ERROR: the request was refused and nothing changed."""
-
-    def __init__(self, code: p.ErrorCode, message: str) -> None:
-        super().__init__(f"expertd refused the request: {code.name}: {message}")
-        self.code = code
-
-
-class FetchFailed(ClientError):
-    """expertd could not deliver an expert (FAIL): an I/O error, a corrupt block (code CORRUPT), a
-    cancel or a shutdown."""
-
-    def __init__(self, key: ExpertKey, code: p.FailCode, message: str) -> None:
-        super().__init__(f"expert {tuple(key)}: {code.name}: {message}")
-        self.key = key
-        self.code = code
-        self.message = message
-
-
-class FingerprintMismatch(ClientError):
-    """The daemon serves a different pack than the caller expects."""
 
 
 class Expert:
@@ -226,7 +193,7 @@ class ExpertClient:
             self._sock.setsockopt(zmq.CURVE_SERVERKEY, curve_server_key)
             self._sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        if endpoint.startswith("ipc://") and not _may_connect(endpoint.removeprefix("ipc://")):
+        if endpoint.startswith("ipc://") and not may_connect(endpoint.removeprefix("ipc://")):
             self._sock.close(linger=0)
             raise ClientError(f"expertd at {endpoint}: {PERMISSION_HINT.format(path=endpoint.removeprefix('ipc://'))}")
         # Only the disconnect of an established connection: connect retries while no daemon is
@@ -248,7 +215,7 @@ class ExpertClient:
                     raise FingerprintMismatch(str(exc)) from None
                 raise
             self.welcome = welcome
-            self._map = _map_staging(welcome.shm, welcome.shm_bytes)
+            self._map = map_staging(welcome.shm, welcome.shm_bytes)
             if welcome.heartbeat_interval_ms:
                 self._beat_s = welcome.heartbeat_interval_ms / 1000
                 self._silence_limit_s = welcome.heartbeat_timeout_ms / 1000
@@ -550,57 +517,3 @@ def _beat_loop(ref: "weakref.ReferenceType[ExpertClient]", stop: threading.Event
         if client is None or not client._beat_turn():
             return
         del client
-
-
-PERMISSION_HINT = ("permission denied on {path}: this user may not connect to expertd's socket (mode 0660); run "
-                   "in expertd's group (SupplementaryGroups= in a unit, or usermod -aG GROUP USER)")
-
-
-def _may_connect(path: str) -> bool:
-    """False when the socket exists but this user may not reach or write it (waiting cannot help);
-    True otherwise, also when nothing is there yet (expertd may still be starting)."""
-    try:
-        os.stat(path)
-    except PermissionError:
-        return False  # a directory on the way is closed to us
-    except OSError:
-        return True
-    return os.access(path, os.W_OK)
-
-
-def ipc_problem(endpoint: str) -> str | None:
-    """Why nobody answers at an ipc:// endpoint, found by connecting to its socket file the way
-    ZeroMQ does: permission denied, no socket there, or a socket nobody accepts on (a daemon that
-    is gone). None when a process accepts connections there (or the endpoint is not ipc://)."""
-    if not endpoint.startswith("ipc://"):
-        return None
-    path = endpoint.removeprefix("ipc://")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except PermissionError:
-        return PERMISSION_HINT.format(path=path)
-    except FileNotFoundError:
-        return f"there is no socket at {path}: is expertd running, and is this its endpoint? (systemctl status expertd)"
-    except ConnectionRefusedError:
-        return f"the socket {path} refuses connections: the expertd that made it is gone (systemctl status expertd)"
-    except OSError as exc:
-        return f"cannot connect to {path}: {exc.strerror}"
-    else:
-        return None
-    finally:
-        probe.close()
-
-
-def _map_staging(name: str, size: int) -> mmap.mmap:
-    path = SHM_DIR / name
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except PermissionError:
-        raise ClientError(f"{path}: permission denied; run in expertd's group (the segment is 0660)") from None
-    except FileNotFoundError:
-        raise ClientError(f"{path}: staging segment not found; is expertd on this host?") from None
-    try:
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)

@@ -16,7 +16,8 @@ from typing import Any
 import zmq
 
 from . import protocol as p
-from .client import DEFAULT_ENDPOINT, ipc_problem
+from .client import DEFAULT_ENDPOINT
+from .ipc import ipc_problem
 
 EXIT_OK, EXIT_DEGRADED, EXIT_DOWN = 0, 1, 2
 

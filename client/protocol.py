@@ -140,6 +140,14 @@ class Priority(IntEnum):
     PREFETCH = 1  # wanted soon; any demand read overtakes it
 
 
+def prefetch_budget(share: int) -> int:
+    """How much of a client's share (staging slots, RAM tier holds, reads into the tier) its
+    PREFETCH keys may take: half, rounded up, and never the last one, which stays for demand. A
+    client of one slot prefetches nothing. expertd enforces it (v6) and the worker sizes its
+    prefetches by it: one rule for both ends."""
+    return share - max(1, share // 2)
+
+
 class ProtocolError(Exception):
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")

@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         "crashes": crashes, "crash_at_s": crash_at_s, "leaked_slots": leaked_slots, "reading_slots": reading,
         "rss_before_bytes": rss_start, "rss_max_bytes": rss_max, "rss_after_bytes": rss_after,
         # Open fds of the daemon: connections libzmq still holds after every worker closed (one
-        # taken over under a shared routing id that sent on before it closed stays; see server.py).
+        # taken over under a shared routing id that sent on before it closed stays; see daemon/peers.py).
         "fds_before": fds_start, "fds_after": fds_after,
         "mismatches": sum(w["mismatches"] for w in workers) + mismatches_before + mismatches_after,
         "violations": len(violations), "first_violations": violations[:5],

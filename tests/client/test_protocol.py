@@ -142,3 +142,8 @@ def test_unknown_extra_fields_are_ignored() -> None:
     """Forward compatibility inside a version: a newer peer may add fields."""
     raw = msgpack.packb({"op": 10, "note": "from the future"})
     assert p.decode(raw) == p.Ping()
+
+
+@pytest.mark.parametrize("share, budget", [(1, 0), (2, 1), (3, 2), (8, 4), (9, 5), (256, 128)])
+def test_prefetch_budget_is_half_rounded_up_and_never_the_last(share: int, budget: int) -> None:
+    assert p.prefetch_budget(share) == budget

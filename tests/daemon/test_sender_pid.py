@@ -13,7 +13,7 @@ from pathlib import Path
 
 import zmq
 
-from expertpack.daemon.server import _peer_pid, _sender_pid
+from expertpack.daemon.peers import peer_pid, sender_pid
 
 SENDER = """
 import sys, time, zmq
@@ -43,7 +43,7 @@ def test_a_closed_connections_queued_messages_name_their_sender_after_its_fd_is_
 
         def read() -> None:
             frames = router.recv_multipart(copy=False)
-            senders.setdefault(frames[-1].bytes, set()).add(_sender_pid(frames[-1]))
+            senders.setdefault(frames[-1].bytes, set()).add(sender_pid(frames[-1]))
             fds.setdefault(frames[-1].bytes, set()).add(frames[-1].get(zmq.SRCFD))
 
         assert router.poll(30_000)
@@ -59,7 +59,7 @@ def test_a_closed_connections_queued_messages_name_their_sender_after_its_fd_is_
                 read()
         assert fds[b"late"] == fds[b"current"], fds  # libzmq gave the closed connection's fd to the new one
         (fd,) = fds[b"current"]
-        assert {_peer_pid(fd)} == senders[b"current"] == {current.pid}  # the fd is the new connection's now
+        assert {peer_pid(fd)} == senders[b"current"] == {current.pid}  # the fd is the new connection's now
         assert senders[b"late"] == {gone.pid}  # yet the late messages name the process that sent them
     finally:
         if current is not None:
@@ -80,6 +80,6 @@ def test_a_tcp_message_names_no_pid() -> None:
         assert router.poll(10_000)
         frames = router.recv_multipart(copy=False)
         assert frames[-1].get("Peer-Address") == "127.0.0.1"
-        assert _sender_pid(frames[-1]) is None
+        assert sender_pid(frames[-1]) is None
     finally:
         ctx.destroy(0)

@@ -26,13 +26,13 @@ import pytest
 import torch
 
 from expertpack.client import protocol as p
+from expertpack.client.protocol import prefetch_budget
 from expertpack.packtools.layout import ExpertKey, Manifest
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.experts import lookahead
 from expertpack.worker.experts.daemon_link import DaemonLink
 from expertpack.worker.experts.expert_cache import ExpertCache, slot_bytes
 from expertpack.worker.experts.lookahead import LOOKAHEAD_LAYERS
-from expertpack.worker.experts.prefetch import prefetch_budget
 from expertpack.worker.serve.metrics import ServeCounters, render
 from expertpack.worker.weights.model_files import PackExperts
 

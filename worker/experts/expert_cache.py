@@ -24,12 +24,12 @@ from typing import Callable, Collection, Iterator, Sequence
 import torch
 
 from expertpack.client import Expert, release_all
+from expertpack.client.protocol import prefetch_budget
 from expertpack.packtools.layout import ALIGNMENT, ExpertKey, LayerLayout, Manifest
 
 from ..weights.model_files import ExpertRows, ExpertWeights, block_views
 from .cache_policy import CachePolicy, CacheTooSmall, slot_count
 from .daemon_link import DaemonLink
-from .prefetch import prefetch_budget
 
 log = logging.getLogger("expert-worker")
 

@@ -21,6 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Iterator
 
 from expertpack.client import ClientError, Expert, ExpertClient, Pending, Priority
+from expertpack.client.protocol import prefetch_budget
 from expertpack.packtools.layout import ExpertKey
 
 if TYPE_CHECKING:
@@ -29,12 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("expert-worker")
 
 SETTLE_TIMEOUT_S = 5.0  # at close, how long the answers of cancelled prefetches are waited for
-
-
-def prefetch_budget(share: int) -> int:
-    """How many of the link's staging slots (or RAM tier holds) prefetches may hold: half, rounded
-    up, so that demand keeps at least one (and on a GPU, room for copies still in flight)."""
-    return share - max(1, share // 2)
 
 
 def prefetch_share(client: ExpertClient) -> int:

@@ -1,0 +1,360 @@
+"""The key path of expertd: each session's queued keys, demand before prefetch, to reads and to
+their one answer (READY or FAIL), and the RAM tier (ram_tier.py, protocol v3) in front of the reads.
+
+A key resident in the tier is answered at once with READY naming its RAM slot (a hold, ended by
+RELEASE like a lease); a key being read into it waits for that read; a miss the policy admits is
+read into a RAM slot instead of the client's staging slot, and is resident for everyone once its
+crc32 check passed; any other miss gets one of the client's leased staging slots. A client holds at
+most its RAM hold share of blocks and has at most as many reads into the tier in flight as it
+leases staging slots, so one client cannot pin the tier nor take every reader. Its PREFETCH keys
+take at most the protocol's prefetch budget of each (holds, reads, staging slots), whatever the
+client sends: the rest stays for its demand, which its prefetches therefore never hold up (its own
+demand's holds are its to give back: the worker does so before a fetch runs out of them).
+Each reader thread checksums the piece it read; once every piece is in, their crc32s joined
+(block_crc.py) are the block's, checked against the manifest's (packs of format 1.1); only then
+does READY name the slot: a block that fails the check is FAILed CORRUPT to every key that waited
+on it, counted and logged once by (layer, expert), and every other key is served on.
+Runs on the main loop's thread, but for `_on_read_done` (a reader thread's hand-over through an
+eventfd); it never reads a socket, and sends only answers, through `send`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from collections import deque
+from typing import Callable
+
+from expertpack.client import protocol as p
+from expertpack.packtools.layout import ExpertKey, LayerLayout
+
+from .block_crc import CrcJoiner
+from .config import DaemonConfig
+from .ram_tier import RamSlot, RamState, RamTier
+from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob
+from .sessions import Request, Session, Work
+from .staging import SlotState, StagingSegment
+from .stats import Counters, Histogram
+
+log = logging.getLogger("expertd")
+
+
+def _room(share: int, prefetch: bool) -> int:
+    """How much of a client's share (RAM holds, reads into the tier, staging slots) a key may find in
+    use and still start: all of it for demand, the protocol's prefetch budget for a prefetch (a
+    client of one slot's prefetches wait until promoted or cancelled)."""
+    return p.prefetch_budget(share) if prefetch else share
+
+
+class Scheduler:
+    def __init__(self, config: DaemonConfig, pack: OpenPack, layers: dict[int, LayerLayout],
+                 staging: StagingSegment, ram: RamTier, counters: Counters,
+                 send: Callable[[bytes, p.Message], None]) -> None:
+        self.config = config
+        self.pack = pack
+        self.layers = layers
+        self.staging = staging
+        self.ram = ram
+        self.counters = counters
+        self._send = send
+        self.read_latency = Histogram()
+        self.fetch_latency = Histogram()
+        self.check_crc32 = pack.manifest.has_crc32
+        if not self.check_crc32:
+            log.warning("%s was built before pack format 1.1 and has no block crc32s: blocks are served without "
+                        "a check as they are read (`expertpack verify` checks their sha256; a rebuild adds the "
+                        "crc32s)", config.pack)
+        # Per layer, how many payload bytes of each read piece are checksummed (0: a piece of padding)
+        self._crc_bytes = {l.layer: tuple(max(0, min(length, l.payload_bytes - start))
+                                          for start, length in pack.splits[l.layer])
+                           for l in layers.values()} if self.check_crc32 else {}
+        self._crc_joiner = CrcJoiner(n for lengths in self._crc_bytes.values() for n in lengths if n)
+        self._waiting: dict[int, list[Work]] = {}  # RAM slot being read -> the keys answered when it is in
+        self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
+        self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # the main loop polls it
+        try:
+            self.readers = ReaderPool(pack.fd, config.read_threads, self._on_read_done)
+        except BaseException:
+            os.close(self.wake)
+            raise
+
+    # ---- keys in -----------------------------------------------------------------------------
+    def submit(self, session: Session, request_id: int, keys: tuple[ExpertKey, ...], prio: p.Priority) -> None:
+        """Queues a FETCH's keys (already checked) and starts what the client has room for."""
+        now = time.monotonic_ns()
+        works = [Work(session, request_id, key, prio, now) for key in keys]
+        session.requests[request_id] = Request(works, len(works))
+        session.pending[prio].extend(works)
+        session.queued += len(works)
+        self.counters.fetches += 1
+        self.counters.keys += len(works)
+        session.counters.fetches += 1
+        session.counters.keys += len(works)
+        self.ram.touch(keys)
+        self.dispatch(session)
+
+    def cancel(self, session: Session, request: Request) -> None:
+        """CANCEL: the request's keys still queued are FAILed CANCELLED now; those being read, once
+        their read is in (their slot comes back then)."""
+        for work in request.works:
+            if work.done or work.cancelled:
+                continue
+            work.cancelled = True
+            if work.slot is None:  # still queued: answer now
+                self.finish(work, p.FailCode.CANCELLED, "cancelled")
+        # Answered keys leave the queues now, so repeated FETCH + CANCEL cannot grow them.
+        session.pending = tuple(deque(w for w in q if not w.done) for q in session.pending)
+
+    def promote(self, session: Session, request: Request) -> None:
+        """PROMOTE (v5): the request's keys not answered yet go at DEMAND priority: those still in
+        the client's queue move to its demand queue (behind the demand already there), those being
+        read move up the readers' queue, and so does the read a key waits on in the RAM tier."""
+        promoted = [w for w in request.works if not w.done and not w.cancelled and w.prio is not p.Priority.DEMAND]
+        for work in promoted:
+            work.prio = p.Priority.DEMAND
+            if work.slot is None:
+                continue  # still queued: moved below
+            reader = self._waiting.get(work.slot, [work])[0] if work.ram else work  # whose read fills the slot
+            reader.prio = p.Priority.DEMAND
+            self.readers.promote(reader, int(p.Priority.DEMAND))
+        queued = {id(w) for w in promoted if w.slot is None}
+        if queued:
+            demand, prefetch = session.pending
+            session.pending = (deque([*demand, *(w for w in prefetch if id(w) in queued)]),
+                               deque(w for w in prefetch if id(w) not in queued))
+            self.dispatch(session)
+
+    def dispatch(self, session: Session) -> None:
+        """Answers or starts the session's queued keys in order, demand first, until one needs a
+        staging slot (or a RAM hold) the client does not have free."""
+        if session.closed:
+            return
+        demand, prefetch = session.pending
+        while demand or prefetch:
+            queue_ = demand if demand else prefetch
+            if not queue_[0].done and not self._start(session, queue_[0]):
+                return
+            queue_.popleft()
+
+    def _start(self, session: Session, work: Work) -> bool:
+        """A RAM hit is answered now; a key being read into the RAM tier waits for that read; a
+        miss is read into a RAM slot if the policy admits it, else into a free staging slot of the
+        client. False when none of these can happen yet: the client holds its share of the tier
+        (it must RELEASE), has its share of reads into it in flight, or has no staging slot free; a
+        prefetch, when it would take more than its budget of any of them (the rest is its demand's)."""
+        prefetch = work.prio is not p.Priority.DEMAND
+        n_slots = len(session.slots)
+        hold_room = _room(session.ram_share, prefetch)
+        read_room = _room(n_slots, prefetch)
+        resident = self.ram.lookup(work.key)
+        if resident is not None:
+            if session.ram_taken >= hold_room:
+                return False
+            self.counters.ram_hits += 1
+            session.counters.ram_hits += 1
+            work.slot, work.ram = resident.index, True
+            session.ram_taken += 1
+            if resident.state is RamState.RESIDENT:
+                self._ready_ram(work, resident)
+                return True
+            waiting = self._waiting[resident.index]
+            reader = waiting[0]  # the key whose read fills the slot
+            if work.prio < reader.prio:  # demand joins a prefetch's read: it goes at demand priority now
+                reader.prio = work.prio
+                self.readers.promote(reader, int(work.prio))
+            waiting.append(work)
+            return True
+        if self.ram.n_slots:
+            if session.ram_taken >= hold_room or session.ram_reads >= read_room:
+                return False  # a read or a RELEASE of its own lets it on; the key may still be admitted then
+            claim = self.ram.claim(work.key, self.layers[work.key.layer].payload_bytes)
+            if claim is not None:
+                self.counters.ram_misses += 1
+                session.counters.ram_misses += 1
+                self.counters.ram_evictions += claim.evicted is not None
+                session.ram_reads += 1
+                work.slot, work.ram = claim.slot.index, True
+                session.ram_taken += 1
+                self._waiting[claim.slot.index] = [work]
+                self._read(work)
+                return True
+        if n_slots - len(session.free) >= read_room:  # the staging slots in use: none free, or its budget for a prefetch
+            return False
+        self.counters.ram_misses += 1
+        session.counters.ram_misses += 1
+        slot = session.free.popleft()
+        self.staging.pool.slots[slot].move(SlotState.READING)
+        work.slot = slot
+        self._read(work)
+        return True
+
+    # ---- reads -------------------------------------------------------------------------------
+    def _read(self, work: Work) -> None:
+        """Queues the reads of the work's block into its slot (staging or RAM: one segment)."""
+        assert work.slot is not None
+        layer = self.layers[work.key.layer]
+        block = layer.block_offset(work.key.expert)
+        pieces = self.pack.splits[layer.layer]
+        work.pieces_left = len(pieces)
+        work.piece_crc32s = [None] * len(pieces)
+        crc_bytes = self._crc_bytes.get(layer.layer) or (0,) * len(pieces)
+        for i, (start, length) in enumerate(pieces):
+            self.readers.submit(int(work.prio), block + start, self.staging.view(work.slot, start, start + length), work,
+                                piece=i, crc_bytes=crc_bytes[i])
+
+    def _on_read_done(self, job: ReadJob, error: BaseException | None, elapsed_ns: int) -> None:
+        """Reader thread: hand over to the main loop."""
+        self._completions.put((job, error, elapsed_ns))
+        os.eventfd_write(self.wake, 1)
+
+    def drain_completions(self) -> None:
+        """Main loop: takes in the pieces read since the last call."""
+        try:
+            os.eventfd_read(self.wake)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                job, error, elapsed_ns = self._completions.get_nowait()
+            except queue.Empty:
+                return
+            nbytes = job.dest.nbytes
+            job.dest.release()
+            work: Work = job.token
+            work.piece_crc32s[job.piece] = job.crc32
+            self.read_latency.add_ns(elapsed_ns)
+            self.counters.read_ops += 1
+            if not self.pack.direct:
+                self.counters.fallback_count += 1
+            if error is None:
+                self.counters.pack_read_bytes += nbytes
+                work.session.counters.read_bytes += nbytes
+            else:
+                work.error = error
+                self.counters.io_errors += 1
+            work.pieces_left -= 1
+            if work.pieces_left == 0:
+                self._read_complete(work)
+
+    def in_flight(self) -> bool:
+        return (any(s.state is SlotState.READING for s in self.staging.pool.slots)
+                or any(s.state is RamState.READING for s in self.ram.slots))
+
+    def _check(self, work: Work) -> None:
+        """Compares the crc32 of the block just read (joined from its pieces') with the manifest's;
+        a mismatch becomes the work's error (CorruptBlock), so no byte of the block is served."""
+        if work.error is not None or not self.check_crc32:
+            return
+        layer = self.layers[work.key.layer]
+        found = self._crc_joiner.join((crc, n) for crc, n in zip(work.piece_crc32s, self._crc_bytes[layer.layer]) if n)
+        self.counters.checked_blocks += 1
+        self.counters.checked_bytes += layer.payload_bytes
+        expected = layer.crc32[work.key.expert]
+        if found != expected:
+            work.error = CorruptBlock(layer.block_offset(work.key.expert), layer.payload_bytes, expected, found)
+
+    def _read_failed(self, work: Work) -> tuple[p.FailCode, str]:
+        """A read that failed, or whose block is corrupt, counted and logged once (however many keys
+        waited on it); the FAIL those keys get."""
+        layer, expert = work.key
+        if isinstance(work.error, CorruptBlock):
+            self.counters.corrupt_blocks += 1
+            log.error("corrupt block: layer %d expert %d of %s fails its crc32 check (%s); FAILed CORRUPT, "
+                      "never served (run expertpack verify %s; rebuild or restore the pack)",
+                      layer, expert, self.pack.path, work.error, self.config.pack)
+            return p.FailCode.CORRUPT, (f"layer {layer} expert {expert} of {self.pack.path} is corrupt: {work.error}; "
+                                        f"run expertpack verify {self.config.pack}")
+        log.warning("read of %s failed: %s", list(work.key), work.error)
+        return p.FailCode.IO_ERROR, f"read failed: {work.error}"
+
+    def _read_complete(self, work: Work) -> None:
+        if work.ram:
+            self._ram_read_complete(work)
+            return
+        slot = self.staging.pool.slots[work.slot]
+        session = work.session
+        if not work.cancelled and not session.closed:
+            self._check(work)
+        if session.closed:  # the client is gone: its slot leaves with it
+            slot.move(SlotState.FREE)
+            self.staging.pool.give_back(slot.index)
+            return
+        if work.error is not None or work.cancelled:
+            slot.move(SlotState.FREE)
+            session.free.append(slot.index)
+            if work.cancelled:
+                self.finish(work, p.FailCode.CANCELLED, "cancelled")
+            else:
+                self.finish(work, *self._read_failed(work))
+        else:
+            slot.move(SlotState.READY)
+            slot.move(SlotState.LEASED)
+            layer = self.layers[work.key.layer]
+            self.fetch_latency.add_ns(time.monotonic_ns() - work.submitted_ns)
+            self.finish(work, None, "", p.Ready(work.request_id, work.key, slot.index, layer.payload_bytes))
+        self.dispatch(session)
+
+    def _ram_read_complete(self, work: Work) -> None:
+        """A read into the RAM tier is in: checked (even if its own client left or cancelled: the
+        block is for everyone), then resident and answered to every key waiting on it, or, failed
+        or corrupt, dropped and FAILed to them all."""
+        slot = self.ram.slot(work.slot)
+        self._check(work)
+        work.session.ram_reads -= 1
+        waiting = self._waiting.pop(slot.index)
+        self.ram.filled(slot, work.error is None)
+        failure = self._read_failed(work) if work.error is not None else None
+        sessions = []
+        for w in waiting:
+            if w.session.closed or w.done:
+                continue
+            if w.cancelled:
+                self.finish(w, p.FailCode.CANCELLED, "cancelled")
+            elif failure is not None:
+                self.finish(w, *failure)
+            else:
+                self._ready_ram(w, slot)
+            if w.session not in sessions:
+                sessions.append(w.session)
+        if work.session not in sessions:
+            sessions.append(work.session)
+        for session in sessions:
+            self.dispatch(session)
+
+    # ---- answers -----------------------------------------------------------------------------
+    def _ready_ram(self, work: Work, slot: RamSlot) -> None:
+        """READY naming a resident RAM block: the client holds it until it releases it."""
+        self.ram.hold(slot)
+        work.session.ram_holds[slot.index] += 1
+        self.fetch_latency.add_ns(time.monotonic_ns() - work.submitted_ns)
+        self.finish(work, None, "", p.Ready(work.request_id, work.key, slot.index, slot.nbytes))
+
+    def finish(self, work: Work, fail: p.FailCode | None, message: str, ready: p.Ready | None = None) -> None:
+        """Answers one key exactly once and retires its request when it was the last."""
+        work.done = True
+        session = work.session
+        session.queued -= 1
+        if work.ram and ready is None:
+            session.ram_taken -= 1  # a FAIL: no hold after all (a READY's ends at its RELEASE)
+        if ready is not None:
+            self.counters.ready += 1
+            session.counters.ready += 1
+            session.counters.served_bytes += ready.nbytes
+            if work.prio == p.Priority.DEMAND:
+                session.counters.demand_latency.add_ns(time.monotonic_ns() - work.submitted_ns)
+            self._send(session.identity, ready)
+        else:
+            self.counters.failed += 1
+            session.counters.failed += 1
+            self.counters.cancelled += fail is p.FailCode.CANCELLED
+            self._send(session.identity, p.Fail(work.request_id, work.key, fail, message[:p.MAX_TEXT]))
+        request = session.requests.get(work.request_id)
+        if request is not None:
+            request.open -= 1
+            if request.open == 0:
+                del session.requests[work.request_id]
+
+    def close(self) -> None:
+        self.readers.stop()
+        os.close(self.wake)

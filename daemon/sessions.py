@@ -1,0 +1,210 @@
+"""expertd's clients: a session per routing id that said HELLO, what it holds (staging slots, RAM
+tier holds) and what it waits for (its keys queued per priority, its requests), and admission.
+
+A session belongs to the connection that said HELLO, and ends with it, when the client says HELLO
+again, when it is silent for heartbeat_timeout_s (protocol v4), or when it is cut or unreachable;
+its slots and holds then go back at once (a slot being read, when its read completes). A client
+is leased the slots its HELLO asks for (client_slots when it asks for none), never more than the
+per-client cap (max_client_slots), so that one client cannot take the staging from the others, and
+may hold its RAM hold share of tier blocks (client_ram_holds, WELCOME's ram_holds; protocol v6).
+The routing ids of ended sessions are remembered, bounded, for their late messages. Sends nothing:
+the server answers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+
+from expertpack.client import protocol as p
+from expertpack.packtools.layout import ExpertKey
+
+from .config import DaemonConfig
+from .ram_tier import RamTier
+from .staging import SlotState, StagingSegment
+from .stats import ClientCounters, Counters
+
+log = logging.getLogger("expertd")
+
+MAX_GONE = 4096  # routing ids of clients whose connection closed, remembered for their late messages
+HELLO_AGAIN = "said HELLO again"  # the one end of a session that is not a client lost
+
+
+@dataclass(eq=False)
+class Work:
+    """One key of one FETCH, from the client's queue to READY or FAIL."""
+
+    session: "Session"
+    request_id: int
+    key: ExpertKey
+    prio: p.Priority
+    submitted_ns: int
+    slot: int | None = None
+    pieces_left: int = 0
+    error: BaseException | None = None
+    cancelled: bool = False
+    done: bool = False
+    ram: bool = False  # `slot` is a RAM tier slot (read into it, or waiting on that read)
+    piece_crc32s: list[int | None] = field(default_factory=list)  # per read piece, as the readers found them
+
+
+@dataclass(eq=False)
+class Request:
+    works: list[Work]
+    open: int  # keys not answered yet
+
+
+@dataclass(eq=False)
+class Session:
+    identity: bytes
+    fd: int  # the connection that said HELLO; the session is that connection's alone
+    name: str
+    slots: list[int]
+    free: deque[int]
+    pending: tuple[deque[Work], deque[Work]] = field(default_factory=lambda: (deque(), deque()))
+    requests: dict[int, Request] = field(default_factory=dict)
+    queued: int = 0  # keys pending or in flight
+    closed: bool = False
+    ram_holds: Counter[int] = field(default_factory=Counter)  # RAM slot -> READYs naming it not yet released
+    ram_reads: int = 0  # reads into the RAM tier this client started that are in flight
+    ram_share: int = 0  # RAM tier blocks it may hold at once (DaemonConfig.ram_hold_share)
+    ram_taken: int = 0  # its holds (ram_holds summed) and its keys given a RAM slot, not answered yet
+    pid: int | None = None  # the peer process (SO_PEERCRED of an ipc connection); None over tcp or when unknown
+    connected: float = field(default_factory=time.monotonic)
+    heard: float = field(default_factory=time.monotonic)  # its connection's last message (liveness)
+    counters: ClientCounters = field(default_factory=ClientCounters)
+
+    def unhold(self, ram: RamTier, index: int, n: int) -> None:
+        """Ends `n` of its holds on RAM slot `index` (a RELEASE, or the session's end)."""
+        ram.unhold(ram.slot(index), n)
+        self.ram_holds[index] -= n
+        self.ram_taken -= n
+        if not self.ram_holds[index]:
+            del self.ram_holds[index]
+
+    def stats(self) -> dict:
+        """Its line of STATS: who it is, what it holds and waits for now, and its counters since
+        HELLO (README, "Several workers on one expertd")."""
+        return {"name": self.name, "pid": self.pid, "connected_s": time.monotonic() - self.connected,
+                "slots": len(self.slots), "free": len(self.free), "queued": self.queued,
+                "queue_entries": len(self.pending[0]) + len(self.pending[1]),
+                "queued_demand": sum(not w.done for w in self.pending[0]),
+                "queued_prefetch": sum(not w.done for w in self.pending[1]),
+                "requests": len(self.requests), "ram_held": sum(self.ram_holds.values()), "ram_share": self.ram_share,
+                "ram_reads": self.ram_reads,
+                **self.counters.to_dict()}
+
+
+class NoSlots(Exception):
+    """The staging cannot lease what a HELLO asks for; the message says how much is left."""
+
+
+class Sessions:
+    """The live sessions by routing id, and the ended ones' reasons."""
+
+    def __init__(self, config: DaemonConfig, staging: StagingSegment, ram: RamTier, counters: Counters) -> None:
+        self.config = config
+        self.staging = staging
+        self.ram = ram
+        self.counters = counters
+        self.live: dict[bytes, Session] = {}
+        # Clients whose connection closed: a RELEASE or CANCEL they sent just before closing is read
+        # after the disconnect and is the tail of a clean close, not a protocol error. Bounded.
+        self._gone: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why its session ended
+        self._next_sweep = time.monotonic()  # when silent sessions are next looked for
+
+    def admit(self, identity: bytes, client: str, asked: int, fd: int, pid: int | None) -> Session:
+        """A HELLO's session (a session already under `identity` ends first): `asked` staging slots,
+        client_slots for 0, at most the per-client cap. NoSlots when the staging has not that many
+        unleased."""
+        if identity in self.live:
+            self.drop(identity, HELLO_AGAIN)
+        self._gone.pop(identity, None)
+        asked = asked or self.config.client_slots
+        n_slots = min(asked, self.config.client_slot_cap)
+        slots = self.staging.pool.lease(identity, n_slots)
+        if slots is None:
+            raise NoSlots(f"{n_slots} slots asked, {self.staging.pool.n_unleased} of {self.config.stage_slots} "
+                          f"staging slots unleased ({len(self.live)} clients hold the rest); ask for fewer, or raise "
+                          "stage_slots or lower client_slots")
+        ram_share = self.config.ram_hold_share(len(slots), self.ram.n_slots)
+        session = self.live[identity] = Session(identity, fd, client, slots, deque(slots), pid=pid, ram_share=ram_share)
+        self.counters.clients_total += 1
+        log.info("client %r (pid %s) connected: %d slots%s", client, pid if pid is not None else "unknown",
+                 len(slots),
+                 f" ({asked} asked, at most {self.config.client_slot_cap} a client)" if asked > n_slots else "")
+        return session
+
+    def drop(self, identity: bytes, why: str) -> None:
+        """Ends a session: queued keys vanish, leased slots return (a slot being read returns when
+        its read completes), its RAM tier holds end."""
+        session = self.live.pop(identity, None)
+        if session is None:
+            return
+        if why != HELLO_AGAIN:
+            self._gone[identity] = why
+            if len(self._gone) > MAX_GONE:
+                self._gone.popitem(last=False)
+        session.closed = True
+        session.free.clear()
+        session.pending = (deque(), deque())
+        self.counters.clients_dropped += why != HELLO_AGAIN
+        for i in session.slots:
+            slot = self.staging.pool.slots[i]
+            if slot.state is SlotState.READING:
+                continue
+            if slot.state is not SlotState.FREE:
+                slot.move(SlotState.FREE)
+            self.staging.pool.give_back(i)
+        held = sum(session.ram_holds.values())
+        for i, n in list(session.ram_holds.items()):
+            session.unhold(self.ram, i, n)
+        log.info("client %r (pid %s) %s: %d slots back, %d RAM tier holds ended", session.name,
+                 session.pid if session.pid is not None else "unknown", why, len(session.slots), held)
+
+    def release(self, session: Session, slots: tuple[int, ...]) -> str | None:
+        """RELEASE: staging slots go back to the client's free pool; each listing of a RAM slot ends
+        one of the client's holds on it (a RAM slot may be listed as often as READY named it). What
+        is wrong with `slots` when nothing is released, else None."""
+        pool = self.staging.pool.slots
+        staged = [i for i in slots if not self.ram.owns(i)]
+        ram = Counter(i for i in slots if self.ram.owns(i))
+        for i in staged:
+            if i >= len(pool) or pool[i].lessee != session.identity or pool[i].state is not SlotState.LEASED:
+                return f"slot {i} holds no expert of this client"
+        for i, n in ram.items():
+            if session.ram_holds[i] < n:
+                return f"RAM slot {i} listed {n} times, this client holds it {session.ram_holds[i]} times"
+        if len(set(staged)) != len(staged):
+            return "a slot is listed twice"
+        for i in staged:
+            pool[i].move(SlotState.FREE)
+            session.free.append(i)
+        for i, n in ram.items():
+            session.unhold(self.ram, i, n)
+        return None
+
+    def drop_on(self, fd: int, why: str) -> None:
+        """Ends the sessions of connection `fd`: found by their own fd, not by who sent last on it
+        (a closed connection's messages still queued carry its fd, which a new connection may have
+        by the time they are read)."""
+        for identity in [i for i, s in self.live.items() if s.fd == fd]:
+            self.drop(identity, why)
+
+    def silent(self) -> list[tuple[bytes, str]]:
+        """Liveness (protocol v4): the sessions whose connection has sent nothing, not even
+        HEARTBEAT, for heartbeat_timeout_s, with why, looked for at most every heartbeat
+        interval (and second)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return []
+        self._next_sweep = now + min(1.0, self.config.heartbeat_interval_s)
+        timeout_s = self.config.heartbeat_timeout_s
+        return [(identity, f"silent for {now - session.heard:.1f} s, more than heartbeat_timeout_s = {timeout_s:g} s: "
+                           "its slots went to other clients")
+                for identity, session in self.live.items() if now - session.heard > timeout_s]
+
+    def why_gone(self, identity: bytes) -> str | None:
+        """Why the session of `identity` ended, if it ended lately (not by a HELLO again)."""
+        return self._gone.get(identity)
