@@ -204,7 +204,8 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     from expertpack.client import ClientError
     from expertpack.packtools.errors import ExpertpackError
 
-    from .api import Limits, WorkerService, create_app
+    from .api import WorkerService, create_app
+    from .requests import Limits
     from ..experts.cache_policy import CacheTooSmall
     from ..experts.daemon_link import CorruptExpert
     from ..engine.engine import Engine
