@@ -204,13 +204,13 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     from expertpack.client import ClientError
     from expertpack.packtools.errors import ExpertpackError
 
-    from .api import WorkerService, create_app
-    from .requests import Limits
+    from ..engine.engine import Engine
     from ..experts.cache_policy import CacheTooSmall
     from ..experts.daemon_link import CorruptExpert
-    from ..engine.engine import Engine
-    from .generation import Generator
     from ..experts.routing_trace import start_trace, stop_trace
+    from .api import WorkerService, create_app
+    from .generation import Generator
+    from .requests import Limits
     from .tokenizer import TokenizerError, load_tokenizer
 
     try:
