@@ -65,14 +65,14 @@ def apply(setting: dict[tuple[str, str], int | str]) -> None:
 def decode_tps(engine: Engine, stream: list[int], reps: int) -> tuple[float, list[int]]:
     best, argmax = 0.0, []
     for _ in range(reps):
-        cache = engine.new_cache()
-        engine.forward(stream[:8], cache, last=True)
-        for t in stream[8:12]:  # warm-up: compile, capture
-            engine.forward([t], cache)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = [engine.forward([t], cache)[-1].argmax() for t in stream[12:76]]
-        torch.cuda.synchronize()
+        with engine.new_sequence() as cache:  # the same slot each time, and the graphs captured there
+            engine.forward(stream[:8], cache, last=True)
+            for t in stream[8:12]:  # warm-up: compile, capture
+                engine.forward([t], cache)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = [engine.forward([t], cache)[-1].argmax() for t in stream[12:76]]
+            torch.cuda.synchronize()
         best = max(best, 64 / (time.perf_counter() - t0))
         argmax = [int(a) for a in out]
     return best, argmax
@@ -81,10 +81,10 @@ def decode_tps(engine: Engine, stream: list[int], reps: int) -> tuple[float, lis
 def prefill_tps(engine: Engine, stream: list[int], n: int, reps: int) -> tuple[float, list[int]]:
     """Best of `reps` prompts of n tokens, each from an empty cache after one warm-up of the shape;
     the argmax after the prompt."""
-    engine.forward(stream[:n], engine.new_cache(), last=True)
+    engine.forward(stream[:n], engine.new_sequence(), last=True)
     best, argmax = 0.0, []
     for _ in range(reps):
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         logits = engine.forward(stream[:n], cache, last=True)

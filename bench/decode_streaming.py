@@ -56,12 +56,13 @@ def run(engine, prompt: list[int], n_decode: int, device: str, on_phase, seed: i
     # Warm-up of both shapes, a short prompt and a decode step: kernels compile on their first
     # call, and a first decode step inside the measured run had made the first of two runs look
     # slower (by 0.12 s a token on Kimi-K3's shapes, 2026-12-01).
-    warm = engine.new_cache()
+    warm = engine.new_sequence()
     engine.forward(prompt[:4], warm)
     engine.forward(prompt[4:5], warm)
     sync(device)
+    warm.close()  # its slot, and the graphs captured there, are the measured run's
     on_phase("start")
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     t0 = time.perf_counter()
     logits = engine.forward(prompt, cache, last=True)
     sync(device)

@@ -177,11 +177,11 @@ def time_engine(engine, prompt_lengths: list[int], n_decode: int, reps: int, dev
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    vocab = engine.forward([1], engine.new_cache()).shape[-1]
+    vocab = engine.forward([1], engine.new_sequence()).shape[-1]
     stream = random.Random(0).choices(range(vocab), k=max([*prompt_lengths, n_decode]))
 
     def prefill(n: int) -> float:
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         sync()
         t0 = time.perf_counter()
         engine.forward(stream[:n], cache, last=True)  # as llama-bench: its batch outputs the last token only
@@ -189,7 +189,7 @@ def time_engine(engine, prompt_lengths: list[int], n_decode: int, reps: int, dev
         return n / (time.perf_counter() - t0)
 
     def decode(n: int, argmax: list) -> float:
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         sync()
         t0 = time.perf_counter()
         for token in stream[:n]:

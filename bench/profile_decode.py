@@ -67,16 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     apply(parse_setting(args.setting))
     engine = Engine.load(args.model, device="cuda", resident_experts=True)
     engine.graphs = not args.eager
-    n_vocab = engine.forward([1], engine.new_cache()).shape[-1]
+    n_vocab = engine.forward([1], engine.new_sequence()).shape[-1]
     rng = random.Random(0)
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     engine.forward(rng.choices(range(n_vocab), k=args.prompt), cache)
     for _ in range(3):  # warm-up: compilation, allocator
         engine.forward([rng.randrange(n_vocab)], cache)
     torch.cuda.synchronize()
     prompts = [rng.choices(range(n_vocab), k=args.prefill) for _ in range(args.steps)] if args.prefill else []
     if prompts:
-        engine.forward(prompts[0], engine.new_cache())  # warm-up of the prefill kernels
+        engine.forward(prompts[0], engine.new_sequence())  # warm-up of the prefill kernels
         torch.cuda.synchronize()
     feed = rng.choices(range(n_vocab), k=args.steps)
     argmax = []
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         for i, token in enumerate(feed):
             if prompts:
-                argmax.append(int(engine.forward(prompts[i], engine.new_cache(), last=True)[-1].argmax()))
+                argmax.append(int(engine.forward(prompts[i], engine.new_sequence(), last=True)[-1].argmax()))
             else:
                 argmax.append(int(engine.forward([token], cache)[-1].argmax()))
         torch.cuda.synchronize()

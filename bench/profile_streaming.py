@@ -41,7 +41,7 @@ from decode_streaming import REPO, prepare_pack, sync  # noqa: E402
 def decode(engine, feed: list[int], device: str, profiler: cProfile.Profile | None = None) -> tuple[float, list[int]]:
     """Seconds per token of decoding `feed` one token at a time after a 4-token prompt, and the
     argmax of every step."""
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     engine.forward(feed[:4], cache)
     sync(device)
     argmax = []
@@ -91,7 +91,7 @@ def main() -> int:
     tokens: dict[str, list[int]] = {}
 
     engine = Engine.load(pack, args.device, resident_experts=True)
-    n_vocab = engine.forward([1], engine.new_cache()).shape[-1]
+    n_vocab = engine.forward([1], engine.new_sequence()).shape[-1]
     feed = random.Random(0).choices(range(n_vocab), k=args.tokens + 4)
     for graphs in (True, False) if args.device.startswith("cuda") else (False,):
         engine.graphs = graphs

@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
         tokens, logits = _stepwise(engine, prompt, args.greedy, sampler)
     else:
         tokens, logits = engine.generate(prompt, args.greedy, sampler) if args.greedy else \
-            ([], engine.forward(prompt, engine.new_cache()))
+            ([], engine.forward(prompt, engine.new_sequence()))
     seconds = time.perf_counter() - start
     if args.save_logits is not None:
         np.save(args.save_logits, logits.cpu().numpy().astype(np.float32))
@@ -105,7 +105,7 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
 def _stepwise(engine: Engine, prompt: list[int], n: int, sampler: Sampler) -> tuple[list[int], torch.Tensor]:
     """Engine.generate with the prompt fed one token per forward pass: all but its last token
     here, the last one by generate on the same cache."""
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     head = [engine.forward([t], cache) for t in prompt[:-1]]
     tokens, last = engine.generate(prompt[-1:], n, sampler, cache)
     return tokens, torch.cat([*head, last])

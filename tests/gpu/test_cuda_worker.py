@@ -46,7 +46,7 @@ def test_architectures_on_cuda_match_transformers(model: str) -> None:
     hf = json.loads((FIXTURES / "ref" / model / "hf_ref.json").read_text())
     prompt = np.load(FIXTURES / "ref" / model / "prompt_ids.npy").tolist()
     want = np.load(FIXTURES / "ref" / model / "hf_logits_f32.npy")
-    got = engine.forward(prompt + hf["hf_greedy_next_tokens"], engine.new_cache()).cpu().numpy()
+    got = engine.forward(prompt + hf["hf_greedy_next_tokens"], engine.new_sequence()).cpu().numpy()
     diff = np.abs(got - want)
     print(f"{model} on CUDA: max |diff| {diff.max():.3g}, mean {diff.mean():.3g}")
     assert diff.max() <= 1e-4
@@ -59,11 +59,11 @@ def test_resident_experts_equal_read_per_use_on_cuda() -> None:
     tokens = list(range(5, 60, 3))
     streamed = Engine.load(path, "cuda")
     resident = Engine.load(path, "cuda", resident_experts=True)
-    a = streamed.forward(tokens, streamed.new_cache())
-    b = resident.forward(tokens, resident.new_cache())
+    a = streamed.forward(tokens, streamed.new_sequence())
+    b = resident.forward(tokens, resident.new_sequence())
     assert torch.equal(a, b)
     cpu = Engine.load(path, "cpu")
-    c = cpu.forward(tokens, cpu.new_cache())
+    c = cpu.forward(tokens, cpu.new_sequence())
     print(f"CUDA vs CPU, Q4_K_M: max |diff| {(a.cpu() - c).abs().max():.3g}")
     assert (a.cpu() - c).abs().max() < 1e-3
 
@@ -77,7 +77,7 @@ def test_deepseek4_on_cuda_matches_transformers() -> None:
         hf = ref["reference_transformers"]["prompts"][name]
         ids = ref["prompts"][name]["ids"]
         want = np.load(ds4 / "logits" / f"transformers_{name}.f32.npy")
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         got = engine.forward(ids + hf["greedy_ids"], cache).cpu().numpy()
         diff = np.abs(got - want).max(axis=1)
         ties = sorted({pos for state in cache.state.values() for pos in state.indexer_ties})
@@ -100,7 +100,7 @@ def test_kimi_k3_on_cuda_matches_its_float64_reference() -> None:
         ids = ref["prompts"][name]["ids"]
         greedy = ref["llama_cpp_outputs"]["Q2_K"]["prompts"][name]["greedy_ids"]
         want = np.load(k3 / "logits" / f"dequant_Q2_K_{name}.f16.npy").astype(np.float32)
-        got = engine.forward(ids + greedy, engine.new_cache()).cpu().numpy()
+        got = engine.forward(ids + greedy, engine.new_sequence()).cpu().numpy()
         print(f"kimi-k3 Q2_K {name} on CUDA: max |diff| {np.abs(got - want).max():.3g} (float16 reference)")
         assert np.abs(got - want).max() <= 3e-3
         tokens, _ = engine.generate(ids, 1, Sampler())

@@ -23,7 +23,7 @@ MODELS = ["gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", "gguf/gptoss-a/gptoss-a.MXFP
 
 
 def decode(engine: Engine, prompt: list[int], feed: list[int]) -> torch.Tensor:
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     engine.forward(prompt, cache)
     return torch.stack([engine.forward([t], cache)[-1] for t in feed]).cpu()
 
@@ -32,15 +32,15 @@ def decode(engine: Engine, prompt: list[int], feed: list[int]) -> torch.Tensor:
 def test_graph_replays_equal_the_eager_static_steps(path: str) -> None:
     rng = random.Random(0)
     graphed = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
-    n_vocab = graphed.forward([1], graphed.new_cache()).shape[-1]
+    n_vocab = graphed.forward([1], graphed.new_sequence()).shape[-1]
     prompt = rng.choices(range(n_vocab), k=500)  # decoding crosses 512 positions: one re-capture
     feed = rng.choices(range(n_vocab), k=24)
     got = decode(graphed, prompt, feed)
-    assert graphed._graph is not None and graphed._graph.capacity == 1024
+    assert graphed._graphs.get(0) is not None and graphed._graphs.get(0).capacity == 1024
     eager = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
     eager.graphs = False
     want = decode(eager, prompt, feed)
-    assert eager._graph is None
+    assert eager._graphs.get(0) is None
     assert torch.equal(got, want), f"{path}: max |diff| {(got - want).abs().max().item():.2e}"
     cpu = decode(Engine.load(FIXTURES / path, resident_experts=True), prompt[:40], feed[:6])
     on_gpu = decode(graphed, prompt[:40], feed[:6])
@@ -51,14 +51,14 @@ def test_graph_replays_equal_the_eager_static_steps(path: str) -> None:
 
 def test_an_empty_caches_first_step_replays_the_graph() -> None:
     engine = Engine.load(FIXTURES / MODELS[0], "cuda", resident_experts=True)
-    eager_first = engine.forward([1], engine.new_cache())[-1].cpu()  # no graph yet: eagerly
+    eager_first = engine.forward([1], engine.new_sequence())[-1].cpu()  # no graph yet: eagerly
     feed = [1, *random.Random(1).choices(range(eager_first.shape[-1]), k=7)]
     first = decode(engine, feed[:1], feed[1:])  # the steps after the one-token prompt capture the graph
-    graph = engine._graph
+    graph = engine._graphs.get(0)
     assert graph is not None
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     steps = torch.stack([engine.forward([t], cache)[-1] for t in feed]).cpu()
-    assert engine._graph is graph and graph.cache is cache, "the first step should replay, not capture"
+    assert engine._graphs.get(0) is graph and graph.cache is cache.kv, "the first step should replay, not capture"
     for got, want in ((steps[0], eager_first), (steps[1:], first)):
         assert torch.allclose(got, want, atol=1e-4, rtol=0), f"max |diff| {(got - want).abs().max().item():.2e}"
 
@@ -68,53 +68,53 @@ def test_short_prompts_replay_graphs_equal_to_the_eager_static_prompts(path: str
     """A generation's short prompt is a CUDA graph per length, captured at its first prompt and
     then replayed (a second request of that length, a second turn's prompt into a filled cache):
     bit for bit the same static-shape prompt run eagerly (the expert cache's mode); the decode
-    graph and the prompt graphs read one set of buffers, traded between requests, never captured
-    twice."""
+    graph and the prompt graphs read the buffers of the arena's slot that every request takes in
+    turn, never captured twice."""
     rng = random.Random(2)
     graphed = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
-    n_vocab = graphed.forward([1], graphed.new_cache()).shape[-1]
+    n_vocab = graphed.forward([1], graphed.new_sequence()).shape[-1]
     requests = [rng.choices(range(n_vocab), k=n) for n in (2, 17, 64, 17)]
     turn = rng.choices(range(n_vocab), k=9)
 
     def run(engine: Engine) -> torch.Tensor:
         out = []
         for prompt in requests:
-            cache = engine.new_cache()
-            logits = engine.forward(prompt, cache, last=True)
-            out.append(logits[-1])
-            for _ in range(3):
-                logits = engine.forward([int(logits[-1].argmax())], cache)
+            with engine.new_sequence() as cache:  # each request in slot 0, where the graphs are
+                logits = engine.forward(prompt, cache, last=True)
                 out.append(logits[-1])
-            out.append(engine.forward(turn, cache, last=True)[-1])  # the next turn, into the same cache
+                for _ in range(3):
+                    logits = engine.forward([int(logits[-1].argmax())], cache)
+                    out.append(logits[-1])
+                out.append(engine.forward(turn, cache, last=True)[-1])  # the next turn, into the same cache
         return torch.stack(out).cpu()
 
     got = run(graphed)
-    assert sorted(graphed._prompt_graphs) == [2, 9, 17, 64]
-    captured = graphed._graph, dict(graphed._prompt_graphs)
+    assert sorted(graphed._prompt_graphs) == [(0, 2), (0, 9), (0, 17), (0, 64)]
+    captured = graphed._graphs.get(0), dict(graphed._prompt_graphs)
     again = run(graphed)
-    assert (graphed._graph, graphed._prompt_graphs) == captured, "a prompt or the decode step was captured again"
+    assert (graphed._graphs.get(0), graphed._prompt_graphs) == captured, "a prompt or the decode step was captured again"
     eager = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
     eager.graphs = False
     want = run(eager)
-    assert eager._graph is None and not eager._prompt_graphs
+    assert eager._graphs.get(0) is None and not eager._prompt_graphs
     for name, a in (("first run", got), ("second run", again)):
         assert torch.equal(a, want), f"{path}: {name}: max |diff| {(a - want).abs().max().item():.2e}"
 
 
 @pytest.mark.parametrize("path", [MODELS[3], "flagship/deepseek4/dsv4-tiny.Q2_K.gguf"])
 def test_a_second_request_with_states_replays_the_graph(path: str) -> None:
-    """Caches with an architecture's own states (KDA's, DeepSeek-V4's compressors) trade them with
-    their buffers: the next request of the same reservation replays the captured step, bit for bit
-    the eager static steps."""
+    """Sequences with an architecture's own states (KDA's, DeepSeek-V4's compressors) leave them in
+    their arena slot, cleared in place for the next: the next request of the same reservation
+    replays the captured step, bit for bit the eager static steps."""
     rng = random.Random(3)
     graphed = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
-    n_vocab = graphed.forward([1], graphed.new_cache()).shape[-1]
+    n_vocab = graphed.forward([1], graphed.new_sequence()).shape[-1]
     prompts = [rng.choices(range(n_vocab), k=n) for n in (30, 21)]
     feed = rng.choices(range(n_vocab), k=8)
     first = decode(graphed, prompts[0], feed)
-    graph = graphed._graph
+    graph = graphed._graphs.get(0)
     second = decode(graphed, prompts[1], feed)
-    assert graph is not None and graphed._graph is graph, "the second request was captured again"
+    assert graph is not None and graphed._graphs.get(0) is graph, "the second request was captured again"
     eager = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
     eager.graphs = False
     for prompt, got in zip(prompts, (first, second)):

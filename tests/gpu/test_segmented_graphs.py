@@ -4,7 +4,7 @@ expertd with a cache of the minimum size (misses and evictions at every layer):
 
 - bit for bit the logits, greedy tokens and cache counters of the eager streaming step
   (`graphs` off), with prefetch on and off, across a re-capture when the KV cache outgrows its
-  reservation and a second request that trades buffers; and the resident run's logits;
+  reservation and a second request in the same arena slot; and the resident run's logits;
 - a replayed step syncs the host once per MoE layer (CUDA's sync debug mode counts them), where
   the eager step syncs more often;
 - a capture that fails leaves the engine stepping eagerly, with the same bits.
@@ -61,7 +61,7 @@ def streamed(pack: Path, d: Daemon, prefetch: bool = True, graphs: bool = True) 
 
 def decode(engine: Engine, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
     """The logits of n greedy decode steps after the prompt [n, n_vocab], and their tokens."""
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     logits = engine.forward(prompt, cache, last=True)
     steps, tokens = [], []
     for _ in range(n):
@@ -82,9 +82,9 @@ def test_segmented_graphs_equal_the_eager_streaming_step(model: str, prefetch: b
     pack = packs[model]
     rng = random.Random(0)
     resident = Engine.load(pack, "cuda", resident_experts=True)
-    n_vocab = resident.forward([1], resident.new_cache()).shape[-1]
+    n_vocab = resident.forward([1], resident.new_sequence()).shape[-1]
     prompt = rng.choices(range(n_vocab), k=505)  # decoding crosses 512 positions: one re-capture
-    second = rng.choices(range(n_vocab), k=600)  # a second request in the same 1024 positions: traded buffers
+    second = rng.choices(range(n_vocab), k=600)  # a second request in the same slot's 1024 positions
     want_resident = decode(resident, prompt, 12)
     del resident
     torch.cuda.empty_cache()
@@ -96,14 +96,14 @@ def test_segmented_graphs_equal_the_eager_streaming_step(model: str, prefetch: b
             try:
                 first = decode(engine, prompt, 12)
                 if graphs:
-                    segmented = engine._graph
+                    segmented = engine._graphs.get(0)
                     assert isinstance(segmented, SegmentedDecode) and segmented.capacity == 1024
                     assert len(segmented.graphs) == len(segmented.stops) + 1 == len(engine.expert_cache.served) + 1
                     stateful = bool(segmented.cache.state)
                     assert stateful == (model in ("k3-tiny", "dsv4-tiny"))
                 later = decode(engine, second, 6)
-                if graphs:  # states (KDA's, DeepSeek-V4's compressors) traded with the buffers
-                    assert engine._graph is segmented, "the second request was captured again"
+                if graphs:  # states (KDA's, DeepSeek-V4's compressors) cleared in place
+                    assert engine._graphs.get(0) is segmented, "the second request was captured again"
                 runs[graphs] = first, later, counters(engine)
             finally:
                 engine.close()
@@ -139,7 +139,7 @@ def test_a_replayed_step_syncs_once_per_moe_layer(packs, tmp_path: Path) -> None
             engine = streamed(pack, d, graphs=graphs)
             try:
                 n_moe = len(engine.expert_cache.served)
-                cache = engine.new_cache()
+                cache = engine.new_sequence()
                 engine.forward([1, 5, 9, 200], cache)
                 engine.forward([3], cache)  # eagerly through the segments, then captured
                 counts[graphs] = [len(syncs_of(engine, t, cache)) for t in (7, 11, 13)]
@@ -171,7 +171,7 @@ def test_a_failed_capture_steps_eagerly_with_the_same_bits(packs, tmp_path: Path
         engine = streamed(pack, d)
         try:
             got = decode(engine, prompt, 6)
-            assert engine._graph is None and not engine.graphs
+            assert engine._graphs.get(0) is None and not engine.graphs
         finally:
             engine.close()
     finally:

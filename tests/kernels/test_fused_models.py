@@ -29,9 +29,9 @@ TOKENS = [1, 5, 9, 200, 33, 17, 4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19, 250]  # 
 @pytest.mark.parametrize("path", MODELS)
 def test_kernels_give_the_torch_paths_logits(path: str) -> None:
     engine = Engine.load(FIXTURES / path, resident_experts=True)
-    want = engine.forward(TOKENS, engine.new_cache())
+    want = engine.forward(TOKENS, engine.new_sequence())
     with kernels_on_cpu():
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         got = torch.cat([engine.forward(TOKENS[:16], cache), engine.forward(TOKENS[16:17], cache),
                          engine.forward(TOKENS[17:], cache)])
     err = (got - want).abs().max().item()
@@ -61,14 +61,15 @@ def test_static_steps_cross_reservations(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 4)
     monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
     engine = Engine.load(FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", resident_experts=True)
-    want = engine.forward(TOKENS[:11], engine.new_cache())[2:]
+    reference = engine.new_sequence()  # held: the kernels' sequence gets a fresh slot
+    want = engine.forward(TOKENS[:11], reference)[2:]
     with kernels_on_cpu():
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         got = [engine.forward(TOKENS[:3], cache)[-1:]]
         capacities = []
         for t in TOKENS[3:11]:
             got.append(engine.forward([t], cache))
-            capacities.append(cache.capacity)
+            capacities.append(cache.kv.capacity)
     assert capacities == [4, 8, 8, 8, 8, 16, 16, 16]  # a power of two above the length, doubled when reached
     err = (torch.cat(got)[:-1] - want[:-1]).abs().max().item()
     assert err < 1e-4, f"max |diff| {err:.2e}"
@@ -86,13 +87,14 @@ def test_short_prompts_with_static_shapes_give_the_torch_paths_logits(monkeypatc
     monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 16)
     engine = Engine.load(FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", resident_experts=True)
     stream = TOKENS + TOKENS[:17]
-    want = engine.forward(stream, engine.new_cache())
+    reference = engine.new_sequence()  # held: the static prompts' sequence gets a fresh slot
+    want = engine.forward(stream, reference)
     with kernels_on_cpu():
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         got = [engine.forward(TOKENS, cache, last=True)]
-        assert (cache.length, cache.capacity, cache.reserved) == (18, 32, 32)  # reserved: the static path's
+        assert (cache.length, cache.kv.capacity, cache.kv.reserved) == (18, 32, 32)  # reserved: the static path's
         got.append(engine.forward(TOKENS[:16], cache, last=True))
-        assert (cache.length, cache.capacity, cache.reserved) == (34, 64, 64)
+        assert (cache.length, cache.kv.capacity, cache.kv.reserved) == (34, 64, 64)
         got.append(engine.forward(TOKENS[16:17], cache))
     err = (torch.cat(got) - want[[17, 33, 34]]).abs().max().item()
     assert err < 1e-4, f"max |diff| {err:.2e}"
@@ -105,7 +107,7 @@ def test_a_short_prompt_through_a_minimal_cache_is_bit_exact(fixture_packs, tmp_
     from ..worker.test_expert_cache import resident_and_minimal_cache
 
     def run(engine: Engine) -> torch.Tensor:
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         first = engine.forward(TOKENS[:12], cache, last=True)
         return torch.cat([first, engine.forward([int(first[-1].argmax())], cache)])
 
@@ -125,16 +127,16 @@ def test_deepseek4_decode_steps_through_windows_give_the_torch_paths_logits() ->
 
     engine = Engine.load(FIXTURES / "flagship/deepseek4/dsv4-tiny.BF16.gguf", resident_experts=True)
     prompt, feed = [(7 * i + 1) % 1000 for i in range(124)], [33, 7, 1000, 5]
-    eager = engine.new_cache()
+    eager = engine.new_sequence()
     engine.forward(prompt, eager)
     want = torch.cat([engine.forward([t], eager) for t in feed])
-    static = engine.new_cache()
+    static = engine.new_sequence()
     engine.forward(prompt, static)
-    static.reserve(160)
+    static.kv.reserve(160)
     with kernels_on_cpu():
-        got = static_steps(engine, static, feed)
+        got = static_steps(engine, static.kv, feed)
     err = (got - want).abs().max().item()
     assert err < 1e-5, f"max |diff| {err:.2e}"
-    eager.reserve(160)
-    for mine, theirs in zip(static.state_tensors(), eager.state_tensors(), strict=True):
+    eager.kv.reserve(160)
+    for mine, theirs in zip(static.kv.state_tensors(), eager.kv.state_tensors(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)

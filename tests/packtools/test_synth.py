@@ -76,7 +76,7 @@ def test_synthesized_routing_spreads_tokens_over_the_experts(tmp_path: Path) -> 
     engine = Engine.load(path)
     engine.model.moe.routing_log = {}
     tokens = np.random.default_rng(1).integers(0, 8192, 64).tolist()
-    engine.forward(tokens, engine.new_cache())
+    engine.forward(tokens, engine.new_sequence())
     n_expert = 32
     for layer, (ids,) in engine.model.moe.routing_log.items():
         counts = np.bincount(ids.flatten().numpy(), minlength=n_expert)
@@ -260,7 +260,7 @@ def test_routing_skew_raises_a_caches_hit_rate(tmp_path: Path) -> None:
                                                                     progress=False))[0]
         engine = Engine.load(path)
         writer = start_trace(engine, tmp_path / f"s{skew}.jsonl")
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         for t in tokens:
             engine.forward([t], cache)
         stop_trace(engine, writer)

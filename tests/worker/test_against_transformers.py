@@ -45,7 +45,7 @@ def compare(path: Path, hf: torch.nn.Module, n_tokens: int, vocab: int) -> None:
     with torch.no_grad():
         want = hf(torch.tensor([tokens])).logits[0]
         expected = hf.generate(torch.tensor([tokens]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, n_tokens:]
-    got = engine.forward(tokens, engine.new_cache())
+    got = engine.forward(tokens, engine.new_sequence())
     assert (got - want).abs().max() <= 1e-4, f"max |diff| {(got - want).abs().max():.3g}"
     assert engine.generate(tokens, 6, Sampler())[0] == expected.tolist()
 

@@ -40,7 +40,7 @@ def oracle(local, prompt_ids: list[int], n: int, choose=None) -> list[tuple[int,
     `choose(logits, tokens so far)` picks (default: greedy, the lower id on ties)."""
     engine, _ = local
     choose = choose or (lambda logits, _: int(torch.argmax(logits)))
-    kv = engine.new_cache()
+    kv = engine.new_sequence()
     logits = engine.forward(prompt_ids, kv, last=True)[-1]  # as a generation: the head on the last row
     steps: list[tuple[int, torch.Tensor]] = []
     for _ in range(n):

@@ -50,7 +50,7 @@ def test_bf16_matches_transformers(bf16: Engine, name: str) -> None:
     hf = REF["reference_transformers"]["prompts"][name]
     want = np.load(DS4 / "logits" / f"transformers_{name}.f32.npy")
     bf16.model.moe.routing_log = {}
-    cache = bf16.new_cache()
+    cache = bf16.new_sequence()
     got = bf16.forward(prompt(name) + hf["greedy_ids"], cache).numpy()
     log, bf16.model.moe.routing_log = bf16.model.moe.routing_log, None
     diff = np.abs(got - want).max(axis=1)
@@ -68,11 +68,11 @@ def test_greedy_through_the_caches_is_transformers(bf16: Engine, name: str) -> N
     want = REF["reference_transformers"]["prompts"][name]["greedy_ids"]
     tokens, _ = bf16.generate(prompt(name), len(want), Sampler())
     assert tokens == want
-    one_pass = bf16.forward(prompt(name) + want, bf16.new_cache())
-    cache = bf16.new_cache()
+    one_pass = bf16.forward(prompt(name) + want, bf16.new_sequence())
+    cache = bf16.new_sequence()
     stepwise = torch.cat([bf16.forward(prompt(name), cache)] + [bf16.forward([t], cache) for t in want[:-1]])
     diff = (stepwise - one_pass[:len(stepwise)]).abs().max(dim=1).values
-    ties = {pos for state in cache.state.values() for pos in state.indexer_ties}
+    ties = {pos for state in cache.kv.state.values() for pos in state.indexer_ties}
     assert set(torch.nonzero(diff > 1e-4).flatten().tolist()) <= ties and diff.max() <= 0.02
 
 
@@ -82,7 +82,7 @@ def test_hash_layers_route_by_token_before_they_run(bf16: Engine) -> None:
     assert sorted(routes) == [0, 1]
     ids = prompt("short")
     bf16.model.moe.routing_log = {}
-    bf16.forward(ids, bf16.new_cache())
+    bf16.forward(ids, bf16.new_sequence())
     log, bf16.model.moe.routing_log = bf16.model.moe.routing_log, None
     for layer, table in routes.items():
         assert torch.equal(log[layer][0], table[torch.tensor(ids)].to(torch.int64))
@@ -93,7 +93,7 @@ def test_q2k_matches_its_dequantized_reference(name: str) -> None:
     engine = Engine.load(DS4 / "dsv4-tiny.Q2_K.gguf")
     greedy = REF["llama_cpp_outputs"]["Q2_K"]["prompts"][name]["greedy_ids"]
     want = np.load(DS4 / "logits" / f"dequant_Q2_K_{name}.f16.npy").astype(np.float32)
-    got = engine.forward(prompt(name) + greedy, engine.new_cache()).numpy()
+    got = engine.forward(prompt(name) + greedy, engine.new_sequence()).numpy()
     assert np.abs(got - want).max() <= 2e-3
 
 

@@ -72,7 +72,7 @@ def prompts(model: str) -> list[list[int]]:
 def greedy_run(engine: Engine, prompt: list[int], n: int = N_NEW, cache: KVCache | None = None
                ) -> tuple[list[torch.Tensor], list[int]]:
     """Logits of the prompt and of every decode step, and the greedy tokens (in `cache`, or a new one)."""
-    cache = cache if cache is not None else engine.new_cache()
+    cache = cache if cache is not None else engine.new_sequence()
     logits = [engine.forward(prompt, cache)]
     tokens: list[int] = []
     for _ in range(n):

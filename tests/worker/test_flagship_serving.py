@@ -39,7 +39,7 @@ def test_flagship_chat_through_expertd_equals_the_engine(name: str, fixture_pack
     want = tokenizer.decode(tokens)
     # each answer token's log-probability, from one pass over the prompt and the answer: a tiny random
     # model's few greedy tokens can survive a wrong prompt, these numbers cannot
-    logits = engine.forward(ids + tokens[:-1], engine.new_cache())[len(ids) - 1:]
+    logits = engine.forward(ids + tokens[:-1], engine.new_sequence())[len(ids) - 1:]
     want_logprobs = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(tokens)), tokens].tolist()
     engine.close()
 

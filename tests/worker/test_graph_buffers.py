@@ -1,11 +1,12 @@
-"""The KV buffers an engine's captured graphs read, across requests (on the CPU): every graph of an
-engine (the decode step's, a short prompt's per length) is captured over one set of buffers, which
-one cache holds at a time; a request's cache takes them (empty) or trades for them, and a graph
-whose buffers were replaced since (a cache reserved further, a long prompt growing them) is
-captured anew. Here a recorder stands in for the CUDA graph: its "capture" notes where the buffers
-lie and each "replay" first checks that the cache still holds exactly those, then runs the static
-pass eagerly (torch's path: what tests/gpu replays as graphs on a GPU). Interleaved requests, a
-second turn, a reservation outgrown, a long prompt, an empty cache's one-token prompt: no replay
+"""The KV buffers an engine's captured graphs read, across requests (on the CPU): the engine's
+arena gives each live sequence a slot, and a slot's graphs (the decode step's, a short prompt's
+per length) are captured over that slot's buffers, which stay with the slot. A request that opens
+after another closed gets the same slot, and replays what was captured there; a graph whose
+buffers were replaced since (a sequence reserved further, a long prompt growing them) is captured
+anew. Here a recorder stands in for the CUDA graph: its "capture" notes where the buffers lie and
+each "replay" first checks that the slot still holds exactly those, then runs the static pass
+eagerly (torch's path: what tests/gpu replays as graphs on a GPU). Sequences alive together, a
+second turn, a reservation outgrown, a long prompt, a reused slot's one-token prompt: no replay
 over foreign buffers, every logit equal to the same requests run without graphs, and a graph
 captured again only where its buffers went."""
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from expertpack.worker.engine import engine as engine_module
+from expertpack.worker.engine.arena import Sequence
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.nn.layers import KVCache
 
@@ -72,33 +74,41 @@ def on_cpu_with_graphs(monkeypatch: pytest.MonkeyPatch):
 
 def requests(engine: Engine) -> list[torch.Tensor]:
     """Logits of interleaved requests; what each step exercises is said beside it."""
-    a, b, c, d = (engine.new_cache() for _ in range(4))
     out = []
 
-    def prompt(cache: KVCache, tokens: list[int]) -> None:
-        out.append(engine.forward(tokens, cache, last=True)[-1])
+    def prompt(seq: Sequence, tokens: list[int]) -> None:
+        out.append(engine.forward(tokens, seq, last=True)[-1])
 
-    def decode(cache: KVCache, n: int) -> None:
+    def decode(seq: Sequence, n: int) -> None:
         for _ in range(n):
-            out.append(engine.forward([int(out[-1].argmax())], cache)[-1])
+            out.append(engine.forward([int(out[-1].argmax())], seq)[-1])
 
-    prompt(a, [1, 5, 9, 200, 33])  # into an empty cache: 16 positions made, prompt graph 5 captured
+    a, b = engine.new_sequence(), engine.new_sequence()  # slots 0 and 1
+    prompt(a, [1, 5, 9, 200, 33])  # into an empty slot: 16 positions made, prompt graph 5 captured
     decode(a, 3)  # decode graph 1 captured over the same buffers
-    prompt(b, [7, 1000, 3, 64])  # an empty cache takes a's buffers, a keeps its rows in new ones: 4 captured
-    decode(b, 2)
-    decode(a, 2)  # a trades back: each keeps its rows
-    prompt(a, [12, 8, 64])  # a second turn's prompt, into the filled cache: 3 captured
-    decode(a, 4)  # a, the holder, outgrows its 16 positions: reserved for 32, every graph captured anew
+    prompt(b, [7, 1000, 3, 64])  # slot 1's own buffers: 4 captured there
+    decode(b, 2)  # and its own decode graph
+    decode(a, 2)  # slot 0's graph replays
+    prompt(a, [12, 8, 64])  # a second turn's prompt, into the filled slot: 3 captured
+    decode(a, 4)  # a outgrows its 16 positions: reserved for 32, slot 0's graphs captured anew
     prompt(a, [2, 7, 1])  # so 3 again (a replay here would read a's old buffers)
-    decode(b, 12)  # b (16) trades with none of a's shape, then outgrows its own: decode captured twice
-    prompt(c, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3])  # a long prompt, eagerly: c's own 256 positions
-    decode(c, 2)  # decode captured over c's
-    decode(a, 2)  # a (32) cannot trade with c: decode captured over a's
-    out.append(engine.forward([42], d)[-1])  # an empty cache's one-token prompt takes a's buffers: a replay
-    decode(d, 1)
-    prompt(a, [5, 5, 5, 5, 5, 5])  # a trades with d: 6 captured
-    prompt(a, [6, 6, 6, 6, 6, 6])  # a needs 64 positions, beyond static prompts' 32: eagerly, a grows
-    decode(b, 1)  # b (32) trades with none of a's shape: decode captured over b's
+    b.close()
+    c = engine.new_sequence()  # slot 1 again, cleared: its buffers and graphs kept
+    assert c.slot == 1
+    prompt(c, [3, 1, 4, 1])  # 4 replays over slot 1's buffers
+    decode(c, 14)  # replays, then c outgrows 16 positions: captured anew
+    d = engine.new_sequence()  # slot 2
+    prompt(d, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3])  # a long prompt, eagerly: slot 2's own 256 positions
+    decode(d, 2)  # decode captured over slot 2's
+    decode(a, 2)  # slot 0's graph replays
+    a.close()
+    e = engine.new_sequence()  # slot 0, cleared
+    out.append(engine.forward([42], e)[-1])  # a one-token prompt into a slot with buffers: a replay
+    decode(e, 1)
+    prompt(e, [5, 5, 5, 5, 5, 5])  # 6 captured
+    prompt(e, [6, 6, 6, 6, 6, 6])  # 6 replays
+    prompt(e, [7] * 30)  # a long prompt, eagerly, past slot 0's 32 positions: its buffers grow
+    decode(e, 1)  # captured anew over slot 0's grown buffers
     return out
 
 
@@ -111,7 +121,8 @@ def test_graphs_replay_only_over_the_buffers_they_were_captured_over(on_cpu_with
     eager.graphs = False
     want = requests(eager)
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
-    assert captures == {5: 1, 4: 1, 3: 2, 6: 1, 1: 7}, captures
+    assert captures == {5: 1, 4: 1, 3: 2, 6: 1, 1: 6}, captures
+    assert len(graphed.arena.slots) == 3 and graphed.arena.in_use == 0  # dropped sequences gave theirs back
 
 
 def test_a_failed_prompt_capture_leaves_the_decode_graphs(on_cpu_with_graphs, monkeypatch, caplog) -> None:
@@ -126,10 +137,10 @@ def test_a_failed_prompt_capture_leaves_the_decode_graphs(on_cpu_with_graphs, mo
     engine = Engine.load(MODEL, resident_experts=True)
     monkeypatch.setattr(engine_module, "DecodeGraph", Refusing)
     monkeypatch.setattr(Engine, "_replayed_kind", lambda self: Refusing)
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     first = engine.forward([1, 5, 9], cache, last=True)
     assert "prompt not captured" in caplog.text and not engine.prompt_graphs and engine.graphs
     engine.forward([int(first[-1].argmax())], cache)
-    assert isinstance(engine._graph, Refusing) and not engine._prompt_graphs
+    assert isinstance(engine._graphs.get(0), Refusing) and not engine._prompt_graphs
     engine.forward([4, 2], cache, last=True)  # eagerly, without a new attempt
     assert caplog.text.count("prompt not captured") == 1

@@ -46,7 +46,7 @@ def run(engine: Engine, tag: str, name: str):
     llama = REF["llama_cpp_outputs"][tag]["prompts"][name]
     ids = REF["prompts"][name]["ids"]
     engine.model.moe.routing_log = {}
-    got = engine.forward(ids + llama["greedy_ids"], engine.new_cache()).numpy()
+    got = engine.forward(ids + llama["greedy_ids"], engine.new_sequence()).numpy()
     log, engine.model.moe.routing_log = engine.model.moe.routing_log, None
     return ids, llama, got, log
 
@@ -81,7 +81,7 @@ def test_greedy_and_decode_through_the_states(engines, tag: str, name: str) -> N
     want = llama["greedy_ids"] if tag == "BF16" else llama["greedy_ids"][:1]
     tokens, _ = engine.generate(ids, len(want), Sampler())
     assert tokens == want
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     steps = [engine.forward(ids, cache)] + [engine.forward([t], cache) for t in llama["greedy_ids"][:-1]]
     stepwise = torch.cat(steps).numpy()
     assert np.abs(stepwise - one_pass[:len(stepwise)]).max() <= 1e-4

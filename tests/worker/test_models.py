@@ -62,7 +62,7 @@ def test_full_precision_matches_transformers(full: tuple[str, Engine]) -> None:
     prompt = np.load(ref(model, "prompt_ids.npy")).tolist()
     want = np.load(ref(model, "hf_logits_f32.npy"))
     engine.model.moe.routing_log = {}
-    got = engine.forward(prompt + hf["hf_greedy_next_tokens"], engine.new_cache()).numpy()
+    got = engine.forward(prompt + hf["hf_greedy_next_tokens"], engine.new_sequence()).numpy()
     log, engine.model.moe.routing_log = engine.model.moe.routing_log, None
     diff = np.abs(got - want)
     assert diff.max() <= HF_TOLERANCE, f"{model}: max |diff| {diff.max():.3g}, mean {diff.mean():.3g}"
@@ -85,11 +85,11 @@ def test_decode_through_the_cache_equals_one_pass(full: tuple[str, Engine]) -> N
     """The KV cache is exact: logits of a prompt fed in pieces equal those of one pass."""
     model, engine = full
     prompt = np.load(ref(model, "prompt_ids.npy")).tolist()
-    whole = engine.forward(prompt, engine.new_cache())
-    cache = engine.new_cache()
+    whole = engine.forward(prompt, engine.new_sequence())
+    cache = engine.new_sequence()
     parts = [engine.forward(prompt[:7], cache), engine.forward(prompt[7:8], cache), engine.forward(prompt[8:], cache)]
     torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=2e-5)
-    last = engine.forward(prompt, engine.new_cache(), last=True)  # a generation's prefill: the head on one row
+    last = engine.forward(prompt, engine.new_sequence(), last=True)  # a generation's prefill: the head on one row
     assert last.shape == (1, whole.shape[1])
     torch.testing.assert_close(last[0], whole[-1], rtol=0, atol=2e-5)
 
@@ -101,7 +101,7 @@ def test_quantized_matches_llama_cpp(model: str, variant: str, gguf: str, max_fl
     want = np.load(ref(model, f"llamacpp.{variant}.logits_f32.npy"))
     n = len(g["prompt"])
     engine.model.moe.routing_log = {}
-    got = engine.forward(g["prompt"] + g["greedy"], engine.new_cache()).numpy()
+    got = engine.forward(g["prompt"] + g["greedy"], engine.new_sequence()).numpy()
     flips = set()
     for key, ids in g["prompt_router"].items():
         if key.startswith("ffn_moe_topk-"):
@@ -124,4 +124,4 @@ def test_logits_through_the_pack_equal_the_gguf_bit_for_bit(fixture_id: str,
     direct = Engine.load(src)
     packed = Engine.load(pack)
     assert packed.files.fingerprint is not None and direct.files.fingerprint is None
-    assert torch.equal(direct.forward(tokens, direct.new_cache()), packed.forward(tokens, packed.new_cache()))
+    assert torch.equal(direct.forward(tokens, direct.new_sequence()), packed.forward(tokens, packed.new_sequence()))

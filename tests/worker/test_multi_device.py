@@ -108,8 +108,9 @@ def test_split_static_decode_steps_are_bit_identical(arch: str) -> None:
     every range reads the step's position on its own device."""
     def steps(devices: str) -> torch.Tensor:
         engine = Engine.load(FIXTURES / MODELS[arch], devices, resident_experts=True)
-        cache = engine.new_cache()
-        engine.forward(PROMPT, cache)
+        seq = engine.new_sequence()
+        engine.forward(PROMPT, seq)
+        cache = seq.kv
         cache.reserve(300)
         position = torch.zeros(1, dtype=torch.int64)
         cache.step_positions = position

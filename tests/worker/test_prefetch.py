@@ -52,7 +52,7 @@ def daemon_with(pack: Path, tmp: Path, client_slots: int, *extra: str) -> Daemon
 
 def run(engine: Engine) -> list[torch.Tensor]:
     """Logits of a prompt, then of decode steps over a fixed token stream."""
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     out = [engine.forward(PROMPT, cache)]
     for token in DECODE:
         out.append(engine.forward([token], cache))
@@ -190,7 +190,7 @@ def test_the_lookahead_asks_for_the_next_layers_nearest_first(tiny_pack: Path, t
             layer_done(layer)
 
         cache.prefetch, cache.layer_done = recorded_prefetch, recorded_layer_done
-        state = engine.new_cache()
+        state = engine.new_sequence()
         engine.forward(PROMPT, state)
         asked.clear()
         done.clear()
@@ -241,7 +241,7 @@ def test_a_layers_misses_are_asked_for_before_the_layers_ahead(tiny_pack: Path, 
                 assert events.index(("ahead", layer)) > events.index(("demand", layer)), (layer, events)
 
         cache.link.client._send, cache.prefetch = recorded_send, recorded_prefetch
-        state = engine.new_cache()
+        state = engine.new_sequence()
         engine.forward(PROMPT[:4], state)
         for token in DECODE[:3]:
             events.clear()

@@ -66,6 +66,6 @@ def test_matches_transformers_on_the_same_values(model: Path) -> None:
     with torch.no_grad():
         want = hf(torch.tensor([tokens])).logits[0]
         expected = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 40:]
-    got = engine.forward(tokens, engine.new_cache())
+    got = engine.forward(tokens, engine.new_sequence())
     assert (got - want).abs().max() <= 1e-4, (got - want).abs().max()
     assert engine.generate(tokens, 8, Sampler())[0] == expected.tolist()

@@ -5,7 +5,7 @@ real expertd, with a cache of the minimum size (it evicts at every layer):
 
 - step after step, the logits, greedy tokens and cache counters of the eager streaming step,
   bit for bit, with prefetch on and off, across a new reservation and a second request (the stops'
-  buffers kept, traded or made anew where DecodeGraph would capture again);
+  buffers kept in the arena's slot, or made anew where DecodeGraph would capture again);
 - a segmented step reads the device once per MoE layer (its ids and the lookahead's guess
   together), where the eager step reads it twice;
 - every MoE layer is a stop, in order, and every stop reads the same offsets buffer each step.
@@ -67,13 +67,13 @@ def test_segments_give_the_eager_steps_bits(name: str, prefetch: bool, fixture_p
             try:
                 want, want_tokens = greedy_run(eager, PROMPT, N_STEPS)
                 want_counters = counters(eager)
-                assert eager._graph is None
+                assert eager._graphs.get(0) is None
             finally:
                 eager.close()
             engine = streamed(pack, d.endpoint, prefetch, graphs=True)
             try:
                 got, got_tokens = greedy_run(engine, PROMPT, N_STEPS)
-                segmented = engine._graph
+                segmented = engine._graphs.get(0)
                 assert isinstance(segmented, SegmentedDecode) and not segmented.graphs  # eager segments on the CPU
                 assert counters(engine) == want_counters
                 moe_layers = engine.expert_cache.served
@@ -111,10 +111,10 @@ def test_one_device_read_per_moe_layer(fixture_packs, tmp_path: Path, monkeypatc
                 engine = streamed(pack, d.endpoint, prefetch=True, graphs=graphs)
                 try:
                     n_moe = len(engine.expert_cache.served)
-                    cache = engine.new_cache()
+                    cache = engine.new_sequence()
                     engine.forward(PROMPT, cache)
                     engine.forward([3], cache)  # the segments' first step: their buffers are made
-                    buffers = [s.offsets for s in engine._graph.stops] if graphs else []
+                    buffers = [s.offsets for s in engine._graphs.get(0).stops] if graphs else []
                     with monkeypatch.context() as m:
                         m.setattr(torch.Tensor, "tolist", counted_tolist)
                         m.setattr(torch.Tensor, "item", counted_item)
@@ -124,7 +124,7 @@ def test_one_device_read_per_moe_layer(fixture_packs, tmp_path: Path, monkeypatc
                             # eager: the layer's ids, and apart from them the guesses of all but the last layer
                             assert len(reads) == (n_moe if graphs else 2 * n_moe - 1), (graphs, reads)
                     if graphs:
-                        assert all(a is s.offsets for a, s in zip(buffers, engine._graph.stops, strict=True))
+                        assert all(a is s.offsets for a, s in zip(buffers, engine._graphs.get(0).stops, strict=True))
                 finally:
                     engine.close()
     finally:
@@ -134,7 +134,7 @@ def test_one_device_read_per_moe_layer(fixture_packs, tmp_path: Path, monkeypatc
 def test_new_reservations_and_requests_stay_exact(fixture_packs, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Decoding crosses a reservation (the segments made anew, as DecodeGraph captures anew), and a
-    second request of the same shapes trades buffers with the first (kept); both stay bit-exact."""
+    second request opens in the first one's arena slot (its segments kept); both stay bit-exact."""
     monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 4)
     pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
     d = daemon_for(pack, tmp_path)
@@ -147,11 +147,11 @@ def test_new_reservations_and_requests_stay_exact(fixture_packs, tmp_path: Path,
                 try:
                     first = greedy_run(engine, PROMPT, 2)  # positions 3, 4: capacity 4, then 8
                     if graphs:
-                        seen.append(engine._graph)
-                        assert engine._graph.capacity == 8
-                    second = greedy_run(engine, PROMPT[::-1] + [2, 4], 2)  # positions 5, 6: 8 again, traded
+                        seen.append(engine._graphs.get(0))
+                        assert engine._graphs.get(0).capacity == 8
+                    second = greedy_run(engine, PROMPT[::-1] + [2, 4], 2)  # positions 5, 6: 8 again, the same slot
                     if graphs:
-                        assert engine._graph is seen[0]
+                        assert engine._graphs.get(0) is seen[0]
                     runs[graphs] = [*first[0], *second[0]], first[1] + second[1]
                 finally:
                     engine.close()
@@ -206,17 +206,17 @@ def test_capture_splits_the_pass_at_every_stop(refuse_at: int | None, fixture_pa
         with kernels_on_cpu():
             engine = streamed(pack, d.endpoint, prefetch=True, graphs=True)
             try:
-                cache = engine.new_cache()
+                cache = engine.new_sequence()
                 engine.forward(PROMPT, cache)
                 engine.forward([3], cache)  # the eager pass that makes the stops
-                segmented = engine._graph
+                segmented = engine._graphs.get(0)
                 n_stops, length = len(segmented.stops), cache.length
                 host_steps = []
                 monkeypatch.setattr(segmented, "_between", lambda stop: host_steps.append(stop))
                 with torch.inference_mode():  # as Engine.forward runs it
                     segmented._capture()
                 assert host_steps == [] and cache.length == length
-                assert engine.model.moe.boundary is None and cache.step_positions is None
+                assert engine.model.moe.boundary is None and cache.kv.step_positions is None
                 if refuse_at is None:
                     assert segmented.failed is None and segmented.logits is not None
                     assert len(segmented.graphs) == n_stops + 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from expertpack.worker.engine.arena import SequenceClosed
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.nn.layers import KVCache
 
@@ -52,49 +53,52 @@ def test_static_steps_equal_eager_decode(case: str) -> None:
     arch, prompt, feed = CASES[case]
     engine = Engine.load(FIXTURES / MODELS[arch], resident_experts=True)
     assert engine.model.static_decode
-    eager = engine.new_cache()
+    eager = engine.new_sequence()
     engine.forward(prompt, eager)
     want = torch.cat([engine.forward([t], eager) for t in feed])
 
-    static = engine.new_cache()
+    static = engine.new_sequence()
     engine.forward(prompt, static)
-    static.reserve(300)  # buffers longer than the sequence: the unwritten rows must not count
-    got = static_steps(engine, static, feed)
+    static.kv.reserve(300)  # buffers longer than the sequence: the unwritten rows must not count
+    got = static_steps(engine, static.kv, feed)
     assert static.length == eager.length == len(prompt) + len(feed)
     err = (got - want).abs().max().item()
     assert err < 1e-5, f"{case}: max |diff| {err:.2e}"
-    for layer in eager.keys:  # the same keys in the same rows (the summation order over keys differs)
-        torch.testing.assert_close(static.keys[layer][:eager.length], eager.keys[layer][:eager.length],
+    for layer in eager.kv.keys:  # the same keys in the same rows (the summation order over keys differs)
+        torch.testing.assert_close(static.kv.keys[layer][:eager.length], eager.kv.keys[layer][:eager.length],
                                    rtol=1e-5, atol=1e-5)
-    eager.reserve(300)  # states reserved after eager decoding hold what the static steps left
-    for mine, theirs in zip(static.state_tensors(), eager.state_tensors(), strict=True):
+    eager.kv.reserve(300)  # states reserved after eager decoding hold what the static steps left
+    for mine, theirs in zip(static.kv.state_tensors(), eager.kv.state_tensors(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "kimi-k3", "deepseek4"])
-def test_trading_buffers_keeps_each_caches_rows(arch: str) -> None:
-    """A captured step reads fixed buffers: the next request's cache trades buffers with the one in
-    them, the architectures' states (KDA's, DeepSeek-V4's compressors) too. Both caches keep
-    decoding as if nothing happened."""
+def test_a_reused_slot_keeps_its_buffers_and_starts_clean(arch: str) -> None:
+    """A captured step reads fixed buffers: a request's sequence closes, the next one opens in the
+    same arena slot, over the same buffers, its rows and its architecture's states (KDA's,
+    DeepSeek-V4's compressors) cleared in place. It decodes as a fresh engine's first sequence:
+    bit for bit where the states have one shape (keys reserved or not are read the same), within
+    float32 rounding for DeepSeek-V4, whose reserved states an eager pass rebuilds."""
     engine = Engine.load(FIXTURES / MODELS[arch], resident_experts=True)
-    first, second = engine.new_cache(), engine.new_cache()
-    engine.forward(PROMPT, first)
-    engine.forward(PROMPT[::-1] + [7], second)
-    first.reserve(300)
-    second.reserve(300)
-    assert first.same_shapes(second) and bool(first.state) == (arch != "qwen3moe")
-    held = first.buffer_ptrs()
-    values = [[t.clone() for t in c.keys.values()] + [t.clone() for t in c.state_tensors()] for c in (first, second)]
-    with torch.inference_mode():  # as the engine's passes run (KDA's states are inference tensors)
-        second.trade_buffers(first)
-    assert second.buffer_ptrs() == held  # the buffers a graph would read now hold `second`
-    for c, want in zip((first, second), values):
-        got = list(c.keys.values()) + c.state_tensors()
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), "a cache's rows changed in the trade"
-    for cache, prompt in ((first, PROMPT), (second, PROMPT[::-1] + [7])):
-        fresh = engine.new_cache()
-        engine.forward(prompt, fresh)
-        assert torch.equal(engine.forward([FEED[0]], cache), engine.forward([FEED[0]], fresh))
+    with engine.new_sequence() as first:
+        engine.forward(PROMPT[::-1] + [7], first)
+        engine.forward([FEED[1]], first)
+        first.kv.reserve(300)
+        held, slot = first.kv.buffer_ptrs(), first.slot
+        assert bool(first.kv.state) == (arch != "qwen3moe")
+    second = engine.new_sequence()
+    assert second.slot == slot and second.length == 0 and second.kv.buffer_ptrs() == held
+    got = torch.cat([engine.forward(PROMPT, second), engine.forward([FEED[0]], second)])
+    assert second.kv.buffer_ptrs() == held
+    fresh_engine = Engine.load(FIXTURES / MODELS[arch], resident_experts=True)
+    fresh = fresh_engine.new_sequence()
+    want = torch.cat([fresh_engine.forward(PROMPT, fresh), fresh_engine.forward([FEED[0]], fresh)])
+    if arch == "deepseek4":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
+    with pytest.raises(SequenceClosed):
+        engine.forward([FEED[0]], first)
 
 
 def test_deepseek4_state_stays_in_its_buffers_between_eager_and_static_passes() -> None:
@@ -107,24 +111,24 @@ def test_deepseek4_state_stays_in_its_buffers_between_eager_and_static_passes() 
     prompt = [(5 * i + 2) % 1000 for i in range(130)]
     # (No step at an indexer tie: there eager and static picks may differ, either being right.)
     first, chunks, last = [33, 7, 1000, 5, 9, 200], ([71, 3, 512], [12, 640, 6]), [64, 18, 301]
-    eager = engine.new_cache()
+    eager = engine.new_sequence()
     engine.forward(prompt, eager)
     want = torch.cat([engine.forward([t], eager) for t in first] + [engine.forward(c, eager) for c in chunks]
                      + [engine.forward([t], eager) for t in last])
 
-    static = engine.new_cache()
+    static = engine.new_sequence()
     engine.forward(prompt, static)
-    static.reserve(140)
-    buffers = static.state_tensors()
-    got = [static_steps(engine, static, first), engine.forward(chunks[0], static)]  # up to 139: in place
-    assert all(a is b for a, b in zip(buffers, static.state_tensors(), strict=True))
+    static.kv.reserve(140)
+    buffers = static.kv.state_tensors()
+    got = [static_steps(engine, static.kv, first), engine.forward(chunks[0], static)]  # up to 139: in place
+    assert all(a is b for a, b in zip(buffers, static.kv.state_tensors(), strict=True))
     got.append(engine.forward(chunks[1], static))  # up to 142: grown
-    assert static.capacity == 280
-    static.reserve(300)
-    assert static.capacity == 300
-    got = torch.cat(got + [static_steps(engine, static, last)])
+    assert static.kv.capacity == 280
+    static.kv.reserve(300)
+    assert static.kv.capacity == 300
+    got = torch.cat(got + [static_steps(engine, static.kv, last)])
     err = (got - want).abs().max().item()
-    ties = sorted({p for state in static.state.values() for p in state.ties()})
+    ties = sorted({p for state in static.kv.state.values() for p in state.ties()})
     assert err < 1e-5, f"max |diff| {err:.2e} (indexer ties at {ties})"
 
 
@@ -163,22 +167,22 @@ def test_deepseek4_static_passes_of_several_tokens_equal_eager_passes(case: str)
     if wide:
         engine.model.shapes = [dataclasses.replace(s, index_topk=10 ** 6) for s in engine.model.shapes]
     stream = [(7 * i + 1) % 1000 for i in range(sum(plan))]
-    eager, static = engine.new_cache(), engine.new_cache()
-    static.state.update(engine.model.new_states())
-    static.reserve(256)
-    assert static.capacity == 256 and static.length == 0
+    eager, static = engine.new_sequence(), engine.new_sequence()
+    static.kv.state.update(engine.model.new_states())
+    static.kv.reserve(256)
+    assert static.kv.capacity == 256 and static.length == 0
     start = 0
     for n in plan:
         tokens, start = stream[start:start + n], start + n
         with torch.inference_mode():
-            want = engine.model.forward(torch.tensor(tokens), eager, True).to(torch.float32)
-            got = static_pass(engine, static, tokens) if n <= 64 else engine.model.forward(
-                torch.tensor(tokens), static, True).to(torch.float32)
+            want = engine.model.forward(torch.tensor(tokens), eager.kv, True).to(torch.float32)
+            got = static_pass(engine, static.kv, tokens) if n <= 64 else engine.model.forward(
+                torch.tensor(tokens), static.kv, True).to(torch.float32)
         err = (got - want).abs().max().item()
         assert err < 1e-5, f"{case}: pass of {n} tokens ending at {start}: max |diff| {err:.2e}"
     assert static.length == eager.length == sum(plan)
-    eager.reserve(256)
-    for mine, theirs in zip(static.state_tensors(), eager.state_tensors(), strict=True):
+    eager.kv.reserve(256)
+    for mine, theirs in zip(static.kv.state_tensors(), eager.kv.state_tensors(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -191,14 +195,14 @@ def test_the_engines_short_prompt_into_an_empty_deepseek4_cache(monkeypatch: pyt
 
     engine = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
     prompt, turn = [(3 * i + 11) % 1000 for i in range(21)], [5, 9, 200, 33, 7]
-    eager = engine.new_cache()
+    eager = engine.new_sequence()
     want = [engine.forward(prompt, eager, last=True), engine.forward(turn, eager, last=True),
             engine.forward([64], eager)]
     monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
-    cache = engine.new_cache()
+    cache = engine.new_sequence()
     got = [engine.forward(prompt, cache, last=True)]
-    assert cache.capacity == engine_module.MIN_STATIC_CAPACITY and cache.length == 21
-    assert all(state.buffers is not None for state in cache.state.values())
+    assert cache.kv.capacity == engine_module.MIN_STATIC_CAPACITY and cache.length == 21
+    assert all(state.buffers is not None for state in cache.kv.state.values())
     got += [engine.forward(turn, cache, last=True), engine.forward([64], cache)]
     err = (torch.cat(got) - torch.cat(want)).abs().max().item()
     assert err < 1e-5, f"max |diff| {err:.2e}"
@@ -219,9 +223,9 @@ def test_deepseek4_short_prompt_through_a_minimal_expert_cache_equals_every_expe
     prompt = [(7 * i + 1) % 1000 for i in range(21)]
 
     def run(engine: Engine) -> torch.Tensor:
-        cache = engine.new_cache()
+        cache = engine.new_sequence()
         first = engine.forward(prompt, cache, last=True)
-        assert all(state.buffers is not None for state in cache.state.values()), "the prompt ran eagerly"
+        assert all(state.buffers is not None for state in cache.kv.state.values()), "the prompt ran eagerly"
         return torch.cat([first, engine.forward(prompt[:9], cache, last=True)])
 
     want, got = resident_and_minimal_cache(fixture_packs["dsv4-tiny.Q2_K"][1], tmp_path, run)

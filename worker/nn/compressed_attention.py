@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 from ..weights.qtensor import head_linear, linear, use_kernels
-from .layers import Rope, RopeStyle, rms_norm, swap_values
+from .layers import Rope, RopeStyle, rms_norm
 
 
 @dataclass
@@ -139,9 +139,19 @@ class LayerState:
         """What a static step updates in place (saved and restored around a graph's warm-up)."""
         return [] if self.buffers is None else self.buffers.tensors()
 
-    def trade(self, other: "LayerState") -> None:
-        swap_values(self.tensors(), other.tensors())
-        self.buffers, other.buffers = other.buffers, self.buffers
+    def clear(self) -> None:
+        """The state before a first token. Reserved, it is the empty reservation's values written
+        into this state's own buffers (a captured step keeps reading them)."""
+        self.indexer_ties = []
+        self.compressors = {name: CompressorState() for name in self.compressors}
+        if self.buffers is None:
+            self.raw = None
+            return
+        empty = LayerState(self.shape, self.buffers.raw.device)
+        empty.reserve(self.buffers.capacity, 0)
+        for mine, fresh in zip(self.tensors(), empty.tensors(), strict=True):
+            mine.copy_(fresh)
+        self.unpack(0)
 
     def ties(self) -> list[int]:
         """Every position whose indexer pick was a tie, eager or static (a host sync)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..weights.qtensor import linear
-from .layers import rms_norm, swap_values
+from .layers import rms_norm
 
 
 @dataclass
@@ -28,10 +28,10 @@ class KdaState:
     def tensors(self) -> list[torch.Tensor]:
         return [*self.conv.values(), self.s]
 
-    def trade(self, other: "KdaState") -> None:
-        swap_values(self.tensors(), other.tensors())
-        self.conv, other.conv = other.conv, self.conv
-        self.s, other.s = other.s, self.s
+    def clear(self) -> None:
+        """The state before a first token (zeros, as `kda` makes it), in its own tensors."""
+        for t in self.tensors():
+            t.zero_()
 
     def assign(self, new: "KdaState") -> None:
         """Takes `new`'s values into this state's own tensors: a captured decode step reads and

@@ -136,17 +136,9 @@ class LayerCache(Protocol):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a static step writes."""
 
-    def trade(self, other: "LayerCache") -> None:
-        """Takes `other`'s tensors (same shapes), which get this state's values and give theirs:
-        each state keeps its values, the tensors a captured step reads change hands."""
-
-
-def swap_values(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
-    """Swaps the values of two lists of tensors of the same shapes, in place."""
-    for a, b in zip(mine, theirs, strict=True):
-        rows = a.clone()
-        a.copy_(b)
-        b.copy_(rows)
+    def clear(self) -> None:
+        """The state before a first token, in this state's own tensors (a sequence slot reused:
+        the graphs captured over them stay valid)."""
 
 
 @dataclass
@@ -156,8 +148,8 @@ class KVCache:
     (a decode step or a short prompt, engine.DecodeGraph) sets `step_positions`, a device tensor
     holding the positions of its tokens: it then writes there and attends over the whole buffer,
     masked by position, so the pass has the same shapes at every position. `generation` counts the
-    times a buffer was replaced by another tensor (grown, traded): a captured graph reads the
-    tensors it was captured over, and the engine checks them again only when it changed."""
+    times a buffer was replaced by a larger one: a captured graph reads the tensors it was
+    captured over, so the engine captures a slot's graphs again when it changed (engine/arena.py)."""
 
     keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [capacity, Hkv, d]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -216,7 +208,12 @@ class KVCache:
     def buffers(self, layer: int, t: int, k_shape: torch.Size, v_shape: torch.Size, like: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Layer's key and value buffers [capacity, ...], made or grown to hold this pass's T tokens,
-        and how many leading rows its queries attend (all of them in a captured step)."""
+        and how many leading rows its queries attend (all of them in a captured step). Buffers of
+        another row shape go first: a slot's new sequence may lay its keys out otherwise (MLA's
+        latent form on the kernels' path, per-head keys on torch's)."""
+        kept = self.keys.get(layer)
+        if kept is not None and (kept.shape[1:] != k_shape or self.values[layer].shape[1:] != v_shape):
+            del self.keys[layer], self.values[layer]
         if self.step_positions is not None:
             if layer not in self.keys:  # a static prompt into an empty cache: its reserved size
                 self.generation += 1
@@ -239,44 +236,21 @@ class KVCache:
         return (*(t.data_ptr() for layer in sorted(self.keys) for t in (self.keys[layer], self.values[layer])),
                 *(t.data_ptr() for t in self.state_tensors()))
 
-    def take_buffers(self, other: "KVCache") -> None:
-        """An empty cache takes `other`'s buffers, and `other` its rows in new ones: one copy of its
-        rows where a trade copies whole buffers three times. The new buffers are all made before
-        anything moves, so running out of memory leaves both caches as they were."""
-        assert not self.keys and not self.state, "a cache takes buffers only while it holds none"
-        fresh = {id(t): torch.zeros_like(t) for d in (other.keys, other.values) for t in d.values()}
-        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
-            for layer, buffer in theirs.items():
-                rows = fresh[id(buffer)]
-                rows[:other.length] = buffer[:other.length]
-                mine[layer], theirs[layer] = buffer, rows
-        self.reserved = max(self.reserved, other.reserved)
-        self.generation += 1
-        other.generation += 1
-
-    def trade_buffers(self, other: "KVCache") -> None:
-        """Swaps buffers with `other` (same layers and shapes), each cache keeping its own rows: a
-        captured decode step reads fixed buffers, and the cache that decodes next must be in them."""
-        self.generation += 1
-        other.generation += 1
-        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
-            for layer in mine:
-                swap_values([mine[layer]], [theirs[layer]])
-                mine[layer], theirs[layer] = theirs[layer], mine[layer]
-        for layer, state in self.state.items():
-            state.trade(other.state[layer])
+    def clear(self) -> None:
+        """Empty again, buffers kept: a new sequence in this slot writes its rows over the old ones
+        before it reads them (attention sees positions up to its own), and every state starts
+        over in place."""
+        self.length = 0
+        self.step_positions = None
+        self.step_copies = {}
+        with torch.inference_mode():  # the states are the passes' (inference) tensors
+            for state in self.state.values():
+                state.clear()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors of the architectures' own states (KDA's, DeepSeek-V4's reserved buffers),
         which a step updates in place."""
         return [t for layer in sorted(self.state) for t in self.state[layer].tensors()]
-
-    def same_shapes(self, other: "KVCache") -> bool:
-        """Whether the two can trade buffers: the same layers, buffers and states of the same shapes."""
-        def shapes(c: KVCache) -> list:
-            return ([(l, c.keys[l].shape, c.values[l].shape) for l in sorted(c.keys)]
-                    + [(l, type(c.state[l]), [t.shape for t in c.state[l].tensors()]) for l in sorted(c.state)])
-        return shapes(self) == shapes(other)
 
 
 def _grown(buffer: torch.Tensor, size: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..engine.arena import Sequence
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler
 from .tokenizer import GGUFTokenizer
@@ -115,11 +116,15 @@ class Generator:
         """Generates; `on_text` gets each final piece of text, `on_logprobs` each token's entry (when
         the request asks for logprobs) before the piece holding its text. `cancelled` is polled per token."""
         self.check_fits(len(req.prompt_ids), req.max_tokens)
+        with self.engine.new_sequence() as seq:  # its slot in the engine's arena, given back after
+            return self._run(req, seq, on_text, cancelled, on_logprobs)
+
+    def _run(self, req: Request, kv: Sequence, on_text: Callable[[str], None] | None,
+             cancelled: Callable[[], bool], on_logprobs: Callable[[TokenLogprob], None] | None) -> Completion:
         cache_counters = self.engine.expert_cache.counters if self.engine.expert_cache else None
         before = cache_counters.snapshot() if cache_counters else None
         usage = Usage(len(req.prompt_ids))
         text = _TextStream(self.tokenizer, req.stop, on_text)
-        kv = self.engine.new_cache()
         stops = set() if req.ignore_eos else set(self.tokenizer.stop_ids)
         finish = "length"
         start = time.perf_counter()

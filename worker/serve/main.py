@@ -234,7 +234,7 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     try:
         generator = Generator(engine, tokenizer)
         try:
-            engine.forward([tokenizer.bos_id or 0], engine.new_cache())  # warm-up: kernels, allocator, first experts
+            engine.forward([tokenizer.bos_id or 0], engine.new_sequence())  # warm-up: kernels, allocator, first experts
         except CorruptExpert as exc:  # the pack's damage fails the requests that need it; /health says degraded
             log.error("warm-up: %s", exc)
         trace = None

@@ -1,0 +1,226 @@
+"""A decode step (or a short prompt) captured as CUDA graphs over one sequence's buffers: the whole
+step as one graph where every expert is resident (DecodeGraph), or segments split at the MoE layers
+where the expert cache's misses need the host between them (SegmentedDecode). The kernels and their
+inputs are those of the eager step, so a replay gives the eager step's bits."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..experts.expert_cache import ExpertCache
+from ..experts.lookahead import Guesses
+from ..models import Model
+from ..nn.layers import KVCache
+from ..weights.model_files import ExpertRows
+
+
+class DecodeGraph:
+    """One model's decode step (or a prompt of `tokens` tokens, logits of its last with `last`)
+    captured as a CUDA graph over one KV cache (its buffers reserved ahead: `capacity` positions),
+    replayed per step: the tokens and their positions are written into static device buffers and
+    the step runs as one launch instead of hundreds from Python. Captured after a warm-up on a side
+    stream (kernels compile, vectors are made), as torch.cuda.graph asks; into `pool` where given
+    (graphs that never run at once can share one)."""
+
+    def __init__(self, model: Model, cache: KVCache, device: torch.device, tokens: int = 1, last: bool = False,
+                 pool: object = None) -> None:
+        self.model, self.cache = model, cache
+        self.capacity = cache.capacity
+        self.token = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self._offsets = torch.arange(tokens, dtype=torch.int64, device=device)
+        self.position = self._offsets + cache.length
+        length = cache.length
+        states = [t.clone() for t in cache.state_tensors()]  # the warm-up steps advance them: put back after
+        cache.step_positions = self.position
+        try:
+            if not cache.keys:  # a prompt into an empty cache: its buffers made on the stream that uses them
+                model.forward(self.token, cache, last)
+                cache.length = length
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # writes the next positions' keys, which the first replay overwrites
+                    model.forward(self.token, cache, last)
+                    cache.length = length
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.logits = model.forward(self.token, cache, last).to(torch.float32)
+        finally:
+            cache.step_positions = None
+            cache.length = length
+            for live, saved in zip(cache.state_tensors(), states):
+                live.copy_(saved)
+
+    def step(self, tokens: int | list[int]) -> torch.Tensor:
+        """Logits after a token (a decode step's) or after the prompt's `tokens`."""
+        if isinstance(tokens, int):
+            self.token.fill_(tokens)
+            self.position.fill_(self.cache.length)
+        else:
+            self.token.copy_(torch.tensor(tokens, dtype=torch.int64))
+            torch.add(self._offsets, self.cache.length, out=self.position)
+        self.graph.replay()
+        self.cache.length += self.token.shape[0]
+        return self.logits.clone()
+
+
+@dataclass
+class _Stop:
+    """Where a segmented step stops at one MoE layer, and the static buffers the graphs on either
+    side share with the host step between them."""
+    layer: int
+    n_pairs: int  # T*k
+    targets: tuple[int, ...]  # the later layers the lookahead's guesses are for (prefetch), nearest first
+    routed: torch.Tensor  # [T*k (+ T*k per target)] int64, device: the layer's ids, then each guess
+    offsets: torch.Tensor  # [T*k] int64, device: where each pair's expert sits in the cache's memory
+    staged: torch.Tensor  # [T*k] int64, host (pinned on CUDA): the offsets on their way up
+
+    @classmethod
+    def make(cls, layer: int, n_pairs: int, guesses: Guesses, device: torch.device) -> "_Stop":
+        assert all(ids.numel() == n_pairs for _, ids in guesses), "a guess is k experts of the step's token"
+        return cls(layer, n_pairs, tuple(target for target, _ in guesses),
+                   torch.zeros(n_pairs * (1 + len(guesses)), dtype=torch.int64, device=device),
+                   torch.zeros(n_pairs, dtype=torch.int64, device=device),
+                   torch.zeros(n_pairs, dtype=torch.int64, pin_memory=device.type == "cuda"))
+
+
+class SegmentedDecode:
+    """A decode step over the expert cache as CUDA graphs split at the MoE layers (at most one host
+    sync per MoE layer, the GPU fast path's aim): graph 0 runs from the embedding to the first MoE
+    layer's routing, graph i the experts of MoE layer i-1 and everything up to layer i's routing,
+    the last one the last layer's experts and the output head. Between two graphs, on the host:
+    the layer's ids and the lookahead's guesses for the layers ahead, copied to the host together
+    (the one sync), then ExpertFFN.host_step (prefetch, hits, the fetch of misses and their
+    copies, the compute stream waiting on them) and the offsets copied from a pinned buffer into
+    the static one the next graph reads, on the compute stream. The kernels and their inputs are
+    those of the eager step: the same bits.
+
+    The first step runs the segments eagerly (kernels compile; the stops' buffers are made) and is
+    then captured, once per KV cache buffers like DecodeGraph; later steps replay. A capture that
+    fails leaves `failed` set (the engine then steps eagerly). On the CPU (Triton's interpreter,
+    tests) nothing is captured: every step runs the segments eagerly, through the same stops,
+    buffers and host steps."""
+
+    def __init__(self, model: Model, cache: KVCache, device: torch.device) -> None:
+        self.model, self.cache, self.device = model, cache, device
+        self.capacity = cache.capacity
+        self.prefetch = model.moe.prefetch  # captured with or without the guesses' router
+        self.token = torch.zeros(1, dtype=torch.int64, device=device)
+        self.position = torch.zeros(1, dtype=torch.int64, device=device)
+        self.stops: list[_Stop] = []
+        self.graphs: list[torch.cuda.CUDAGraph] = []  # len(stops) + 1 once captured
+        self.logits: torch.Tensor | None = None  # the last graph's output
+        self.failed: RuntimeError | None = None
+        self.pool = None  # the memory pool the graphs share
+        self._at = 0  # the stop the pass reaches next
+        self._capturing = False
+        self._open: torch.cuda.CUDAGraph | None = None  # the graph being captured
+
+    @staticmethod
+    def fits(model: Model) -> bool:
+        """A step's experts fit the cache in one wave (one token's k). (DeepSeek-V4's hash layers,
+        whose experts follow from the token, are looked up in the graph from its token buffer.)"""
+        source = model.moe.source
+        return isinstance(source, ExpertCache) and source.capacity >= source.manifest.model.n_expert_used
+
+    def step(self, token: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.position.fill_(self.cache.length)
+        if not self.graphs:
+            logits = self._pass()
+            if self.device.type == "cuda" and self.failed is None:
+                self._capture()
+            return logits
+        for graph, stop in zip(self.graphs, self.stops):
+            graph.replay()
+            self._between(stop)
+        self.graphs[-1].replay()
+        self.cache.length += 1
+        return self.logits.clone()
+
+    def _pass(self, capture: bool = False) -> torch.Tensor:
+        """One forward pass through the stops: eagerly (each stop's host step runs there), or
+        captured (each stop ends a graph and begins the next)."""
+        moe = self.model.moe
+        self._at, self._capturing = 0, capture
+        self.cache.step_positions, moe.boundary = self.position, self._boundary
+        try:
+            logits = self.model.forward(self.token, self.cache).to(torch.float32)
+        finally:
+            self.cache.step_positions, moe.boundary = None, None
+            self._capturing = False
+        if self._at != len(self.stops):
+            raise RuntimeError(f"the pass stopped at {self._at} MoE layers, the step has {len(self.stops)}")
+        return logits
+
+    def _boundary(self, layer: int, ids: torch.Tensor, guesses: Guesses) -> ExpertRows:
+        """ExpertFFN's stop at `layer`: the routing (and the lookahead's guesses) into the stop's
+        buffer, then the host step (eager) or the end of one graph and the start of the next (capture)."""
+        if self._at == len(self.stops) and not self._capturing:
+            self.stops.append(_Stop.make(layer, ids.numel(), guesses, self.device))
+        stop = self.stops[self._at] if self._at < len(self.stops) else None
+        targets = tuple(target for target, _ in guesses)
+        if stop is None or (stop.layer, stop.n_pairs, stop.targets) != (layer, ids.numel(), targets):
+            raise RuntimeError(f"MoE layer {layer} is not where the step stopped before")
+        self._at += 1
+        n = stop.n_pairs
+        stop.routed[:n].copy_(ids.reshape(-1))
+        for i, (_, guess) in enumerate(guesses, start=1):
+            stop.routed[i * n:(i + 1) * n].copy_(guess.reshape(-1))
+        if self._capturing:
+            self._open.capture_end()
+            self._open = None
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(self.pool)
+            self._open = graph
+            self.graphs.append(graph)
+        else:
+            self._between(stop)
+        return ExpertRows(self.model.moe.source.memory, stop.offsets)
+
+    def _between(self, stop: _Stop) -> None:
+        """The host step at a stop. Its first act syncs the compute stream, so the pinned buffer's
+        previous upload (enqueued there a step ago) is done before it is written again."""
+        routed = stop.routed.tolist()  # the one host sync of the layer: its ids, and the guesses ahead
+        n = stop.n_pairs
+        guesses = [(target, routed[i * n:(i + 1) * n]) for i, target in enumerate(stop.targets, start=1)
+                   ] if self.prefetch else []
+        offsets = self.model.moe.host_step(stop.layer, routed[:n], guesses)
+        stop.staged.numpy()[:] = offsets
+        stop.offsets.copy_(stop.staged, non_blocking=True)  # on the compute stream, before the next graph
+
+    def _capture(self) -> None:
+        """Captures the step's graphs on a side stream (the eager pass before compiled every
+        kernel), sharing one memory pool: tensors a graph leaves for the next stay where it put
+        them, since the graphs replay in the order they were captured. Capturing runs nothing:
+        only the cache's length, which the model's forward advances, is put back."""
+        length = self.cache.length
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # as torch.cuda.graph does: cached blocks back, for the pool to take
+        self.pool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                self.graphs = [torch.cuda.CUDAGraph()]
+                self.graphs[0].capture_begin(self.pool)
+                self._open = self.graphs[0]
+                try:
+                    self.logits = self._pass(capture=True)
+                except BaseException:
+                    if self._open is not None:  # the stream's capture ends, whatever state it is in
+                        with contextlib.suppress(RuntimeError):
+                            self._open.capture_end()
+                    raise
+                self._open.capture_end()
+        except RuntimeError as exc:  # an operation CUDA cannot capture, or no memory for the graphs: the step has run
+            self.graphs, self.logits, self.failed = [], None, exc
+        finally:
+            self._open = None
+            self.cache.length = length
+            current.wait_stream(side)
