@@ -15,7 +15,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
-from expertpack.packtools.synth.quant_fill import BLOCKS as FILLABLE, RandomFill
+from expertpack.packtools.synth.quant_fill import SCALES, RandomFill
 from expertpack.worker.weights.quant import BLOCKS, UnsupportedType, check_supported, dequantize
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference on NaN scales
@@ -32,7 +32,7 @@ def reference(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> np.ndarr
 def random_bytes(ggml_type: T, shape: tuple[int, ...], seed: int, valid: bool) -> np.ndarray:
     block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
     nbytes = int(np.prod(shape)) // block_values * block_bytes
-    if valid and ggml_type in FILLABLE:
+    if valid and ggml_type in SCALES:
         return RandomFill(seed).quant(ggml_type, nbytes).copy()
     if valid:  # float types: finite values
         rng = np.random.default_rng(seed)
