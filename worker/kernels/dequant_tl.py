@@ -4,7 +4,7 @@ registers, straight from the GGUF bytes; no float copy of a weight is written an
 
 Each decoder below is the arithmetic of worker/weights/quant.py (which is gguf-py's, bit for bit) written
 per value: `j` is the value's index in its chunk, every byte it needs is loaded at the offset the
-block layout of ggml-common.h gives (BLOCKS in quant.py, the same sums); the hot types (Q4_K,
+block layout of ggml-common.h gives (packtools.quants, the registry); the hot types (Q4_K,
 Q8_0, MXFP4: the `_rows` decoders) are written per block instead, each byte loaded once. The f16 scales sit at even
 offsets of blocks of even size, so they load as float16; everything else loads as bytes. One layout
 is not ggml's: Q8_0R, Q8_0 rows regrouped where the kernels run (weights.regroup_q8_0).
