@@ -10,10 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES
-
 from .errors import ClassifyError, DenseModelError
 from .gguf_source import GGUFSource, SourceTensor
+from .quants import block_sizes
 
 EXPERT_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<stem>[A-Za-z0-9_.]+?)_exps\.(?P<suffix>[A-Za-z0-9_]+)$")
 # Pre-2024 llama.cpp wrote one tensor per expert; no current loader reads that layout.
@@ -106,7 +105,7 @@ def _expert_tensor(t: SourceTensor, match: re.Match[str], n_expert: int, n_layer
             f"{where}: tensor {t.name} looks per-expert but its outermost dimension is {t.shape[-1]}, "
             f"not the expert count {n_expert}; this layout is not supported"
         )
-    block_size, type_size = GGML_QUANT_SIZES[t.ggml_type]
+    block_size, type_size = block_sizes(t.ggml_type)
     per_expert_values = 1
     for d in t.shape[:-1]:
         per_expert_values *= d

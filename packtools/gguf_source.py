@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from .errors import SourceError
+from .quants import block_sizes
 
 # llama.cpp's split naming (llama_split_path): <prefix>-00001-of-00003.gguf
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -184,7 +185,7 @@ def truncation(path: Path) -> str | None:
             name = take(u64()).decode("utf-8", "replace")
             dims = [u64() for _ in range(u32())]
             ggml_type, offset = u32(), u64()
-            block, type_size = GGML_QUANT_SIZES.get(GGMLQuantizationType(ggml_type), (1, 0))
+            block, type_size = block_sizes(GGMLQuantizationType(ggml_type))
             n = int(np.prod(dims, dtype=np.float64))
             if offset + n // block * type_size > end:
                 end, last = offset + n // block * type_size, name
@@ -208,7 +209,7 @@ def _shard(path: Path) -> Shard:
 def _tensor(t: Any, shard_index: int, shard: Shard) -> SourceTensor:
     ggml_type = GGMLQuantizationType(int(t.tensor_type))
     shape = tuple(int(d) for d in t.shape)
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    block_size, type_size = block_sizes(ggml_type)
     if shape[0] % block_size:
         raise SourceError(
             f"{shard.path}: tensor {t.name} has rows of {shape[0]} values, not a multiple of "

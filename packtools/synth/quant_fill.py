@@ -2,7 +2,8 @@
 
 Any bit pattern is a valid quant code; only the floating-point scale fields need care (finite, small,
 so activations stay in range). Bytes come from a fixed random pool, shifted and XOR-ed per chunk so
-that no two chunks (and so no two experts) are alike, then the scale fields are overwritten."""
+that no two chunks (and so no two experts) are alike, then the scale fields are overwritten. Where
+a field sits is packtools.quants' (the registry); this module says only what values it gets."""
 
 from __future__ import annotations
 
@@ -11,43 +12,44 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from ..quants import QUANTS
+
 POOL_BYTES = 64 << 20
 TARGET_MAX_ABS = 0.1  # rough largest |weight| the chosen scales produce
 
 
 @dataclass(frozen=True)
-class BlockLayout:
-    """Where a block's scale fields sit. `f16` fields get a random value in (0.5, 1] x max_scale;
-    the scales are chosen so that weights average zero (a negative max_scale for an added minimum)."""
+class Scales:
+    """How a type's scale parts (packtools.quants names them) are filled; every other byte of a
+    block stays random. `f16` parts get a random value in (0.5, 1] x max_scale; the scales are
+    chosen so that weights average zero (a negative max_scale for an added minimum)."""
 
-    values: int
-    nbytes: int
-    f16: tuple[tuple[int, float], ...] = ()  # (byte offset, largest scale)
-    e8m0: tuple[tuple[int, int], ...] = ()  # (byte offset, exponent byte), MXFP4's shared scale
+    f16: tuple[tuple[str, float], ...] = ()  # (part, largest scale)
+    e8m0: tuple[tuple[str, int], ...] = ()  # (part, exponent byte), MXFP4's shared scale
 
 
-# ggml-common.h block structs, written as the sums of their parts.
-BLOCKS: dict[T, BlockLayout] = {
-    T.Q4_0: BlockLayout(32, 2 + 16, f16=((0, TARGET_MAX_ABS / 8),)),
-    T.Q4_1: BlockLayout(32, 2 + 2 + 16, f16=((0, TARGET_MAX_ABS / 15), (2, -TARGET_MAX_ABS / 2))),
-    T.Q5_0: BlockLayout(32, 2 + 4 + 16, f16=((0, TARGET_MAX_ABS / 16),)),
-    T.Q5_1: BlockLayout(32, 2 + 2 + 4 + 16, f16=((0, TARGET_MAX_ABS / 31), (2, -TARGET_MAX_ABS / 2))),
-    T.Q8_0: BlockLayout(32, 2 + 32, f16=((0, TARGET_MAX_ABS / 128),)),
-    # scales[16] qs[64] d dmin: w = d*sc*q - dmin*m, sc/m 4-bit, q 2-bit
-    T.Q2_K: BlockLayout(256, 16 + 64 + 2 + 2, f16=((80, TARGET_MAX_ABS / 45), (82, TARGET_MAX_ABS / 30))),
-    # hmask[32] qs[64] scales[12] d: w = d*(sc-32)*(q-4)
-    T.Q3_K: BlockLayout(256, 32 + 64 + 12 + 2, f16=((108, TARGET_MAX_ABS / 128),)),
-    # d dmin scales[12] qs[128]: w = d*sc*q - dmin*m, 6-bit sc/m, 4-bit q
-    T.Q4_K: BlockLayout(256, 2 + 2 + 12 + 128, f16=((0, TARGET_MAX_ABS / 945), (2, TARGET_MAX_ABS / 126))),
-    # d dmin scales[12] qh[32] qs[128]: 5-bit q
-    T.Q5_K: BlockLayout(256, 2 + 2 + 12 + 32 + 128, f16=((0, TARGET_MAX_ABS / 1953), (2, TARGET_MAX_ABS / 126))),
-    # ql[128] qh[64] scales[16] (int8) d: w = d*sc*(q-32)
-    T.Q6_K: BlockLayout(256, 128 + 64 + 16 + 2, f16=((208, TARGET_MAX_ABS / 4096),)),
-    # e (E8M0) qs[16]: w = 2^(e-128) * {0,1,2,3,4,6,8,12,...}[q]; e = 121 gives |w| <= 0.094
-    T.MXFP4: BlockLayout(32, 1 + 16, e8m0=((0, 121),)),
+# The quant types synth writes, with the formula each scale range is chosen for.
+SCALES: dict[T, Scales] = {
+    T.Q4_0: Scales(f16=(("d", TARGET_MAX_ABS / 8),)),
+    T.Q4_1: Scales(f16=(("d", TARGET_MAX_ABS / 15), ("m", -TARGET_MAX_ABS / 2))),
+    T.Q5_0: Scales(f16=(("d", TARGET_MAX_ABS / 16),)),
+    T.Q5_1: Scales(f16=(("d", TARGET_MAX_ABS / 31), ("m", -TARGET_MAX_ABS / 2))),
+    T.Q8_0: Scales(f16=(("d", TARGET_MAX_ABS / 128),)),
+    # w = d*sc*q - dmin*m, sc/m 4-bit, q 2-bit
+    T.Q2_K: Scales(f16=(("d", TARGET_MAX_ABS / 45), ("dmin", TARGET_MAX_ABS / 30))),
+    # w = d*(sc-32)*(q-4)
+    T.Q3_K: Scales(f16=(("d", TARGET_MAX_ABS / 128),)),
+    # w = d*sc*q - dmin*m, 6-bit sc/m, 4-bit q
+    T.Q4_K: Scales(f16=(("d", TARGET_MAX_ABS / 945), ("dmin", TARGET_MAX_ABS / 126))),
+    # 5-bit q
+    T.Q5_K: Scales(f16=(("d", TARGET_MAX_ABS / 1953), ("dmin", TARGET_MAX_ABS / 126))),
+    # w = d*sc*(q-32), sc int8
+    T.Q6_K: Scales(f16=(("d", TARGET_MAX_ABS / 4096),)),
+    # w = 2^(e-128) * {0,1,2,3,4,6,8,12,...}[q]; e = 121 gives |w| <= 0.094
+    T.MXFP4: Scales(e8m0=(("e", 121),)),
 }
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-SUPPORTED = tuple(BLOCKS) + FLOAT_TYPES
+SUPPORTED = tuple(SCALES) + FLOAT_TYPES
 
 
 class RandomFill:
@@ -64,20 +66,21 @@ class RandomFill:
     def quant(self, ggml_type: T, nbytes: int, gain: float = 1.0) -> np.ndarray:
         """nbytes (a whole number of blocks, at most POOL_BYTES - 8) of valid blocks of ggml_type,
         values up to about gain x TARGET_MAX_ABS."""
-        layout = BLOCKS[ggml_type]
-        n_blocks, rem = divmod(nbytes, layout.nbytes)
+        quant, scales = QUANTS[ggml_type], SCALES[ggml_type]
+        n_blocks, rem = divmod(nbytes, quant.nbytes)
         assert rem == 0 and nbytes <= POOL_BYTES - 8, (ggml_type, nbytes)
         words = -(-nbytes // 8)
         start = int(self.rng.integers(0, self.pool.size - words))
         mask = self.rng.integers(0, 2**64, dtype=np.uint64)
         data = (self.pool[start:start + words] ^ mask).view(np.uint8)[:nbytes]
-        blocks = data.reshape(n_blocks, layout.nbytes)
-        for offset, max_scale in layout.f16:
-            scales = (self.rng.uniform(0.5, 1.0, n_blocks) * max_scale * gain).astype(np.float16)
-            blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
-        for offset, exponent in layout.e8m0:
+        blocks = data.reshape(n_blocks, quant.nbytes)
+        for part, max_scale in scales.f16:
+            offset = quant.offset(part)
+            values = (self.rng.uniform(0.5, 1.0, n_blocks) * max_scale * gain).astype(np.float16)
+            blocks[:, offset:offset + 2] = values.view(np.uint8).reshape(n_blocks, 2)
+        for part, exponent in scales.e8m0:
             shift = int(round(np.log2(gain)))
-            blocks[:, offset] = exponent + shift - self.rng.integers(0, 3, n_blocks, dtype=np.uint8)
+            blocks[:, quant.offset(part)] = exponent + shift - self.rng.integers(0, 3, n_blocks, dtype=np.uint8)
         return data
 
     def floats(self, ggml_type: T, n_values: int, mean: float = 0.0, std: float = 0.02) -> np.ndarray:

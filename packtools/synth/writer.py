@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFValueType
+from gguf import GGMLQuantizationType as T, GGUFValueType
 from tqdm import tqdm
 
 from ..errors import DiskSpaceError, ExpertpackError, OutputExistsError
 from ..gguf_source import MetadataField
 from ..gguf_stream import TensorInfo, write_header
+from ..quants import QUANTS, nbytes_of
 from ..units import GIB, human_bytes
 from .archs import ARCHS, Kind, Meta, TensorSpec
 from .presets import PRESETS
-from .quant_fill import BLOCKS, RandomFill, parse_type
+from .quant_fill import SCALES, RandomFill, parse_type
 from .skew import expert_gains, skewed_expert_ids
 from .vocab import tokenizer_fields
 
@@ -177,15 +178,15 @@ def _write_tensor(fd: int, offset: int, t: SynthTensor, plan: SynthPlan, fill: R
         _pwrite(fd, data, offset)
         on_bytes(len(data))
         return
-    block_values, block_bytes = GGML_QUANT_SIZES[t.ggml_type]
+    block_bytes = QUANTS[t.ggml_type].nbytes
     per_chunk = max(1, CHUNK_BYTES // block_bytes) * block_bytes
-    if t.ggml_type not in BLOCKS:  # float values come from a pool of normal_pool.size (F16: half a chunk)
+    if t.ggml_type not in SCALES:  # float values come from a pool of normal_pool.size (F16: half a chunk)
         per_chunk = min(per_chunk, fill.normal_pool.size * block_bytes)
     done = 0
     while done < t.nbytes:
         n = min(per_chunk, t.nbytes - done)
         gain = next((g for suffix, g in GAINS.items() if t.spec.name.endswith(suffix)), 1.0)
-        if t.ggml_type in BLOCKS:
+        if t.ggml_type in SCALES:
             data = fill.quant(t.ggml_type, n, gain)
         elif t.spec.kind is Kind.NORM:
             data = fill.floats(t.ggml_type, n // block_bytes, mean=1.0, std=0.1)
@@ -232,17 +233,16 @@ def _typed(spec: TensorSpec, named: T | None, expert_type: T, trunk_type: T, fal
         t = named or expert_type
     elif spec.kind is Kind.MATRIX:
         t = named or trunk_type
-        t = t if spec.shape[0] % GGML_QUANT_SIZES[t][0] == 0 else fallback
+        t = t if spec.shape[0] % QUANTS[t].values == 0 else fallback
     elif spec.kind is Kind.INDEX:
         t = T.I32
     else:
         t = T.F32
-    block_values, block_bytes = GGML_QUANT_SIZES[t]
+    block_values = QUANTS[t].values
     if spec.shape[0] % block_values:
         raise ExpertpackError(f"{spec.name}: rows of {spec.shape[0]} values do not fit {t.name} blocks of "
                               f"{block_values}; choose another --type")
-    n = int(np.prod(spec.shape, dtype=np.int64))
-    return SynthTensor(spec, t, n // block_values * block_bytes)
+    return SynthTensor(spec, t, nbytes_of(t, spec.shape))
 
 
 # Per-layer arrays that say which kind of layer each is (DeepSeek-V4's attention: 0 sliding window,

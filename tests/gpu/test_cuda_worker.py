@@ -11,9 +11,10 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 
+from expertpack.packtools.quants import DECODED
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.engine.sampling import Sampler
-from expertpack.worker.weights.quant import BLOCKS, dequantize
+from expertpack.worker.weights.quant import dequantize
 
 from ..conftest import FIXTURES
 from ..worker.test_quant import SHAPES, random_bytes, reference
@@ -29,7 +30,7 @@ FULL_PRECISION = {
 }
 
 
-@pytest.mark.parametrize("ggml_type", list(BLOCKS), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", DECODED, ids=lambda t: t.name)
 def test_dequantize_on_cuda_is_bit_equal(ggml_type) -> None:
     for i, shape in enumerate(SHAPES):
         if shape[0] % GGML_QUANT_SIZES[ggml_type][0]:

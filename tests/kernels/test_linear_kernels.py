@@ -9,7 +9,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from expertpack.worker.kernels.linear_tl import dequantize, matvec
-from expertpack.worker.weights.quant import BLOCKS, dequantize as reference
+from expertpack.packtools.quants import DECODED
+from expertpack.worker.weights.quant import dequantize as reference
 
 from ..worker.test_quant import random_bytes
 
@@ -24,7 +25,7 @@ def shapes_for(ggml_type: T) -> list[tuple[int, int]]:
     return SHAPES_K if block_values == 256 else SHAPES_32 if block_values == 32 else SHAPES_F + SHAPES_K
 
 
-@pytest.mark.parametrize("ggml_type", list(BLOCKS), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", DECODED, ids=lambda t: t.name)
 def test_dequantize_equals_reference(ggml_type: T, device: torch.device) -> None:
     for i, (k, n) in enumerate(shapes_for(ggml_type)):
         raw = torch.from_numpy(random_bytes(ggml_type, (k, n), seed=10 + i, valid=True))
@@ -36,7 +37,7 @@ def test_dequantize_equals_reference(ggml_type: T, device: torch.device) -> None
         assert err <= tol * want.abs().max().item(), f"{ggml_type.name} {k}x{n}: max |diff| {err}"
 
 
-@pytest.mark.parametrize("ggml_type", list(BLOCKS), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", DECODED, ids=lambda t: t.name)
 @pytest.mark.parametrize("t", [1, 3])
 def test_matvec_equals_dense_product(ggml_type: T, t: int, device: torch.device) -> None:
     for i, (k, n) in enumerate(shapes_for(ggml_type)):

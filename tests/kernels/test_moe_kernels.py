@@ -13,10 +13,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from expertpack.packtools.layout import LayerLayout, RoleLayout
+from expertpack.packtools.quants import nbytes_of
 from expertpack.worker.kernels.moe_tl import experts_per_pair
 from expertpack.worker.nn.activation import Activation, ActKind
 from expertpack.worker.weights.expert_roles import expert_roles
-from expertpack.worker.weights.quant import dequantize, nbytes_of
+from expertpack.worker.weights.quant import dequantize
 
 from ..worker.test_quant import random_bytes
 

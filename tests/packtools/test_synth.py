@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGUFReader, quants
+from gguf import GGUFReader, quants
 from gguf import GGMLQuantizationType as T
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -18,7 +18,8 @@ from expertpack.packtools.errors import ExpertpackError
 from expertpack.packtools.gguf_source import open_source
 from expertpack.packtools.synth.archs import ARCHS, Meta
 from expertpack.packtools.synth.presets import PRESETS
-from expertpack.packtools.synth.quant_fill import BLOCKS, RandomFill
+from expertpack.packtools.quants import QUANTS
+from expertpack.packtools.synth.quant_fill import SCALES, RandomFill
 from expertpack.packtools.synth.writer import SynthOptions, plan_synth, write_synth
 
 from ..conftest import FIXTURES, run_cli
@@ -54,17 +55,16 @@ def test_arch_rules_reproduce_the_converters_tensors(arch: str) -> None:
 
 def test_every_block_type_is_valid_and_finite() -> None:
     fill = RandomFill(seed=3)
-    for ggml_type, layout in BLOCKS.items():
-        assert GGML_QUANT_SIZES[ggml_type] == (layout.values, layout.nbytes), ggml_type
-        data = fill.quant(ggml_type, layout.nbytes * 512)
+    for ggml_type in SCALES:
+        data = fill.quant(ggml_type, QUANTS[ggml_type].nbytes * 512)
         values = quants.dequantize(data.reshape(1, -1), ggml_type)
         assert np.isfinite(values).all() and 0 < np.abs(values).max() < 0.5, ggml_type.name
         # A bias in every matrix would grow one direction of the hidden state layer after layer.
         # Q4_0 and Q5_0 grids run -8..7 and -16..15: half a step below zero on average, by design.
         allowed = {T.Q4_0: 0.13, T.Q5_0: 0.08}.get(ggml_type, 0.04)
         assert abs(values.mean()) < allowed * values.std(), f"{ggml_type.name}: mean {values.mean():.3g}"
-    first = next(iter(BLOCKS))
-    a, b = fill.quant(first, BLOCKS[first].nbytes * 64), fill.quant(first, BLOCKS[first].nbytes * 64)
+    first = next(iter(SCALES))
+    a, b = fill.quant(first, QUANTS[first].nbytes * 64), fill.quant(first, QUANTS[first].nbytes * 64)
     assert not np.array_equal(a, b), "consecutive chunks differ"
 
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
-from expertpack.packtools.synth.quant_fill import BLOCKS as FILLABLE, RandomFill
-from expertpack.worker.weights.quant import BLOCKS, UnsupportedType, check_supported, dequantize
+from expertpack.packtools.quants import DECODED
+from expertpack.packtools.synth.quant_fill import SCALES, RandomFill
+from expertpack.worker.weights.quant import Q8_0_REGROUPED, UnsupportedType, check_supported, dequantize
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference on NaN scales
 
@@ -32,7 +33,7 @@ def reference(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> np.ndarr
 def random_bytes(ggml_type: T, shape: tuple[int, ...], seed: int, valid: bool) -> np.ndarray:
     block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
     nbytes = int(np.prod(shape)) // block_values * block_bytes
-    if valid and ggml_type in FILLABLE:
+    if valid and ggml_type in SCALES:
         return RandomFill(seed).quant(ggml_type, nbytes).copy()
     if valid:  # float types: finite values
         rng = np.random.default_rng(seed)
@@ -42,7 +43,7 @@ def random_bytes(ggml_type: T, shape: tuple[int, ...], seed: int, valid: bool) -
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-@pytest.mark.parametrize("ggml_type", list(BLOCKS), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", DECODED, ids=lambda t: t.name)
 @pytest.mark.parametrize("valid", [True, False], ids=["valid", "raw-bytes"])
 def test_bit_equal_to_gguf_py(ggml_type: T, valid: bool) -> None:
     for i, shape in enumerate(SHAPES):
@@ -62,11 +63,8 @@ def test_bit_equal_to_gguf_py(ggml_type: T, valid: bool) -> None:
                                  f"max {np.nanmax(diff):.3g}, mean {np.nanmean(diff):.3g}")
 
 
-def test_every_type_real_moe_ggufs_use_is_supported() -> None:
-    assert set(BLOCKS) >= {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
-                           T.Q5_K, T.Q6_K, T.MXFP4}
-    for t, block in BLOCKS.items():
-        assert GGML_QUANT_SIZES[t] == (block.values, block.nbytes), t
+def test_the_kernels_own_type_id_is_no_ggml_type() -> None:
+    assert Q8_0_REGROUPED not in {int(t) for t in T}
 
 
 def test_unsupported_type_is_named_with_its_tensor() -> None:

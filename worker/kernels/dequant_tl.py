@@ -2,12 +2,14 @@
 (256 values: one K-quant superblock, eight 32-value blocks, or 256 plain floats) into float32
 registers, straight from the GGUF bytes; no float copy of a weight is written anywhere.
 
-Each decoder below is the arithmetic of worker/weights/quant.py (which is gguf-py's, bit for bit) written
-per value: `j` is the value's index in its chunk, every byte it needs is loaded at the offset the
-block layout of ggml-common.h gives (BLOCKS in quant.py, the same sums); the hot types (Q4_K,
-Q8_0, MXFP4: the `_rows` decoders) are written per block instead, each byte loaded once. The f16 scales sit at even
-offsets of blocks of even size, so they load as float16; everything else loads as bytes. One layout
-is not ggml's: Q8_0R, Q8_0 rows regrouped where the kernels run (weights.regroup_q8_0).
+Each decoder below is the arithmetic of worker/weights/quant.py (which is gguf-py's, bit for bit)
+written per value: `j` is the value's index in its chunk, every byte it needs is loaded at the offset
+the block's parts give (packtools.quants, the registry; written out here as literals, which
+tests/kernels check for every type against quant.py's decoders, which split blocks by the registry);
+the hot types (Q4_K, Q8_0, MXFP4: the `_rows` decoders) are written per block instead, each byte
+loaded once. The f16 scales sit at even offsets of blocks of even size, so they load as float16;
+everything else loads as bytes. One layout is not ggml's: Q8_0R (weights.quant.Q8_0_REGROUPED), Q8_0
+rows regrouped where the kernels run (weights.regroup_q8_0).
 `rowp` [BN, 1] points at each row's first byte, `m` [BN, CH] masks rows and values past the row's
 end (only the 32-value and float types can end inside a chunk)."""
 
@@ -15,11 +17,16 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType as T
 
-# ggml type ids (gguf.GGMLQuantizationType), as kernel constants.
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (tl.constexpr(v) for v in (0, 1, 2, 3, 6, 7, 8))
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = (tl.constexpr(v) for v in (10, 11, 12, 13, 14, 30, 39))
-Q8_0R = tl.constexpr(264)  # Q8_0 regrouped (weights.regroup_q8_0): per chunk 8 f16 scales, then 256 quants
+from ..weights.quant import Q8_0_REGROUPED
+
+# ggml type ids, as kernel constants.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (tl.constexpr(int(t)) for t in (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0,
+                                                                          T.Q5_1, T.Q8_0))
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = (tl.constexpr(int(t)) for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+                                                                            T.BF16, T.MXFP4))
+Q8_0R = tl.constexpr(Q8_0_REGROUPED)  # Q8_0 regrouped (weights.regroup_q8_0): per chunk 8 f16 scales, then 256 quants
 CHUNK = 256  # values decoded per step along a row, for every type
 
 

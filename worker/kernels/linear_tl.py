@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from ..weights.quant import Q8_0_REGROUPED, nbytes_of
+from expertpack.packtools.quants import nbytes_of
+
+from ..weights.quant import Q8_0_REGROUPED
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN_MATVEC = 16  # rows of W per program

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType
 
 from expertpack.packtools.layout import LayerLayout, RoleLayout
-
-from .quant import nbytes_of
+from expertpack.packtools.quants import nbytes_of
 
 
 class UnsupportedExperts(ValueError):

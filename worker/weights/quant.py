@@ -3,73 +3,40 @@ reference (`gguf.quants.dequantize`): every formula below performs the reference
 operations in the reference's order, with no fused multiply-add, so IEEE rounding gives the very
 same values. Weights stay quantized in memory; `dequantize` runs per use.
 
-Block layouts (ggml-common.h) are written as sums of their parts in BLOCKS; a type outside it is
-refused when a model loads (`check_supported`), never in the middle of a generation."""
+Block layouts are packtools.quants' (the one registry of ggml types): each formula splits a block
+into the registry's parts and keeps only the arithmetic. A type the registry does not mark decoded
+is refused when a model loads (`check_supported`), never in the middle of a generation."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 
-QK_K = 256
+from expertpack.packtools.quants import DECODED, QK_K, QUANTS
+
 # The kernels' type id for Q8_0 rows rewritten by qtensor.regroup_q8_0 (no ggml type has it).
 Q8_0_REGROUPED = 264
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
 
 
 class UnsupportedType(ValueError):
     """A tensor's ggml type has no dequantizer here (the IQ types, for now)."""
 
 
-@dataclass(frozen=True)
-class Block:
-    values: int
-    nbytes: int
-
-
-# ggml-common.h, as sums of their parts.
-BLOCKS: dict[T, Block] = {
-    T.F32: Block(1, 4),
-    T.F16: Block(1, 2),
-    T.BF16: Block(1, 2),
-    T.Q4_0: Block(32, 2 + 16),  # d, qs[16]
-    T.Q4_1: Block(32, 2 + 2 + 16),  # d, m, qs[16]
-    T.Q5_0: Block(32, 2 + 4 + 16),  # d, qh[4], qs[16]
-    T.Q5_1: Block(32, 2 + 2 + 4 + 16),  # d, m, qh[4], qs[16]
-    T.Q8_0: Block(32, 2 + 32),  # d, qs[32]
-    T.Q2_K: Block(QK_K, 16 + 64 + 2 + 2),  # scales[16], qs[64], d, dmin
-    T.Q3_K: Block(QK_K, 32 + 64 + 12 + 2),  # hmask[32], qs[64], scales[12], d
-    T.Q4_K: Block(QK_K, 2 + 2 + 12 + 128),  # d, dmin, scales[12], qs[128]
-    T.Q5_K: Block(QK_K, 2 + 2 + 12 + 32 + 128),  # d, dmin, scales[12], qh[32], qs[128]
-    T.Q6_K: Block(QK_K, 128 + 64 + 16 + 2),  # ql[128], qh[64], scales[16], d
-    T.MXFP4: Block(32, 1 + 16),  # e (E8M0), qs[16]
-}
-MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
-
-
 def check_supported(ggml_type: T, tensor: str) -> None:
-    if ggml_type not in BLOCKS:
+    if ggml_type not in DECODED:
         raise UnsupportedType(f"unsupported ggml type {ggml_type.name} in tensor {tensor}; this worker dequantizes "
-                              f"{', '.join(t.name for t in BLOCKS)}")
-
-
-def nbytes_of(ggml_type: T, shape: tuple[int, ...]) -> int:
-    block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
-    n = 1
-    for d in shape:
-        n *= d
-    return n // block_values * block_bytes
+                              f"{', '.join(t.name for t in DECODED)}")
 
 
 def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> torch.Tensor:
     """raw: uint8 bytes of a tensor (any shape, contiguous); shape: its ggml ne. Returns float32 in
     numpy/torch order (reversed ne), on raw's device."""
-    block = BLOCKS.get(ggml_type)
-    if block is None:
+    if ggml_type not in DECODED:
         raise UnsupportedType(f"unsupported ggml type {ggml_type.name}")
-    blocks = raw.reshape(-1, block.nbytes)
+    blocks = raw.reshape(-1, QUANTS[ggml_type].nbytes)
     values = _DEQUANT[ggml_type](blocks)
     return values.reshape(tuple(reversed(shape)))
 
@@ -83,6 +50,11 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[n, k] bytes -> [n, 2k]: the low nibbles of all k bytes, then the high nibbles (ggml order)."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _parts(blocks: torch.Tensor, ggml_type: T) -> tuple[torch.Tensor, ...]:
+    """[n, block bytes] -> the registry's parts of ggml_type in order, each [n, its bytes] (views)."""
+    return torch.split(blocks, QUANTS[ggml_type].part_bytes, dim=1)
 
 
 def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
@@ -105,41 +77,46 @@ def _bf16(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
-    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8
+    d, qs = _parts(blocks, T.Q4_0)
+    d = _f16(d)
+    q = _nibbles(qs).to(torch.int8) - 8
     return d * q.to(torch.float32)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    q = _nibbles(blocks[:, 4:]).to(torch.float32)
+    d, m, qs = _parts(blocks, T.Q4_1)
+    d, m = _f16(d), _f16(m)
+    q = _nibbles(qs).to(torch.float32)
     return (d * q) + m
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
-    qh = _bits(blocks[:, 2:6], 32)
-    q = (_nibbles(blocks[:, 6:]) | (qh << 4)).to(torch.int8) - 16
+    d, qh, qs = _parts(blocks, T.Q5_0)
+    d = _f16(d)
+    qh = _bits(qh, 32)
+    q = (_nibbles(qs) | (qh << 4)).to(torch.int8) - 16
     return d * q.to(torch.float32)
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    qh = _bits(blocks[:, 4:8], 32)
-    q = (_nibbles(blocks[:, 8:]) | (qh << 4)).to(torch.float32)
+    d, m, qh, qs = _parts(blocks, T.Q5_1)
+    d, m = _f16(d), _f16(m)
+    qh = _bits(qh, 32)
+    q = (_nibbles(qs) | (qh << 4)).to(torch.float32)
     return (d * q) + m
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
-    x = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    d, qs = _parts(blocks, T.Q8_0)
+    d = _f16(d)
+    x = qs.contiguous().view(torch.int8).to(torch.float32)
     return x * d
 
 
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    scales, qs = blocks[:, :16], blocks[:, 16:80]
-    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    scales, qs, d, dmin = _parts(blocks, T.Q2_K)
+    d, dmin = _f16(d), _f16(dmin)
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
     shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8).reshape(1, 1, 4, 1)
@@ -150,8 +127,8 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    hmask, qs, packed = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
-    d = _f16(blocks[:, 108:110])
+    hmask, qs, packed, d = _parts(blocks, T.Q3_K)
+    d = _f16(d)
     low = torch.cat([packed[:, :8] & 0x0F, packed[:, :8] >> 4], dim=-1)  # [n, 16]
     high = packed[:, 8:12]
     high = torch.cat([(high >> s) & 0x03 for s in (0, 2, 4, 6)], dim=-1)  # [n, 16]
@@ -175,22 +152,23 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    sc, mn = _k_scales(blocks[:, 4:16])
+    d, dmin, scales, qs = _parts(blocks, T.Q4_K)
+    d, dmin = _f16(d), _f16(dmin)
+    sc, mn = _k_scales(scales)
     dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
+    qs = qs.reshape(n, 4, 1, 32)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).to(torch.float32)
     return (dd * q - dm).reshape(n, QK_K)
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    sc, mn = _k_scales(blocks[:, 4:16])
+    d, dmin, scales, qh, qs = _parts(blocks, T.Q5_K)
+    d, dmin = _f16(d), _f16(dmin)
+    sc, mn = _k_scales(scales)
     dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
-    qh, qs = blocks[:, 16:48], blocks[:, 48:]
     ql = qs.reshape(n, 4, 1, 32)
     ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n, 8, 32)
     bit = torch.arange(8, device=blocks.device, dtype=torch.uint8).reshape(1, 8, 1)
@@ -201,9 +179,9 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    ql, qh = blocks[:, :128], blocks[:, 128:192]
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    d = _f16(blocks[:, 208:210])
+    ql, qh, scales, d = _parts(blocks, T.Q6_K)
+    scales = scales.contiguous().view(torch.int8).to(torch.float32)
+    d = _f16(d)
     dd = (d * scales).reshape(n, 16, 1)
     low = ql.reshape(n, 2, 1, 64)
     low = torch.cat([low & 0x0F, low >> 4], dim=2).reshape(n, 8, 32)
@@ -221,9 +199,10 @@ def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
 
 
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
-    d = _e8m0_half(blocks[:, :1])
+    e, qs = _parts(blocks, T.MXFP4)
+    d = _e8m0_half(e)
     table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
-    q = table[_nibbles(blocks[:, 1:]).to(torch.int64)]
+    q = table[_nibbles(qs).to(torch.int64)]
     return d * q
 
 
@@ -243,4 +222,4 @@ _DEQUANT: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q6_K: _q6_k,
     T.MXFP4: _mxfp4,
 }
-assert set(_DEQUANT) == set(BLOCKS)
+assert set(_DEQUANT) == set(DECODED)
