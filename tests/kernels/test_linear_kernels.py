@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from expertpack.worker.kernels.linear_tl import dequantize, matvec
 from expertpack.worker.weights.quant import BLOCKS, dequantize as reference
 
-from ..worker.test_quant import random_bytes
+from ..helpers.quant import random_bytes
 
 # (K, N): K a multiple of 256 for the K-quants, of 32 only for the others (a row ends mid-chunk).
 SHAPES_K = [(256, 3), (512, 17)]
