@@ -16,7 +16,7 @@ from expertpack.worker.serve.main import client_name
 
 from ..conftest import start_daemon
 from ..helpers.expertd import wait_stats
-from ..worker.test_expert_worker import PACK, start_worker
+from ..helpers.worker import PACK, start_worker
 
 PROMPT = "A long story begins"
 N_TOKENS = 24

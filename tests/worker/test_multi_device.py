@@ -26,7 +26,7 @@ from expertpack.worker.weights.model_files import ResidentExperts
 
 from ..conftest import CACHED, FIXTURES, run_cli
 from ..helpers.engine import PROMPT, assert_same, daemon_for, greedy_run, minimal_cache_bytes
-from .test_expert_worker import local_greedy, start_worker
+from ..helpers.worker import local_greedy, start_worker
 
 MODELS = {  # one GGUF per architecture, each deep enough to split
     "qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",
