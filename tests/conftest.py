@@ -88,6 +88,23 @@ def fixture_packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[P
     return packs
 
 
+# The models whose packs a worker split over devices streams through expertd
+CACHED = {"qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", "deepseek2": "gguf/deepseek3-a/deepseek3-a.Q4_K_M.gguf"}
+
+
+@pytest.fixture(scope="module")
+def split_packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The CACHED models' packs, for tests/worker/test_multi_device.py and, through the kernels,
+    tests/kernels/test_split_kernels.py: built once in each module that takes them (module scope, as
+    when each module had them as its own fixture)."""
+    root = tmp_path_factory.mktemp("multi-device-packs")
+    out = {}
+    for arch, path in CACHED.items():
+        out[arch] = root / arch
+        build_pack(FIXTURES / path, out[arch], BuildOptions(progress=False, safety_margin_bytes=0))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("synth") / "tiny.gguf"

@@ -2,7 +2,7 @@
 no package above it, the client library neither the worker nor the daemon nor the benchmarks, no
 library package the benchmarks or the `expertpack` command, and no package's modules import each
 other in a cycle (imports inside functions count: they are a cycle put off, not removed; those
-under `if TYPE_CHECKING:` do not, they never run)."""
+under `if TYPE_CHECKING:` do not, they never run), and no test module imports another."""
 
 from __future__ import annotations
 
@@ -104,3 +104,18 @@ def test_no_modules_import_each_other_in_a_cycle() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+def test_no_test_module_imports_another() -> None:
+    """What test modules share lives in tests/helpers/ or a conftest.py: importing a test module
+    runs it and, under pytest, can bring its fixtures into the importer unseen, and ties an edit
+    of one test module to the tests of another. Imports inside functions count, as above."""
+    def name(module: str) -> str:  # module_name() puts every module under expertpack.; these are tests.*
+        return module.removeprefix("expertpack.")
+
+    paths = sorted((REPO / "tests").rglob("*.py"))
+    test_modules = {name(module_name(p)) for p in paths if p.name.startswith("test_")}
+    assert "tests.helpers.engine" in {name(m) for m in imports(REPO / "tests" / "worker" / "test_multi_device.py")}
+    bad = {f"{p.relative_to(REPO)} imports {name(m)}" for p in paths for m in imports(p)
+           if name(m) in test_modules and name(m) != name(module_name(p))}
+    assert not bad, "\n".join(sorted(bad))

@@ -10,7 +10,7 @@ from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey, Manifest
 
 from ..conftest import Daemon
-from .test_submit import slots_back
+from ..helpers.expertd import slots_back
 
 
 def test_release_all_gives_every_slot_back_in_one_release(daemon: Daemon, tiny_pack: Path) -> None:

@@ -19,14 +19,7 @@ from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey, Manifest
 
 from ..conftest import Daemon
-
-
-def slots_back(client: ExpertClient) -> bool:
-    """Whether expertd counts every slot of this client free (a PING first: it has handled what
-    the client sent before it)."""
-    client.ping()
-    (session,) = [s for s in client.stats()["clients"] if s["slots"] == len(client.slots)]
-    return session["free"] == session["slots"] and session["requests"] == 0
+from ..helpers.expertd import slots_back
 
 
 def test_a_submit_is_a_prefetch_whose_answer_waits_for_it(daemon: Daemon, tiny_pack: Path) -> None:

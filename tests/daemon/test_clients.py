@@ -20,8 +20,7 @@ from expertpack.client.expertctl import main as expertctl_main
 from expertpack.packtools.layout import ExpertKey, Manifest
 
 from ..conftest import start_daemon
-from .test_ram_tier import ram_daemon
-from .test_serving import all_keys
+from ..helpers.expertd import all_keys, ram_daemon
 
 
 def clients_by_name(stats: dict) -> dict[str, dict]:

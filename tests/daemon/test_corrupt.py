@@ -22,20 +22,9 @@ from expertpack.packtools.layout import (
 from expertpack.daemon.reader import split_ranges
 
 from ..conftest import BIN, start_daemon
-from .test_serving import all_keys
+from ..helpers.expertd import all_keys, flip_byte
 
 BAD = ExpertKey(1, 5)
-
-
-def flip_byte(pack: Path, key: ExpertKey, at_byte: int | None = None) -> None:
-    """Flips one bit of one byte of `key`'s payload in experts.pack (by default, its middle one)."""
-    layer = Manifest.load(pack).layer(key.layer)
-    at = layer.block_offset(key.expert) + (layer.payload_bytes // 2 if at_byte is None else at_byte)
-    with open(pack / PACK_FILE, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x10]))
 
 
 def as_built_before_crc32(pack: Path) -> None:

@@ -20,6 +20,7 @@ from expertpack.client import protocol as p
 from expertpack.packtools.layout import PACK_FILE, Manifest
 
 from ..conftest import Daemon, start_daemon
+from ..helpers.expertd import wait_stats
 
 CLIENT_SCRIPT = """
 import sys, time
@@ -32,16 +33,6 @@ for e in c.fetch([(0, i) for i in range(16)] + [(1, i) for i in range(16)], time
         print("holding", flush=True)
         time.sleep(600)
 """
-
-
-def wait_stats(endpoint: str, pred, timeout: float = 10) -> dict:
-    with ExpertClient(endpoint, name="observer") as client:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = client.stats()
-            if pred(stats) or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
 
 
 def test_sigkilled_client_loses_its_leases(daemon: Daemon) -> None:

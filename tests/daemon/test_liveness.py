@@ -19,7 +19,7 @@ import zmq
 from expertpack.client import protocol as p
 
 from ..conftest import start_daemon
-from .test_faults import wait_stats
+from ..helpers.expertd import wait_stats
 
 INTERVAL_S, TIMEOUT_S = 0.5, 3.0
 

@@ -15,9 +15,7 @@ import resource
 import shutil
 import subprocess
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -27,9 +25,8 @@ from expertpack.client import protocol as p
 from expertpack.client.expertctl import main as expertctl_main
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
 
-from ..conftest import BIN, Daemon, start_daemon
-from .test_corrupt import flip_byte
-from .test_serving import all_keys, raw_session, recv
+from ..conftest import BIN, start_daemon
+from ..helpers.expertd import all_keys, flip_byte, ram_daemon, raw_session, recv
 
 GIB = 1 << 30
 
@@ -37,17 +34,6 @@ GIB = 1 << 30
 def gib_for(slots: int, pack: Path) -> str:
     """--ram-cache-gib for exactly `slots` RAM slots of this pack (half a slot over, against rounding)."""
     return repr((slots + 0.5) * Manifest.load(pack).max_stride / GIB)
-
-
-@contextmanager
-def ram_daemon(pack: Path, tmp: Path, *extra: str) -> Iterator[Daemon]:
-    d = start_daemon(pack, tmp, "--stage-slots", "32", "--client-slots", "8", *extra)
-    d.wait_for("READY=1")
-    try:
-        yield d
-    finally:
-        code, log = d.stop()
-        assert code == 0, log
 
 
 def payload(packed: np.ndarray, m: Manifest, key: ExpertKey) -> bytes:

@@ -9,23 +9,17 @@ import random
 import stat
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
-import zmq
 
 from expertpack.client import ExpertClient, Priority
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
 
 from ..conftest import Daemon, start_daemon
-
-
-def all_keys(m: Manifest) -> list[ExpertKey]:
-    return [ExpertKey(l.layer, e) for l in m.layers for e in range(m.model.n_expert)]
+from ..helpers.expertd import all_keys, raw_session, recv
 
 
 def check(expert, m: Manifest, packed: np.ndarray) -> None:
@@ -95,24 +89,6 @@ def test_staging_and_socket_are_group_shared(daemon: Daemon) -> None:
     with ExpertClient(daemon.endpoint) as client:
         shm = Path("/dev/shm") / client.welcome.shm
         assert stat.S_IMODE(shm.stat().st_mode) == 0o660
-
-
-@contextmanager
-def raw_session(endpoint: str) -> Iterator[tuple[zmq.Socket, p.Welcome]]:
-    """A DEALER that said HELLO, closed (with its context) whatever the test does."""
-    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "raw")))
-        assert sock.poll(10000)
-        welcome = p.decode(sock.recv())
-        assert isinstance(welcome, p.Welcome)
-        yield sock, welcome
-
-
-def recv(sock: zmq.Socket) -> p.Message:
-    assert sock.poll(10000), "no answer"
-    return p.decode(sock.recv())
 
 
 def test_demand_overtakes_prefetch(tiny_pack: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from expertpack.worker.engine.sampling import Sampler
 from expertpack.worker.weights.quant import dequantize
 
 from ..conftest import FIXTURES
-from ..worker.test_quant import SHAPES, random_bytes, reference
+from ..helpers.quant import SHAPES, random_bytes, reference
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]

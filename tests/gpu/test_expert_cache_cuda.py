@@ -20,8 +20,7 @@ from expertpack.packtools.synth.writer import SynthOptions, write_synth
 from expertpack.worker.engine.engine import Engine
 
 from ..conftest import FIXTURES, start_daemon
-from ..worker.test_expert_cache import greedy_run as greedy
-from ..worker.test_expert_cache import minimal_cache_bytes
+from ..helpers.engine import greedy_run as greedy, minimal_cache_bytes
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]

@@ -16,7 +16,7 @@ from expertpack.worker.engine.engine import Engine
 from expertpack.worker.experts.split_experts import CacheGroup
 
 from ..conftest import FIXTURES, start_daemon
-from ..worker.test_expert_cache import greedy_run, minimal_cache_bytes
+from ..helpers.engine import greedy_run, minimal_cache_bytes
 
 pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]

@@ -12,7 +12,7 @@ from expertpack.worker.nn.placement import Placement
 from expertpack.worker.weights.qtensor import QTensor
 from expertpack.worker.weights.quant import dequantize
 
-from ..worker.test_quant import random_bytes
+from ..helpers.quant import random_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

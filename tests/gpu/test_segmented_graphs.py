@@ -23,7 +23,7 @@ from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.worker.engine.engine import Engine, SegmentedDecode
 
 from ..conftest import FIXTURES, Daemon, start_daemon
-from ..worker.test_expert_cache import minimal_cache_bytes
+from ..helpers.engine import minimal_cache_bytes
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]

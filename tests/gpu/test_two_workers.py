@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..test_bench_workers import bench
+from ..helpers.bench import bench
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 

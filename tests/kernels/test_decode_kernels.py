@@ -119,7 +119,7 @@ def test_matvec_parts_add_up_to_the_product(device: torch.device) -> None:
     from expertpack.worker.kernels.linear_tl import matvec, matvec_parts
     from expertpack.worker.weights.quant import dequantize
 
-    from ..worker.test_quant import random_bytes
+    from ..helpers.quant import random_bytes
 
     raw = torch.from_numpy(random_bytes(T.Q8_0, (2048, 64), seed=4, valid=True))
     x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(4))
@@ -137,7 +137,7 @@ def test_a_matrix_per_head_in_one_launch(device: torch.device) -> None:
     from expertpack.worker.kernels.linear_tl import matvec_heads
     from expertpack.worker.weights.quant import dequantize
 
-    from ..worker.test_quant import random_bytes
+    from ..helpers.quant import random_bytes
 
     heads, rows, k = 3, 40, 256
     raw = torch.from_numpy(random_bytes(T.Q4_K, (k, rows, heads), seed=9, valid=True))

@@ -42,7 +42,7 @@ def test_minimal_cache_through_the_kernels_is_bit_exact(fixture_packs, tmp_path)
     """The expert cache on the fast path: a cache of one step of one layer delivers prefill in waves
     (a subset of the pairs per launch) and evicts at every layer; the logits equal every expert
     resident bit for bit, through prefill and static decode steps."""
-    from ..worker.test_expert_cache import greedy_run, resident_and_minimal_cache
+    from ..helpers.engine import greedy_run, resident_and_minimal_cache
 
     with kernels_on_cpu():
         (want_logits, want_tokens), (got_logits, got_tokens) = resident_and_minimal_cache(
@@ -104,7 +104,7 @@ def test_short_prompts_with_static_shapes_give_the_torch_paths_logits(monkeypatc
 def test_a_short_prompt_through_a_minimal_cache_is_bit_exact(fixture_packs, tmp_path) -> None:
     """The static-shape prompt (a generation's: logits of its last token) with the expert cache,
     whose prefill comes in waves, equals every expert resident bit for bit, as a decode step does."""
-    from ..worker.test_expert_cache import resident_and_minimal_cache
+    from ..helpers.engine import resident_and_minimal_cache
 
     def run(engine: Engine) -> torch.Tensor:
         cache = engine.new_sequence()
@@ -123,7 +123,7 @@ def test_deepseek4_decode_steps_through_windows_give_the_torch_paths_logits() ->
     has wrapped, the indexer picks among more entries than its top-k, and the last step completes
     a CSA window and HCA's first; the logits stay the torch path's eager decode's and the state
     buffers end where eager decoding leaves them. ~1 min."""
-    from ..worker.test_static_decode import static_steps
+    from ..helpers.engine import static_steps
 
     engine = Engine.load(FIXTURES / "flagship/deepseek4/dsv4-tiny.BF16.gguf", resident_experts=True)
     prompt, feed = [(7 * i + 1) % 1000 for i in range(124)], [33, 7, 1000, 5]

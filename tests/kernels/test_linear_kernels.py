@@ -12,7 +12,7 @@ from expertpack.worker.kernels.linear_tl import dequantize, matvec
 from expertpack.packtools.quants import DECODED
 from expertpack.worker.weights.quant import dequantize as reference
 
-from ..worker.test_quant import random_bytes
+from ..helpers.quant import random_bytes
 
 # (K, N): K a multiple of 256 for the K-quants, of 32 only for the others (a row ends mid-chunk).
 SHAPES_K = [(256, 3), (512, 17)]

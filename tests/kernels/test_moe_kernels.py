@@ -19,7 +19,7 @@ from expertpack.worker.nn.activation import Activation, ActKind
 from expertpack.worker.weights.expert_roles import expert_roles
 from expertpack.worker.weights.quant import dequantize
 
-from ..worker.test_quant import random_bytes
+from ..helpers.quant import random_bytes
 
 pytestmark = pytest.mark.slow  # the interpreter: about 15 s a case
 

@@ -14,18 +14,17 @@ import torch
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.weights.qtensor import kernels_on_cpu
 
-from ..worker.test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
-from ..worker.test_multi_device import PROMPT, assert_same, packs  # noqa: F401 (packs: a fixture)
+from ..helpers.engine import PROMPT, assert_same, daemon_for, greedy_run, minimal_cache_bytes
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs, tests/gpu/test_multi_gpu.py runs the kernels on CUDA")
 @pytest.mark.usefixtures("interpreter_tiles")
-def test_split_through_the_kernels_is_bit_identical(packs, tmp_path: Path) -> None:
+def test_split_through_the_kernels_is_bit_identical(split_packs, tmp_path: Path) -> None:
     """The GPU's code path on the CPU (Triton's interpreter): fused layers, decode as static-shape
     steps (the position a device tensor each range reads on its own device), experts through the
     kernels' offset maps into each device's resident table or its expert cache. ~1.5 min."""
-    pack = packs["qwen3moe"]
+    pack = split_packs["qwen3moe"]
     d = daemon_for(pack, tmp_path)
     try:
         with kernels_on_cpu():

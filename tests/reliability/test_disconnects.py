@@ -13,7 +13,7 @@ import zmq
 from expertpack.client import protocol as p
 
 from ..conftest import Daemon
-from ..daemon.test_faults import wait_stats
+from ..helpers.expertd import wait_stats
 
 
 def test_late_messages_of_a_closed_connection_do_not_keep_a_session_alive(daemon: Daemon) -> None:

@@ -19,7 +19,7 @@ from expertpack.client import ExpertClient
 from expertpack.daemon.flood import FLOOD_GROWTH_BYTES
 
 from ..conftest import Daemon
-from ..daemon.test_faults import wait_stats
+from ..helpers.expertd import wait_stats
 
 FLOOD_S = 8.0
 

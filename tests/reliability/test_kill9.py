@@ -15,8 +15,8 @@ import pytest
 from expertpack.worker.serve.main import client_name
 
 from ..conftest import start_daemon
-from ..daemon.test_faults import wait_stats
-from ..worker.test_expert_worker import PACK, start_worker
+from ..helpers.expertd import wait_stats
+from ..helpers.worker import PACK, start_worker
 
 PROMPT = "A long story begins"
 N_TOKENS = 24

@@ -22,7 +22,7 @@ from expertpack.client import ExpertClient
 from expertpack.packtools.layout import Manifest
 
 from ..conftest import REPO, Daemon
-from ..daemon.test_faults import wait_stats
+from ..helpers.expertd import wait_stats
 
 SOAK = REPO / "scripts" / "soak.py"
 

@@ -22,7 +22,7 @@ import torch
 
 from expertpack.worker.serve.chat_template import ChatTemplate
 
-from .test_expert_worker import CHAT, Worker, local, served  # noqa: F401 (fixtures)
+from ..helpers.worker import CHAT, Worker
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from expertpack.worker.experts.daemon_link import DaemonLink
 from expertpack.worker.serve.tokenizer import load_tokenizer
 
 from ..conftest import Daemon, start_daemon
-from .test_expert_worker import PACK, Worker, start_worker
+from ..helpers.worker import PACK, Worker, start_worker
 
 DEFAULT_DAEMON_TIMEOUT_S = 30  # expert-worker's --daemon-timeout-s when not given
 PROMPT = "A long story begins"

@@ -29,7 +29,7 @@ from expertpack.worker.engine.engine import Engine
 from expertpack.worker.engine.sampling import Sampler
 
 from ..conftest import FIXTURES
-from .test_expert_cache import assert_served_equals_direct
+from ..helpers.engine import assert_served_equals_direct
 
 DS4 = FIXTURES / "flagship" / "deepseek4"
 REF = json.loads((DS4 / "reference.json").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..conftest import FIXTURES, Daemon, run_cli
-from .test_expert_cache import assert_every_key_accounted
+from ..helpers.engine import assert_every_key_accounted
 
 
 def test_eval_greedy_matches_the_reference_and_saves_logits(tmp_path: Path) -> None:

@@ -22,9 +22,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -36,78 +34,22 @@ from expertpack.worker.engine.engine import Engine
 from expertpack.worker.experts.cache_policy import CacheTooSmall
 from expertpack.worker.experts.daemon_link import CorruptExpert, DaemonLost
 from expertpack.worker.experts.expert_cache import slot_bytes
-from expertpack.worker.nn.layers import KVCache
 from expertpack.worker.serve.metrics import ServeCounters, render
 
-from ..conftest import FIXTURES, Daemon, start_daemon
-
-T = TypeVar("T")
-
-
-def assert_every_key_accounted(cache: dict, daemon: dict) -> None:
-    """The keys expertd counted against the cache's counters: every miss asked once, on demand or
-    ahead (prefetches their layer did not use were sent too), and the keys the worker asked again
-    (a failed or late answer, a lapsed session) once more at most: expertd did not count a first ask
-    that reached it on a session it had already ended. Each key it counted was answered (READY) or
-    cancelled, but for those dropped with a session it ended, which the worker asked again."""
-    once = cache["misses"] - cache["prefetch_used"] + cache["prefetch_issued"]
-    assert once <= daemon["keys"] <= once + cache["refetched"], (cache, daemon)
-    assert 0 <= daemon["keys"] - daemon["ready"] - daemon["cancelled"] <= cache["refetched"], (cache, daemon)
-
+from ..conftest import FIXTURES, Daemon
+from ..helpers.engine import assert_every_key_accounted, daemon_for, greedy_run, minimal_cache_bytes
 
 MODELS = {  # fixture pack -> model of its reference prompt
     "qwen3moe-a.Q4_K_M": "qwen3moe-a",
     "deepseek3-a.Q4_K_M": "deepseek3-a",  # a dense leading layer, a shared expert, payloads that differ per layer
     "gptoss-a.MXFP4_MOE": "gptoss-a",  # top-4, MXFP4, expert biases
 }
-N_NEW = 8
 
 
 def prompts(model: str) -> list[list[int]]:
     """The fixture's prompt, then a second one whose experts partly overlap the first's."""
     first = np.load(FIXTURES / "ref" / model / "prompt_ids.npy").tolist()
     return [first, first[::-1][:12]]
-
-
-def greedy_run(engine: Engine, prompt: list[int], n: int = N_NEW, cache: KVCache | None = None
-               ) -> tuple[list[torch.Tensor], list[int]]:
-    """Logits of the prompt and of every decode step, and the greedy tokens (in `cache`, or a new one)."""
-    cache = cache if cache is not None else engine.new_sequence()
-    logits = [engine.forward(prompt, cache)]
-    tokens: list[int] = []
-    for _ in range(n):
-        tokens.append(int(logits[-1][-1].argmax()))
-        logits.append(engine.forward(tokens[-1:], cache))
-    return logits, tokens
-
-
-def minimal_cache_bytes(pack: Path) -> int:
-    manifest = Manifest.load(pack)
-    return manifest.model.n_expert_used * slot_bytes(manifest)
-
-
-def daemon_for(pack: Path, tmp: Path, *extra: str) -> Daemon:
-    d = start_daemon(pack, tmp, "--stage-slots", "12", "--client-slots", "3", *extra)
-    d.wait_for("READY=1")
-    return d
-
-
-def resident_and_minimal_cache(pack: Path, tmp: Path, run: Callable[[Engine], T]) -> tuple[T, T]:
-    """What `run` gives with every expert resident, then through expertd into a cache of one step
-    of one layer, whose steps come in waves and evict at every layer (checked): for a test to
-    compare, bit for bit where the kernels keep each pair's sums its own."""
-    d = daemon_for(pack, tmp)
-    try:
-        want = run(Engine.load(pack, resident_experts=True))
-        engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
-        try:
-            got = run(engine)
-            assert engine.expert_cache.counters.misses > engine.expert_cache.n_slots, "no waves or evictions"
-        finally:
-            engine.close()
-    finally:
-        assert d.stop()[0] == 0
-    return want, got
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +127,7 @@ def test_a_minimal_cache_over_the_ram_tier_is_bit_exact_and_reads_each_expert_on
     """The worker copies from RAM tier slots (READY naming a slot outside its lease) as from its
     staging: a cache that evicts at every layer gives the resident run's logits, and the second
     pass over the same prompt reads nothing from the pack; /metrics shows the tier."""
-    # Here, not at the top: tests/gpu imports this module on a machine without prometheus_client.
+    # Here, not at the top: the rest of this module runs on a machine without prometheus_client.
     from prometheus_client.parser import text_string_to_metric_families
 
     name = "qwen3moe-a.Q4_K_M"
@@ -396,24 +338,5 @@ def test_a_cache_below_one_step_is_refused(fixture_packs, tmp_path: Path) -> Non
     try:
         with pytest.raises(CacheTooSmall, match="one layer can select 2"):
             Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack) - 1)
-    finally:
-        assert d.stop()[0] == 0
-
-
-def assert_served_equals_direct(pack: Path, prompt: list[int], tmp: Path) -> None:
-    """The pack through a real expertd and a minimal cache gives the in-process run's logits bit
-    for bit, and its greedy tokens (for the architectures' own tests)."""
-    d = daemon_for(pack, tmp)
-    try:
-        direct = Engine.load(pack)
-        served = Engine.load(pack, daemon=d.endpoint, cache_bytes=minimal_cache_bytes(pack))
-        try:
-            want_logits, want_tokens = greedy_run(direct, prompt, 6)
-            got_logits, got_tokens = greedy_run(served, prompt, 6)
-            assert served.expert_cache.counters.evictions > 0
-        finally:
-            served.close()
-        assert got_tokens == want_tokens
-        assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
     finally:
         assert d.stop()[0] == 0

@@ -23,108 +23,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from expertpack.packtools.layout import PACK_FILE, Manifest
-from expertpack.worker.engine.engine import Engine
-from expertpack.worker.engine.sampling import Sampler
 from expertpack.worker.experts.expert_cache import slot_bytes
 from expertpack.worker.serve.chat_template import ChatTemplate
-from expertpack.worker.serve.tokenizer import load_tokenizer
 
 from ..conftest import BIN, Daemon, free_port, run_cli, start_daemon
-
-PACK = "qwen3moe-a.Q4_K_M"  # carries Qwen's chat template
-CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
-
-
-@dataclass
-class Worker:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
-
-    def post(self, path: str, body: bytes) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, body, {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
-
-
-def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str, ready: str = "/health") -> Worker:
-    port = free_port()
-    log_path = tmp / "worker.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(BIN / "expert-worker"), "--pack", str(pack), "--daemon", endpoint, "--device",
-                                 "cpu", "--port", str(port), "--model-name", "fixture", "--cache-vram-mib", "1", *extra],
-                                stdout=log, stderr=log)
-    w = Worker(proc, port, log_path)
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"expert-worker exited {proc.returncode}: {w.log}")
-        try:
-            if w.get(ready)[0] == 200:
-                return w
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"expert-worker never became healthy: {w.log}")
-        time.sleep(0.2)
-
-
-@pytest.fixture(scope="module")
-def served(fixture_packs, tmp_path_factory: pytest.TempPathFactory):
-    pack = fixture_packs[PACK][1]
-    tmp = tmp_path_factory.mktemp("served")
-    daemon = start_daemon(pack, tmp, "--client-slots", "4")
-    daemon.wait_for("READY=1")
-    worker = start_worker(pack, daemon.endpoint, tmp)
-    yield pack, daemon, worker
-    assert worker.stop() == 0, worker.log
-    assert "stopped" in worker.log and "Traceback" not in worker.log
-    assert daemon.stop()[0] == 0
-
-
-@pytest.fixture(scope="module")
-def local(served) -> tuple[Engine, object]:
-    engine = Engine.load(served[0])
-    return engine, load_tokenizer(engine.files.metadata)
-
-
-def local_greedy(local, prompt_ids: list[int], n: int) -> str:
-    engine, tokenizer = local
-    tokens, _ = engine.generate(prompt_ids, n, Sampler(), stop=set(tokenizer.stop_ids))
-    return tokenizer.decode(tokens)
+from ..helpers.worker import CHAT, PACK, Worker, local_greedy, metric_values, start_worker
 
 
 def local_chat_ids(local, messages) -> list[int]:
@@ -218,16 +127,6 @@ def test_metrics_parse_and_count(served) -> None:
     m = Manifest.load(served[0])
     slots = min(len(m.layers) * m.model.n_expert, 2**20 // slot_bytes(m))
     assert after["expertpack_cache_slots"] == slots
-
-
-def metric_values(worker: Worker) -> dict[str, float]:
-    status, text = worker.get("/metrics")
-    assert status == 200
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
 
 
 def test_daemon_killed_during_a_generation(fixture_packs, local, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from expertpack.worker.serve.chat_template import ChatTemplate
 from expertpack.worker.serve.tokenizer import load_tokenizer
 
 from ..conftest import start_daemon
-from .test_expert_worker import start_worker
+from ..helpers.worker import start_worker
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 FLAGSHIPS = {  # pack -> how its own template opens a conversation

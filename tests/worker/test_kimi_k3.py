@@ -29,7 +29,7 @@ from expertpack.worker.engine.engine import Engine
 from expertpack.worker.engine.sampling import Sampler
 
 from ..conftest import FIXTURES
-from .test_expert_cache import assert_served_equals_direct
+from ..helpers.engine import assert_served_equals_direct
 
 K3 = FIXTURES / "flagship" / "kimi-k3"
 REF = json.loads((K3 / "reference.json").read_text())

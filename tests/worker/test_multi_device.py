@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.packtools.layout import ExpertKey
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.experts.cache_policy import CacheTooSmall
@@ -25,9 +24,9 @@ from expertpack.worker.nn.placement import tensor_layer
 from expertpack.worker.serve.tokenizer import load_tokenizer
 from expertpack.worker.weights.model_files import ResidentExperts
 
-from ..conftest import FIXTURES, run_cli
-from .test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
-from .test_expert_worker import local_greedy, start_worker
+from ..conftest import CACHED, FIXTURES, run_cli
+from ..helpers.engine import PROMPT, assert_same, daemon_for, greedy_run, minimal_cache_bytes
+from ..helpers.worker import local_greedy, start_worker
 
 MODELS = {  # one GGUF per architecture, each deep enough to split
     "qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",
@@ -37,17 +36,10 @@ MODELS = {  # one GGUF per architecture, each deep enough to split
     "gpt-oss": "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
     "llama": "gguf/mixtral-a/mixtral-a.Q4_K_M.gguf",
 }
-PROMPT = [1, 5, 9, 200, 17, 3]
 
 
 def run(engine: Engine, n: int = 4) -> tuple[list[torch.Tensor], list[int]]:
     return greedy_run(engine, PROMPT, n)
-
-
-def assert_same(got: tuple[list[torch.Tensor], list[int]], want: tuple[list[torch.Tensor], list[int]], what: str) -> None:
-    assert got[1] == want[1], f"{what}: greedy tokens differ"
-    for step, (g, w) in enumerate(zip(got[0], want[0], strict=True)):
-        assert torch.equal(g, w), f"{what}: logits of step {step} differ (max |diff| {(g - w).abs().max():.3g})"
 
 
 def device_lists(engine: Engine) -> list[str]:
@@ -127,22 +119,12 @@ def test_split_static_decode_steps_are_bit_identical(arch: str) -> None:
 
 
 # ---- through expertd: one expert cache per device, one connection ---------------------------------
-CACHED = {"qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", "deepseek2": "gguf/deepseek3-a/deepseek3-a.Q4_K_M.gguf"}
-
-
-@pytest.fixture(scope="module")
-def packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("multi-device-packs")
-    out = {}
-    for arch, path in CACHED.items():
-        out[arch] = root / arch
-        build_pack(FIXTURES / path, out[arch], BuildOptions(progress=False, safety_margin_bytes=0))
-    return out
+# (the packs: conftest.py's split_packs, which tests/kernels/test_split_kernels.py takes too)
 
 
 @pytest.mark.parametrize("arch", sorted(CACHED))
-def test_split_expert_caches_share_one_daemon_and_are_bit_identical(arch: str, packs, tmp_path: Path) -> None:
-    pack = packs[arch]
+def test_split_expert_caches_share_one_daemon_and_are_bit_identical(arch: str, split_packs, tmp_path: Path) -> None:
+    pack = split_packs[arch]
     resident = Engine.load(pack, resident_experts=True)
     prompt2 = PROMPT[::-1]  # experts partly those of the first prompt
     want = [run(resident), greedy_run(resident, prompt2, 3)]
@@ -206,10 +188,10 @@ def test_eval_over_cpu_devices_saves_the_same_logits(tmp_path: Path) -> None:
         "devices"], proc.stderr
 
 
-def test_expert_worker_over_cpu_devices_serves_one_devices_answer(packs, tmp_path: Path) -> None:
+def test_expert_worker_over_cpu_devices_serves_one_devices_answer(split_packs, tmp_path: Path) -> None:
     """expert-worker --device cpu,cpu against a real expertd: the split is logged, the answer is the
     in-process engine's on one device, /metrics adds the two caches' counters up."""
-    pack = packs["qwen3moe"]
+    pack = split_packs["qwen3moe"]
     local = Engine.load(pack)
     tokenizer = load_tokenizer(local.files.metadata)
     prompt = "The quick brown fox"
@@ -230,8 +212,8 @@ def test_expert_worker_over_cpu_devices_serves_one_devices_answer(packs, tmp_pat
     assert "Traceback" not in worker.log
 
 
-def test_a_split_cache_too_small_names_its_device(packs, tmp_path: Path) -> None:
-    pack = packs["qwen3moe"]
+def test_a_split_cache_too_small_names_its_device(split_packs, tmp_path: Path) -> None:
+    pack = split_packs["qwen3moe"]
     d = daemon_for(pack, tmp_path)
     try:
         with pytest.raises(CacheTooSmall) as err:  # enough for one device, not for two sharing it

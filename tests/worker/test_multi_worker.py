@@ -21,7 +21,7 @@ from pathlib import Path
 from expertpack.worker.serve.main import client_name
 
 from ..conftest import BIN, start_daemon
-from .test_expert_worker import Worker, metric_values, start_worker
+from ..helpers.worker import Worker, metric_values, start_worker
 
 PROMPTS = ("The quick brown fox", "Once upon a time in a land far away")
 N_TOKENS = 12

@@ -99,7 +99,7 @@ def test_expert_worker_records_its_requests(tmp_path: Path) -> None:
     from expertpack.packtools.build import BuildOptions, build_pack
 
     from ..conftest import FIXTURES
-    from .test_expert_worker import PACK, start_worker
+    from ..helpers.worker import PACK, start_worker
 
     pack = tmp_path / "pack"
     build_pack(FIXTURES / "gguf/qwen3moe-a" / f"{PACK}.gguf", pack, BuildOptions(progress=False, safety_margin_bytes=0))

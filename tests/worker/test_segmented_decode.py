@@ -24,7 +24,7 @@ from expertpack.worker.engine.engine import Engine, SegmentedDecode
 from expertpack.worker.nn import layers
 from expertpack.worker.weights.qtensor import kernels_on_cpu
 
-from .test_expert_cache import daemon_for, greedy_run, minimal_cache_bytes
+from ..helpers.engine import daemon_for, greedy_run, minimal_cache_bytes
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu replays the graphs; "
                                                                   "the interpreter is for CPUs"),

@@ -14,6 +14,7 @@ from expertpack.worker.engine.engine import Engine
 from expertpack.worker.nn.layers import KVCache
 
 from ..conftest import FIXTURES
+from ..helpers.engine import static_steps
 
 MODELS = {  # one GGUF per architecture that declares static_decode
     "qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",
@@ -31,21 +32,6 @@ CASES = {arch: (arch, PROMPT, FEED) for arch in MODELS}
 CASES["deepseek4-long"] = ("deepseek4", [(7 * i + 1) % 1000 for i in range(122)],
                            [33, 7, 1000, 5, 9, 200, 71, 3, 512, 64])
 CASES["deepseek4-first-windows"] = ("deepseek4", PROMPT[:2], FEED + FEED[::-1])  # CSA's first without an overlap
-
-
-def static_steps(engine: Engine, cache: KVCache, feed: list[int]) -> torch.Tensor:
-    """Logits [len(feed), V] of one-token steps at a device position, as a captured step runs."""
-    position = torch.zeros(1, dtype=torch.int64)
-    cache.step_positions = position
-    got = []
-    try:
-        with torch.inference_mode():
-            for t in feed:
-                position.fill_(cache.length)
-                got.append(engine.model.forward(torch.tensor([t]), cache).to(torch.float32))
-    finally:
-        cache.step_positions = None
-    return torch.cat(got)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -217,7 +203,7 @@ def test_deepseek4_short_prompt_through_a_minimal_expert_cache_equals_every_expe
     split at the MoE layers with the cache, need the kernels: tests/kernels and tests/gpu.)"""
     from expertpack.worker.engine import engine as engine_module
 
-    from .test_expert_cache import resident_and_minimal_cache
+    from ..helpers.engine import resident_and_minimal_cache
 
     monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
     prompt = [(7 * i + 1) % 1000 for i in range(21)]

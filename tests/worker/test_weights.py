@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from expertpack.worker.weights.qtensor import QTensor, kernels_on_cpu, stacked_rows
 from expertpack.worker.weights.quant import dequantize as reference
 
-from .test_quant import random_bytes
+from ..helpers.quant import random_bytes
 
 pytest.importorskip("triton", reason="regrouping happens where the Triton kernels run")
 
