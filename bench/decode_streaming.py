@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .disk_activity import DiskCounters, DiskSample
+from expertpack.bench.disk_activity import DiskCounters, DiskSample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,7 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
     """One streaming run against a fresh expertd (nothing warm from another run): its speeds and
     tokens, and per phase the cache's counters (hit rate, stall, prefetch precision and recall)
     and the SSD bytes expertd read."""
-    from . import bench_io
+    from expertpack.bench import bench_io
     from expertpack.packtools.layout import PACK_FILE
     from expertpack.worker.engine.engine import Engine
     from expertpack.worker.experts.expert_cache import prefetch_rates
@@ -154,7 +154,7 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
 
 def disk_bandwidth(pack: Path, workdir: Path) -> tuple[float, str]:
     """GB/s of O_DIRECT random whole-expert reads on this pack: fio, else expertd."""
-    from . import bench_io
+    from expertpack.bench import bench_io
     from expertpack.packtools.layout import ExpertKey, Manifest
 
     m = Manifest.load(pack)

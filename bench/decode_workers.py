@@ -194,7 +194,7 @@ def aggregate_tps(figures: list[dict], n_decode: int) -> float:
 
 def one_run(args: argparse.Namespace, devices: list[str], streams: list[int], workdir: Path,
             run_name: str) -> list[dict]:
-    from . import bench_io
+    from expertpack.bench import bench_io
 
     per_client = args.client_slots
     daemon = bench_io.DaemonProcess(args.pack, workdir, threads=8, splits=4, slots=per_client * len(devices),

@@ -63,8 +63,8 @@ def fitting(all_splits: list[Split], vram_bytes: int) -> list[Split]:
 
 
 def llama_run(bin_dir: Path, gguf: Path, split: Split, args: argparse.Namespace) -> dict:
-    from .memory_budget import run
-    from .peer_llamacpp import parse_llama_bench
+    from expertpack.bench.memory_budget import run
+    from expertpack.bench.peer_llamacpp import parse_llama_bench
 
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-ngl", "99", "-ncmoe", str(split.ncmoe),
            "-p", str(args.pp), "-n", str(args.tg), "-r", str(args.reps), "-o", "json"]
@@ -79,7 +79,7 @@ def llama_run(bin_dir: Path, gguf: Path, split: Split, args: argparse.Namespace)
 
 
 def our_run(args: argparse.Namespace, cache_gib: float, ram_tier_gib: float) -> dict:
-    from .memory_budget import run
+    from expertpack.bench.memory_budget import run
 
     cmd = [sys.executable, str(REPO / "bench" / "decode_streaming.py"), "--preset", args.preset,
            *(("--layers", str(args.layers)) if args.layers else ()), "--dir", str(args.dir),
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=300, help="per process")
     args = p.parse_args(argv)
 
-    from .decode_streaming import prepare_pack
+    from expertpack.bench.decode_streaming import prepare_pack
     from expertpack.packtools.gguf_source import open_source
     from expertpack.packtools.layout import Manifest
 

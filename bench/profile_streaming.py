@@ -80,7 +80,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25, help="host functions listed")
     args = p.parse_args()
 
-    from . import bench_io
+    from expertpack.bench import bench_io
     from expertpack.packtools.layout import Manifest
     from expertpack.worker.engine.engine import Engine
 
