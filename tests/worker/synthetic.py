@@ -14,7 +14,8 @@ import torch
 from expertpack.packtools.synth import presets
 from expertpack.packtools.synth.presets import Preset
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
-from expertpack.worker.weights.model_files import ExpertWeights, open_model
+from expertpack.worker.experts.source import ExpertWeights
+from expertpack.worker.weights.model_files import open_model
 
 
 def synth_gguf(path: Path, arch: str, meta: dict[str, Any], n_vocab: int, expert_type: str = "F32",

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..experts.expert_cache import ExpertCache
-from ..experts.lookahead import Guesses
-from ..models import Model
-from ..nn.layers import KVCache
-from ..weights.model_files import ExpertRows
+from ..experts.source import ExpertRows
+
+if TYPE_CHECKING:
+    from ..experts.lookahead import Guesses
+    from ..models import Model
+    from ..nn.layers import KVCache
 
 
 class DecodeGraph:

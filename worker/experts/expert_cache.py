@@ -27,9 +27,10 @@ from expertpack.client import Expert, release_all
 from expertpack.client.protocol import prefetch_budget
 from expertpack.packtools.layout import ALIGNMENT, ExpertKey, LayerLayout, Manifest
 
-from ..weights.model_files import ExpertRows, ExpertWeights, block_views
+from ..weights.model_files import block_views
 from .cache_policy import CachePolicy, CacheTooSmall, slot_count
 from .daemon_link import DaemonLink
+from .source import ExpertRows, ExpertWeights
 
 log = logging.getLogger("expert-worker")
 

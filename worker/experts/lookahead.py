@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..weights.model_files import PrefetchingSource
+from .source import PrefetchingSource
 
 # A model's routing of one layer: (layer, router input [T, D]) -> (expert ids [T, k], weights [T, k])
 Router = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

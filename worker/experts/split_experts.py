@@ -12,7 +12,7 @@ import torch
 
 from expertpack.packtools.layout import LayerLayout
 
-from ..weights.model_files import ExpertRows, ExpertSource, ExpertWeights
+from .source import ExpertRows, ExpertSource, ExpertWeights
 from .expert_cache import CacheCounters, ExpertCache, prefetch_rates
 
 

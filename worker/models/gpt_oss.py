@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from ..nn.activation import Activation, ActKind
-from ..nn.layers import KVCache, Rope, RopeStyle, add_rms_norm, gqa_attention, output_logits, rms_norm
+from ..nn.gqa import GqaWeights, gqa_attention
+from ..nn.layers import KVCache, Rope, RopeStyle, add_rms_norm, output_logits, rms_norm
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import topk_softmax
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import linear
+from ..weights.qtensor import QTensor, linear
 from .config import Key, read_args
 
 SWIGLU_ALPHA = 1.702
@@ -57,40 +58,55 @@ KEYS = {
 }
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One block's trunk tensors, resolved from their GGUF names at load."""
+    attn: GqaWeights
+    ffn_norm: QTensor  # post_attention_norm
+    router: QTensor  # ffn_gate_inp
+    router_bias: QTensor
+    norm_after: QTensor  # the next block's attn_norm (output_norm after the last), fused into this block's residual add
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int, n_layer: int, place: Placement) -> "Layer":
+        p = f"blk.{i}."
+        after = w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < n_layer else "output_norm.weight"]
+        return cls(GqaWeights.load(w, i), w[p + "post_attention_norm.weight"], w[p + "ffn_gate_inp.weight"],
+                   w[p + "ffn_gate_inp.bias"], place.on_layer(i, after))
+
+
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
     static_prompt = True  # a short prompt too (no state but the KV cache): a CUDA graph per prompt length
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
-        self.w = place.weights(files.trunk)
+        self.w = w = place.weights(files.trunk)  # by GGUF name, for tools; forward reads the objects below
+        self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
+        self.first_norm = w["blk.0.attn_norm.weight"]
         self.moe = ExpertFFN(files.experts, expert_count(files), Activation(ActKind.SWIGLU_OAI, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA))
         self.moe.router = self.route
         self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
         self.place, self.device = place, place.first
-        # the next block's input norm (or the output norm), fused into this block's residual add: on this block's device
-        self.norm_after = [place.on_layer(i, self.w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < self.args.n_layer
-                                                 else "output_norm.weight"]) for i in range(self.args.n_layer)]
+        self.layers = [Layer.load(w, i, a.n_layer, place) for i in range(a.n_layer)]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
-        a, w, hd, t = self.args, self.w, self.args.head_dim, len(tokens)
-        x = w["token_embd.weight"].rows(tokens)
+        a, hd, t = self.args, self.args.head_dim, len(tokens)
+        x = self.token_embd.rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
-        h = rms_norm(x, w["blk.0.attn_norm.weight"].dequant(), a.eps)
-        for i in range(a.n_layer):
-            p = f"blk.{i}."
+        h = rms_norm(x, self.first_norm.dequant(), a.eps)
+        for i, layer in enumerate(self.layers):
             x, h, cos, sin = self.place.hop(i, x, h, cos, sin)
             window = a.sliding_window if i % 2 == 0 else None  # sliding on even layers, full on odd
-            attn = gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps, window,
-                                 parts=True)
-            x, h = add_rms_norm(x, attn, w[p + "post_attention_norm.weight"].dequant(), a.eps)
+            attn = gqa_attention(layer.attn, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps,
+                                 window, parts=True)
+            x, h = add_rms_norm(x, attn, layer.ffn_norm.dequant(), a.eps)
             ids, weights = self.route(i, h)
-            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), self.norm_after[i].dequant(), a.eps)
+            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), layer.norm_after.dequant(), a.eps)
         cache.length += t
-        return output_logits(h, w["output.weight"], last)
+        return output_logits(h, self.output, last)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p = f"blk.{i}."
-        return topk_softmax(linear(h, self.w[p + "ffn_gate_inp.weight"], self.w[p + "ffn_gate_inp.bias"]),
-                            self.args.n_expert_used)
+        layer = self.layers[i]
+        return topk_softmax(linear(h, layer.router, layer.router_bias), self.args.n_expert_used)

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..nn.layers import KVCache, Rope, RopeStyle, gqa_attention, output_logits, rms_norm
+from ..nn.gqa import GqaWeights, gqa_attention
+from ..nn.layers import KVCache, Rope, RopeStyle, output_logits, rms_norm
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import softmax_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import linear
+from ..weights.qtensor import QTensor, linear
 from .config import Key, read_args
 
 
@@ -40,6 +41,26 @@ KEYS = {
 }
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One block's trunk tensors, resolved from their GGUF names at load."""
+    attn_norm: QTensor
+    attn: GqaWeights
+    ffn_norm: QTensor
+    router: QTensor  # ffn_gate_inp
+    shared_gate: QTensor  # the shared expert's SwiGLU: ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp
+    shared_up: QTensor
+    shared_down: QTensor
+    shared_router: QTensor  # ffn_gate_inp_shexp: the sigmoid gate on the shared expert's output
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int) -> "Layer":
+        p = f"blk.{i}."
+        return cls(w[p + "attn_norm.weight"], GqaWeights.load(w, i), w[p + "ffn_norm.weight"],
+                   w[p + "ffn_gate_inp.weight"], w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                   w[p + "ffn_down_shexp.weight"], w[p + "ffn_gate_inp_shexp.weight"])
+
+
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
     static_prompt = True  # a short prompt too (no state but the KV cache): a CUDA graph per prompt length
@@ -47,33 +68,34 @@ class Model:
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.head_dim = a.n_embd // a.n_head
-        self.w = place.weights(files.trunk)
+        self.w = w = place.weights(files.trunk)  # by GGUF name, for tools; forward reads the objects below
+        self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
+        self.output_norm = w["output_norm.weight"]
+        self.layers = [Layer.load(w, i) for i in range(a.n_layer)]
         self.moe = ExpertFFN(files.experts, expert_count(files))
         self.moe.router = self.route
         self.rope = Rope(self.head_dim, a.rope_base, RopeStyle.NEOX)
         self.place, self.device = place, place.first
 
-    def shared_expert(self, p: str, h: torch.Tensor) -> torch.Tensor:
-        w = self.w
-        y = linear(F.silu(linear(h, w[p + "ffn_gate_shexp.weight"])) * linear(h, w[p + "ffn_up_shexp.weight"]),
-                   w[p + "ffn_down_shexp.weight"])
-        gate = h @ w[p + "ffn_gate_inp_shexp.weight"].dequant().reshape(-1, 1)  # [T, 1]
+    @staticmethod
+    def shared_expert(layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        y = linear(F.silu(linear(h, layer.shared_gate)) * linear(h, layer.shared_up), layer.shared_down)
+        gate = h @ layer.shared_router.dequant().reshape(-1, 1)  # [T, 1]
         return torch.sigmoid(gate) * y
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
-        a, w, hd, t = self.args, self.w, self.head_dim, len(tokens)
-        x = w["token_embd.weight"].rows(tokens)
+        a, hd, t = self.args, self.head_dim, len(tokens)
+        x = self.token_embd.rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
-        for i in range(a.n_layer):
-            p = f"blk.{i}."
+        for i, layer in enumerate(self.layers):
             x, cos, sin = self.place.hop(i, x, cos, sin)
-            h = rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps)
-            x = x + gqa_attention(w, p, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
-            h = rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps)
+            h = rms_norm(x, layer.attn_norm.dequant(), a.eps)
+            x = x + gqa_attention(layer.attn, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
+            h = rms_norm(x, layer.ffn_norm.dequant(), a.eps)
             ids, weights = self.route(i, h)
-            x = x + self.moe(i, h, ids, weights) + self.shared_expert(p, h)
+            x = x + self.moe(i, h, ids, weights) + self.shared_expert(layer, h)
         cache.length += t
-        return output_logits(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"], last)
+        return output_logits(rms_norm(x, self.output_norm.dequant(), a.eps), self.output, last)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(linear(h, self.w[f"blk.{i}.ffn_gate_inp.weight"]), self.args.n_expert_used, normalize=False)
+        return softmax_topk(linear(h, self.layers[i].router), self.args.n_expert_used, normalize=False)

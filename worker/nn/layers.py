@@ -5,13 +5,13 @@ sinks). Pure torch on whatever device the inputs live on; no quant formats, no s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
 import torch
 
-from ..weights.qtensor import QTensor, linear, linear_parts, stacked_rows, use_kernels
+from ..weights.qtensor import QTensor, linear, use_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -294,87 +294,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | to
     if sinks is not None:
         probs = probs[..., :-1]
     return torch.einsum("hts,shd->thd", probs, v)
-
-
-def gqa_attention(w: dict, p: str, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
-                  head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                  window: int | None = None, parts: bool = False) -> torch.Tensor:
-    """The grouped-query attention block llama.cpp's GGUFs share: attn_q/k/v (with .bias where the
-    GGUF has them), per-head attn_q_norm/attn_k_norm where present (Qwen3), RoPE, the KV cache,
-    attn_sinks where present (gpt-oss), attn_output (+ bias). h [T, D] -> [T, D]; with `parts`, a
-    decode step on the fast path may answer [T, S, D], partial sums for add_rms_norm."""
-    t = h.shape[0]
-    if use_kernels(h.device) and h.dtype == torch.float32:
-        fused = _stacked_qkv(w, p)
-        if fused is not None:
-            return _fused_gqa(w, p, h, fused, layer, cache, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window,
-                              parts)
-
-    def project(name: str, heads: int) -> torch.Tensor:
-        return linear(h, w[f"{p}{name}.weight"], w.get(f"{p}{name}.bias")).reshape(t, heads, head_dim)
-
-    q, k, v = project("attn_q", n_head), project("attn_k", n_head_kv), project("attn_v", n_head_kv)
-    if f"{p}attn_q_norm.weight" in w:
-        q = rms_norm(q, w[f"{p}attn_q_norm.weight"].dequant(), eps)
-        k = rms_norm(k, w[f"{p}attn_k_norm.weight"].dequant(), eps)
-    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    k, v = cache.append(layer, k, v)
-    sinks = w[f"{p}attn_sinks.weight"].dequant() if f"{p}attn_sinks.weight" in w else None
-    o = attention(q, k, v, cache.positions(t, q.device), head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
-    return linear(o, w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))
-
-
-def _stacked_qkv(w: dict, p: str) -> tuple[QTensor, QTensor | None] | None:
-    """attn_q/k/v stacked into one matrix (and their biases into one vector), made at the first use
-    and kept in `w` (None there where they cannot stack: types or row lengths differ); the three
-    then view the stacked bytes, so nothing is held twice."""
-    key = f"{p}attn_qkv"
-    if key + ".weight" not in w:
-        stacked = {}
-        for suffix in (".weight", ".bias"):
-            parts = [w.get(f"{p}attn_{x}{suffix}") for x in "qkv"]
-            if suffix == ".bias" and parts == [None] * 3:
-                break
-            stacked[suffix] = None if None in parts else stacked_rows(key + suffix, parts)
-            if stacked[suffix] is None:
-                stacked = {".weight": None}
-                break
-        for suffix, whole in stacked.items():
-            w[key + suffix] = whole
-            if whole is None:
-                continue
-            start = 0
-            for x in "qkv":
-                part = w[f"{p}attn_{x}{suffix}"]
-                w[part.name] = replace(part, raw=whole.raw[start:start + part.raw.numel()])
-                start += part.raw.numel()
-    weight = w[key + ".weight"]
-    return None if weight is None else (weight, w.get(key + ".bias"))
-
-
-def _fused_gqa(w: dict, p: str, h: torch.Tensor, fused: tuple[QTensor, QTensor | None], layer: int,
-               cache: KVCache, n_head: int, n_head_kv: int, head_dim: int, rope: Rope, cos: torch.Tensor,
-               sin: torch.Tensor, eps: float, window: int | None, parts: bool) -> torch.Tensor:
-    """gqa_attention on the fast path: one launch for q/k/v, one for their norms, RoPE and the
-    cache write, two for attention, one for the output projection (whose split-K partial sums,
-    with `parts`, are left for add_rms_norm to add)."""
-    from ..kernels.pointwise_tl import qkv_rope_store
-
-    t = h.shape[0]
-    weight, bias = fused
-    qkv = linear(h, weight, bias) if bias is not None else linear_parts(h, weight)
-    shape = torch.Size((n_head_kv, head_dim))
-    keys, values, seen = cache.buffers(layer, t, shape, shape, qkv)
-    positions = cache.positions(t, h.device)
-    q_norm = w[f"{p}attn_q_norm.weight"].dequant() if f"{p}attn_q_norm.weight" in w else None
-    k_norm = w[f"{p}attn_k_norm.weight"].dequant() if q_norm is not None else None
-    q = qkv_rope_store(qkv, n_head, n_head_kv, q_norm, k_norm, eps, cos, sin, rope.dim,
-                       rope.style is RopeStyle.NEOX, keys, values, positions)
-    sinks = w[f"{p}attn_sinks.weight"].dequant() if f"{p}attn_sinks.weight" in w else None
-    o = attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
-    if parts and f"{p}attn_output.bias" not in w:
-        return linear_parts(o, w[f"{p}attn_output.weight"])
-    return linear(o, w[f"{p}attn_output.weight"], w.get(f"{p}attn_output.bias"))
 
 
 def output_logits(h: torch.Tensor, head: QTensor, last: bool) -> torch.Tensor:

@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..experts.lookahead import Guesses, Router, look_ahead, next_guesses
+from ..experts.source import ExpertRows, ExpertSource, ExpertWeights, PrefetchingSource
 from ..weights.expert_roles import ExpertRoles, expert_roles
-from ..weights.model_files import ExpertRows, ExpertSource, ExpertWeights, PrefetchingSource
 from ..weights.qtensor import linear, use_kernels
 from .activation import SWIGLU, Activation
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -20,54 +20,9 @@ from expertpack.packtools.gguf_source import GGUFSource, SourceTensor, open_sour
 from expertpack.packtools.layout import (PACK_FILE, TRUNK_FILE, TRUNK_FINGERPRINT_KEY, ExpertKey, LayerLayout, Manifest,
                                          RoleSpec, manifest_problems, plan_layers)
 
+from ..experts.source import ExpertRows, ExpertSource, ExpertWeights
 from .qtensor import QTensor
 from .quant import check_supported
-
-ExpertWeights = dict[str, QTensor]  # role ("gate", "up", "down", "gate_up", "down.bias", ...) -> tensor
-
-
-@dataclass(frozen=True)
-class ExpertRows:
-    """Where the experts of a step's (token, slot) pairs sit, for the fused kernels: offsets
-    [T*k] int64, bytes into `pool` (uint8, on the compute device), each the start of a block laid
-    out as the source's `layout` says. `pairs` (int32) lists the pairs the offsets are valid for
-    when a source delivers a step in waves; None means all of them."""
-    pool: torch.Tensor
-    offsets: torch.Tensor
-    pairs: torch.Tensor | None = None
-
-
-class ExpertSource(Protocol):
-    """Gives the weights of the experts a layer selected: all of them, every time; as role tensors
-    (`load`, the torch path) or as rows of blocks in device memory (`expert_rows`, the kernels)."""
-
-    def load(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]: ...
-
-    def layout(self, layer: int) -> LayerLayout: ...
-
-    def expert_rows(self, layer: int, ids: torch.Tensor) -> Iterator[ExpertRows]: ...
-
-    def close(self) -> None: ...
-
-
-@runtime_checkable
-class PrefetchingSource(ExpertSource, Protocol):
-    """A source whose experts arrive from elsewhere (the expert cache fed by expertd): it can be
-    told ahead which experts a later layer will likely need (prefetch.py), and when a layer has run."""
-
-    def ahead(self, layer: int, depth: int) -> tuple[int, ...]: ...
-
-    # `then`: what the step sends once its own misses are asked for (the later layers' prefetches)
-    def load(self, layer: int, experts: Sequence[int], then: Callable[[], None] | None = None
-             ) -> dict[int, ExpertWeights]: ...
-
-    def expert_rows(self, layer: int, ids: torch.Tensor, then: Callable[[], None] | None = None
-                    ) -> Iterator[ExpertRows]: ...
-
-    def prefetch(self, layer: int, experts: Sequence[int], running: int | None = None) -> None: ...
-
-    def layer_done(self, layer: int) -> None: ...
-
 
 @dataclass
 class ModelFiles:

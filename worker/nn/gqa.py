@@ -1,0 +1,109 @@
+"""The grouped-query attention block llama.cpp's GGUFs share (Qwen2/3-MoE, Mixtral, gpt-oss):
+attn_q/k/v (with biases where the GGUF has them), per-head attn_q_norm/attn_k_norm where present
+(Qwen3), RoPE, the KV cache, attn_sinks where present (gpt-oss), attn_output (+ bias).
+
+GqaWeights resolves one layer's tensors from their GGUF names once, at load; the forward pass reads
+attributes. q, k and v are stacked there into one matrix (their biases into one vector) where they
+can be, the three then views of its bytes: nothing is held twice, and the fast path multiplies them
+in one launch. The torch path reads the same bytes through the views, so its bits do not change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..weights.qtensor import QTensor, linear, linear_parts, stacked_rows, use_kernels
+from .layers import KVCache, Rope, RopeStyle, attention, rms_norm
+
+
+@dataclass(frozen=True)
+class GqaWeights:
+    q: QTensor
+    k: QTensor
+    v: QTensor
+    output: QTensor
+    q_bias: QTensor | None = None
+    k_bias: QTensor | None = None
+    v_bias: QTensor | None = None
+    output_bias: QTensor | None = None
+    q_norm: QTensor | None = None  # per head, with k_norm (Qwen3)
+    k_norm: QTensor | None = None
+    sinks: QTensor | None = None  # a logit per head (gpt-oss)
+    qkv: QTensor | None = None  # q, k and v stacked (None: their types or row lengths differ)
+    qkv_bias: QTensor | None = None
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], layer: int) -> "GqaWeights":
+        """Layer `layer`'s attention from the trunk's tensors by name. Where q/k/v stack, `w`'s
+        entries become views of the stacked bytes too, so the trunk holds them once."""
+        p = f"blk.{layer}."
+        found = {field: w.get(p + name) for field, name in _NAMES.items()}
+        weights = [found["q"], found["k"], found["v"]]
+        biases = [found["q_bias"], found["k_bias"], found["v_bias"]]
+        qkv = stacked_rows(p + "attn_qkv.weight", weights)
+        qkv_bias = None
+        if qkv is not None and biases != [None] * 3:
+            qkv_bias = None if None in biases else stacked_rows(p + "attn_qkv.bias", biases)
+            if qkv_bias is None:  # biases on some of q/k/v only, or of other types: not stacked
+                qkv = None
+        for whole, names in ((qkv, ("q", "k", "v")), (qkv_bias, ("q_bias", "k_bias", "v_bias"))):
+            if whole is None:
+                continue
+            start = 0
+            for name in names:
+                part = found[name]
+                found[name] = w[part.name] = replace(part, raw=whole.raw[start:start + part.raw.numel()])
+                start += part.raw.numel()
+        return cls(**found, qkv=qkv, qkv_bias=qkv_bias)
+
+
+_NAMES = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "output": "attn_output.weight",
+          "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+          "output_bias": "attn_output.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+          "sinks": "attn_sinks.weight"}
+
+
+def gqa_attention(a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
+                  head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                  window: int | None = None, parts: bool = False) -> torch.Tensor:
+    """h [T, D] -> [T, D]; with `parts`, a decode step on the fast path may answer [T, S, D],
+    partial sums for add_rms_norm."""
+    if a.qkv is not None and use_kernels(h.device) and h.dtype == torch.float32:
+        return _fused_gqa(a, h, layer, cache, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window, parts)
+    t = h.shape[0]
+    q = linear(h, a.q, a.q_bias).reshape(t, n_head, head_dim)
+    k = linear(h, a.k, a.k_bias).reshape(t, n_head_kv, head_dim)
+    v = linear(h, a.v, a.v_bias).reshape(t, n_head_kv, head_dim)
+    if a.q_norm is not None:
+        q = rms_norm(q, a.q_norm.dequant(), eps)
+        k = rms_norm(k, a.k_norm.dequant(), eps)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    k, v = cache.append(layer, k, v)
+    sinks = a.sinks.dequant() if a.sinks is not None else None
+    o = attention(q, k, v, cache.positions(t, q.device), head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
+    return linear(o, a.output, a.output_bias)
+
+
+def _fused_gqa(a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
+               head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float, window: int | None,
+               parts: bool) -> torch.Tensor:
+    """gqa_attention on the fast path: one launch for q/k/v, one for their norms, RoPE and the
+    cache write, two for attention, one for the output projection (whose split-K partial sums,
+    with `parts`, are left for add_rms_norm to add)."""
+    from ..kernels.pointwise_tl import qkv_rope_store
+
+    t = h.shape[0]
+    qkv = linear(h, a.qkv, a.qkv_bias) if a.qkv_bias is not None else linear_parts(h, a.qkv)
+    shape = torch.Size((n_head_kv, head_dim))
+    keys, values, seen = cache.buffers(layer, t, shape, shape, qkv)
+    positions = cache.positions(t, h.device)
+    q_norm = a.q_norm.dequant() if a.q_norm is not None else None
+    k_norm = a.k_norm.dequant() if q_norm is not None else None
+    q = qkv_rope_store(qkv, n_head, n_head_kv, q_norm, k_norm, eps, cos, sin, rope.dim,
+                       rope.style is RopeStyle.NEOX, keys, values, positions)
+    sinks = a.sinks.dequant() if a.sinks is not None else None
+    o = attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
+    if parts and a.output_bias is None:
+        return linear_parts(o, a.output)
+    return linear(o, a.output, a.output_bias)
