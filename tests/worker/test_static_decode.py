@@ -194,6 +194,27 @@ def test_the_engines_short_prompt_into_an_empty_deepseek4_cache(monkeypatch: pyt
     assert err < 1e-5, f"max |diff| {err:.2e}"
 
 
+def test_a_deepseek4_slot_left_by_an_eager_pass_takes_a_static_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequence that ran only eagerly (a one-token prompt: its DeepSeek-V4 states unreserved)
+    leaves its slot; the next sequence there starts with a static short prompt (the engine told its
+    kernels run, the arithmetic staying torch's), whose reservation needs the cleared states'
+    device: the logits are a fresh engine's."""
+    from expertpack.worker.engine import engine as engine_module
+
+    prompt = [(3 * i + 11) % 1000 for i in range(21)]
+    fresh = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
+    monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
+    want = fresh.forward(prompt, fresh.new_sequence(), last=True)
+    engine = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
+    with engine.new_sequence() as first:
+        engine.forward([1], first)  # eagerly: a one-token prompt into an empty slot
+        assert all(state.buffers is None for state in first.kv.state.values())
+    second = engine.new_sequence()
+    got = engine.forward(prompt, second, last=True)
+    assert all(state.buffers is not None for state in second.kv.state.values()), "the prompt ran eagerly"
+    assert torch.equal(got, want)
+
+
 def test_deepseek4_short_prompt_through_a_minimal_expert_cache_equals_every_expert_resident(
         fixture_packs, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's static-shape prompt (told its kernels run, the arithmetic staying torch's) with

@@ -145,6 +145,8 @@ class LayerState:
         self.indexer_ties = []
         self.compressors = {name: CompressorState() for name in self.compressors}
         if self.buffers is None:
+            if self.raw is not None:  # an empty state is reserved where its entries were
+                self.device = self.raw.device
             self.raw = None
             return
         empty = LayerState(self.shape, self.buffers.raw.device)
