@@ -307,7 +307,7 @@ class ExpertCache:
         """Where one fetch's copies are issued: on the copy stream, made current once for all of
         them, after it waited once for the compute stream (every reader of a victim slot was
         enqueued before the fetch began, and none is while it runs). Done per key, the stream switch
-        and the wait were most of a miss's copy-issuing host time (cProfile, H200, 2026-12-01)."""
+        and the wait were most of a miss's copy-issuing host time (bench/profile_streaming.py)."""
         if self.copy_stream is None:
             yield
             return

@@ -3,13 +3,10 @@ LOOKAHEAD_LAYERS MoE layers the expert source may prefetch for (PrefetchingSourc
 experts of a layer whose routes are static (DeepSeek-V4's hash layers: a token-id table) exactly,
 from the tokens, and for the others a prediction: the model's own router of that layer applied to
 this layer's router input (the hidden state after this layer's attention). The residual stream
-changes little from layer to layer, so the prediction holds several layers ahead (on the 6-layer
-synthetic Qwen3-30B-A3B, of the experts a layer chose: 84% predicted one layer ahead, 84% two, 81%
-three); asking that early keeps the disk's queue full while the layers between compute. Six
-layers ahead (as far as the prefetch budget reaches, nearest first) streamed the 12-layer model
-from a cold RAM tier faster than three in four of five same-call comparisons on the H200 (0.93x and
-0.94x of the I/O bound against 0.80x and 0.83x in the last), its precision 74% instead of 77%
-(BENCHMARKS.md, "Demand before prefetch, six layers ahead"). It only decides what to fetch early;
+changes little from layer to layer, so the prediction holds several layers ahead; asking that
+early keeps the disk's queue full while the layers between compute. LOOKAHEAD_LAYERS (as far as
+the prefetch budget reaches, nearest first) is the depth that streamed fastest from a cold RAM
+tier (bench/decode_streaming.py --lookahead, BENCHMARKS.md). It only decides what to fetch early;
 every layer computes with the routing it computes when it runs."""
 
 from __future__ import annotations

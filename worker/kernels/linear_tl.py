@@ -18,7 +18,7 @@ from ..weights.quant import Q8_0_REGROUPED
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN_MATVEC = 16  # rows of W per program
-BN_REGROUPED = 32  # the same for regrouped Q8_0 (H200: the 129,280 x 4,096 head 317 -> 187 us against 16)
+BN_REGROUPED = 32  # the same for regrouped Q8_0: its 128-bit loads repay wider programs (kernel_bandwidth.py)
 MATVEC_WARPS = 4
 BN_DEQUANT = 16
 PROGRAMS_PER_SM = 4  # split K until a matvec has this many programs per multiprocessor

@@ -9,8 +9,8 @@ are read once per tile of its pairs and nothing is written but the results.
 Precision: float32 activations, fp32 accumulation, the products as accurate as float32 ones. Tiles
 of BM pairs multiply on TF32 tensor cores in three passes (`tf32x3`, as moe_dense); tiles of BM_WIDE,
 whose products bind a long prompt, in three bfloat16 passes that the MXFP4 weights allow (`bf16x3`,
-_dot: twice TF32's rate; gpt-oss-20b's MoE layer at 512 tokens 4.24 -> 3.00 ms on the H200, its
-error against float32 per-pair products the same 3.8e-7), where at BM pairs they measured slower.
+_dot: twice TF32's rate, its error against float32 per-pair products the same as tf32x3's), where
+at BM pairs they measured slower (bench/moe_prefill.py).
 A pair's row is computed by a tile of fixed shape over K in a fixed order, whichever other pairs
 share the tile, and the tile shape by the whole step's, so a cache that loads a step's experts in
 waves gives the very bits of the resident table."""
@@ -30,7 +30,7 @@ from .moe_tl import _act
 
 BM, BN, BK = 16, 64, 32  # a product's tile: pairs of one expert x rows of its matrix x a block of K
 BM_WIDE, WIDE_PAIRS = 64, 32  # from this many pairs per routed expert, tiles of BM_WIDE pairs
-BN_WIDE = 128  # and of BN_WIDE rows: gpt-oss-20b's 512-token prompt 5,679 tok/s against 5,091 at 64 (H200)
+BN_WIDE = 128  # and of BN_WIDE rows: a long prompt's tiles, fastest at this width (bench/decode_settings.py)
 WARPS = 4
 MXFP4 = int(GGMLQuantizationType.MXFP4)  # the type whose blocks it decodes, and where it measured faster
 PRECISION, PRECISION_WIDE = "tf32x3", "bf16x3"  # the products of tiles of BM and of BM_WIDE pairs: see _dot

@@ -57,9 +57,7 @@ def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False) -> str:
     pairs per expert to repay that, "tiles" (moe_tiles: an expert's bytes decoded once per tile of
     its pairs) where experts are shared by a few pairs; else "per_pair" (moe_tl, a decode step).
     A function of the step's shape alone: no host sync, and every wave of a cache decides alike.
-    (bench/moe_prefill.py on the H200, one layer: gpt-oss-20b at 32 / 128 / 512 tokens, grouped
-    1.14 / 1.73 / 3.00 ms against tiles 1.82 and dense 3.31 / 4.56; DeepSeek-V4-Flash at 128 / 512,
-    grouped 8.6 / 9.8 against tiles 10.7 and dense 29.6; per pair below two pairs per expert.)"""
+    The thresholds are where bench/moe_prefill.py finds each path the fastest (BENCHMARKS.md)."""
     many = ids.shape[0] > 1 and ids.numel() >= TILES_MIN_PAIRS_PER_EXPERT * n_expert
     if grouped:
         return "grouped" if many else "per_pair"
