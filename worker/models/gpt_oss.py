@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from ..nn.activation import Activation, ActKind
-from ..nn.gqa import GqaWeights, gqa_attention
+from ..nn.gqa import GqaMoeLayer, gqa_attention
 from ..nn.layers import KVCache, Rope, RopeStyle, add_rms_norm, output_logits, rms_norm
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import topk_softmax
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import QTensor, linear
+from ..weights.qtensor import linear
 from .config import Key, read_args
 
 SWIGLU_ALPHA = 1.702
@@ -58,23 +58,6 @@ KEYS = {
 }
 
 
-@dataclass(frozen=True)
-class Layer:
-    """One block's trunk tensors, resolved from their GGUF names at load."""
-    attn: GqaWeights
-    ffn_norm: QTensor  # post_attention_norm
-    router: QTensor  # ffn_gate_inp
-    router_bias: QTensor
-    norm_after: QTensor  # the next block's attn_norm (output_norm after the last), fused into this block's residual add
-
-    @classmethod
-    def load(cls, w: dict[str, QTensor], i: int, n_layer: int, place: Placement) -> "Layer":
-        p = f"blk.{i}."
-        after = w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < n_layer else "output_norm.weight"]
-        return cls(GqaWeights.load(w, i), w[p + "post_attention_norm.weight"], w[p + "ffn_gate_inp.weight"],
-                   w[p + "ffn_gate_inp.bias"], place.on_layer(i, after))
-
-
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
     static_prompt = True  # a short prompt too (no state but the KV cache): a CUDA graph per prompt length
@@ -89,7 +72,8 @@ class Model:
         self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
         self.place, self.device = place, place.first
-        self.layers = [Layer.load(w, i, a.n_layer, place) for i in range(a.n_layer)]
+        self.layers = [GqaMoeLayer.load(w, i, a.n_layer, place, ffn_norm="post_attention_norm")
+                       for i in range(a.n_layer)]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         a, hd, t = self.args, self.args.head_dim, len(tokens)

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..nn.gqa import GqaWeights, gqa_attention
+from ..nn.gqa import GqaMoeLayer, gqa_attention
 from ..nn.layers import KVCache, Rope, RopeStyle, add_rms_norm, output_logits, rms_norm
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import softmax_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import QTensor, linear_parts
+from ..weights.qtensor import linear_parts
 from .config import Key, read_args
 
 
@@ -42,22 +42,6 @@ KEYS = {
 }
 
 
-@dataclass(frozen=True)
-class Layer:
-    """One block's trunk tensors, resolved from their GGUF names at load."""
-    attn: GqaWeights
-    ffn_norm: QTensor
-    router: QTensor  # ffn_gate_inp
-    norm_after: QTensor  # the next block's attn_norm (output_norm after the last), fused into this block's residual add
-
-    @classmethod
-    def load(cls, w: dict[str, QTensor], i: int, n_layer: int, place: Placement) -> "Layer":
-        p = f"blk.{i}."
-        after = w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < n_layer else "output_norm.weight"]
-        return cls(GqaWeights.load(w, i), w[p + "ffn_norm.weight"], w[p + "ffn_gate_inp.weight"],
-                   place.on_layer(i, after))
-
-
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
     static_prompt = True  # a short prompt too (no state but the KV cache): a CUDA graph per prompt length
@@ -71,7 +55,7 @@ class Model:
         self.moe.router = self.route
         self.rope = Rope(self.args.head_dim, self.args.rope_base, RopeStyle.NEOX)
         self.place, self.device = place, place.first
-        self.layers = [Layer.load(w, i, self.args.n_layer, place) for i in range(self.args.n_layer)]
+        self.layers = [GqaMoeLayer.load(w, i, self.args.n_layer, place) for i in range(self.args.n_layer)]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""

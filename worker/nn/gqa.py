@@ -15,6 +15,7 @@ import torch
 
 from ..weights.qtensor import QTensor, linear, linear_parts, stacked_rows, use_kernels
 from .layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,25 @@ class GqaWeights:
                 found[name] = w[part.name] = replace(part, raw=whole.raw[start:start + part.raw.numel()])
                 start += part.raw.numel()
         return cls(**found, qkv=qkv, qkv_bias=qkv_bias)
+
+
+@dataclass(frozen=True)
+class GqaMoeLayer:
+    """A pre-norm block of this attention, then routed experts, whose next block's input norm is
+    fused into its residual add (Qwen3-MoE, Mixtral, gpt-oss): its trunk tensors by role."""
+    attn: GqaWeights
+    ffn_norm: QTensor  # the experts' input norm (gpt-oss calls it post_attention_norm)
+    router: QTensor  # ffn_gate_inp
+    router_bias: QTensor | None
+    norm_after: QTensor  # the next block's attn_norm (output_norm after the last), on this block's device
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int, n_layer: int, place: Placement,
+             ffn_norm: str = "ffn_norm") -> "GqaMoeLayer":
+        p = f"blk.{i}."
+        after = w[f"blk.{i + 1}.attn_norm.weight" if i + 1 < n_layer else "output_norm.weight"]
+        return cls(GqaWeights.load(w, i), w[f"{p}{ffn_norm}.weight"], w[p + "ffn_gate_inp.weight"],
+                   w.get(p + "ffn_gate_inp.bias"), place.on_layer(i, after))
 
 
 _NAMES = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "output": "attn_output.weight",
