@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..nn.layers import KVCache, Rope, RopeStyle, attention, output_logits, rms_norm
-from ..nn.mla import absorbed_attention, mla_keys_values, mla_query
+from ..nn.mla import MlaWeights, absorbed_attention, mla_keys_values, mla_query
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import sigmoid_group_topk, softmax_topk
@@ -74,8 +74,44 @@ KEYS = {
 }
 
 
-def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+@dataclass(frozen=True)
+class SwiGLU:
+    """A dense SwiGLU FFN's three matrices: a leading dense layer's, or the shared experts'."""
+    gate: QTensor
+    up: QTensor
+    down: QTensor
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int, suffix: str = "") -> "SwiGLU":
+        p = f"blk.{i}."
+        return cls(w[f"{p}ffn_gate{suffix}.weight"], w[f"{p}ffn_up{suffix}.weight"], w[f"{p}ffn_down{suffix}.weight"])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One block's trunk tensors, resolved from their GGUF names at load. A leading dense layer has
+    `dense`; an MoE layer has `router` (with `router_bias` under sigmoid gating) and, where the
+    GGUF has them, the shared experts."""
+    attn_norm: QTensor
+    attn: MlaWeights
+    ffn_norm: QTensor
+    dense: SwiGLU | None = None
+    router: QTensor | None = None  # ffn_gate_inp
+    router_bias: QTensor | None = None  # exp_probs_b: the correction bias that decides selection only
+    shared: SwiGLU | None = None
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int, a: Args) -> "Layer":
+        p = f"blk.{i}."
+        common = w[p + "attn_norm.weight"], MlaWeights.load(w, i), w[p + "ffn_norm.weight"]
+        if i < a.n_dense:
+            return cls(*common, dense=SwiGLU.load(w, i))
+        bias = w[p + "exp_probs_b.bias"] if a.gating == GATING_SIGMOID else None
+        shared = SwiGLU.load(w, i, "_shexp") if p + "ffn_gate_shexp.weight" in w else None
+        return cls(*common, router=w[p + "ffn_gate_inp.weight"], router_bias=bias, shared=shared)
 
 
 class Model:
@@ -85,7 +121,10 @@ class Model:
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         self.nope = a.key_mla - a.rope_dim
-        self.w = place.weights(files.trunk)
+        self.w = w = place.weights(files.trunk)  # by GGUF name, for tools; forward reads the objects below
+        self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
+        self.output_norm = w["output_norm.weight"]
+        self.layers = [Layer.load(w, i, a) for i in range(a.n_layer)]
         self.moe = ExpertFFN(files.experts, expert_count(files))
         self.moe.router = self.route
         # DeepSeek's YaRN scales attention by mscale^2 through the softmax scale, and leaves cos/sin
@@ -96,50 +135,48 @@ class Model:
                          a.yarn_beta_fast, a.yarn_beta_slow)
         self.place, self.device = place, place.first
 
-    def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        a, w, p, t = self.args, self.w, f"blk.{i}.", len(h)
-        q = mla_query(w, p, h, a.n_head, a.key_mla, a.eps)
+    def attention(self, layer: Layer, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  cache: KVCache) -> torch.Tensor:
+        a, m, t = self.args, layer.attn, len(h)
+        q = mla_query(m, h, a.n_head, a.key_mla, a.eps)
         if use_kernels(h.device):
-            o = absorbed_attention(w, p, h, q, i, cache, a.kv_lora, self.nope, a.eps, self.scale,
+            o = absorbed_attention(m, h, q, i, cache, a.kv_lora, self.nope, a.eps, self.scale,
                                    lambda x: self.rope.apply(x, cos, sin))
-            return linear(o.reshape(t, -1), w[p + "attn_output.weight"])
+            return linear(o.reshape(t, -1), m.output)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
-        k_nope, k_pe, value = mla_keys_values(w, p, h, a.kv_lora, a.eps)  # k_pe: one rotary key for every head
+        k_nope, k_pe, value = mla_keys_values(m, h, a.kv_lora, a.eps)  # k_pe: one rotary key for every head
         q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(t, a.n_head, a.rope_dim)], dim=-1)
         key, value = cache.append(i, key, value)
         o = attention(query, key, value, cache.positions(t, query.device), self.scale).reshape(t, -1)
-        return linear(o, w[p + "attn_output.weight"])
+        return linear(o, m.output)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a, w, p = self.args, self.w, f"blk.{i}."
-        logits = linear(h.to(torch.float32), w[p + "ffn_gate_inp.weight"])
+        a, layer = self.args, self.layers[i]
+        logits = linear(h.to(torch.float32), layer.router)
         if a.gating == GATING_SIGMOID:
-            return sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used, a.n_group,
+            return sigmoid_group_topk(logits, layer.router_bias.dequant(), a.n_expert_used, a.n_group,
                                       a.topk_group, a.weights_norm, a.weights_scale)
         ids, weights = softmax_topk(logits, a.n_expert_used, a.weights_norm)
         return ids, weights * a.weights_scale
 
-    def ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        a, w, p = self.args, self.w, f"blk.{i}."
-        if i < a.n_dense:
-            return swiglu(h, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+    def ffn(self, layer: Layer, i: int, h: torch.Tensor) -> torch.Tensor:
+        if layer.dense is not None:
+            return layer.dense(h)
         ids, weights = self.route(i, h)
         out = self.moe(i, h, ids, weights)
-        if p + "ffn_gate_shexp.weight" in w:
-            out = out + swiglu(h, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
-                               w[p + "ffn_down_shexp.weight"])
+        if layer.shared is not None:
+            out = out + layer.shared(h)
         return out
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
-        a, w, t = self.args, self.w, len(tokens)
-        x = w["token_embd.weight"].rows(tokens)
+        a, t = self.args, len(tokens)
+        x = self.token_embd.rows(tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
-        for i in range(a.n_layer):
-            p = f"blk.{i}."
+        for i, layer in enumerate(self.layers):
             x, cos, sin = self.place.hop(i, x, cos, sin)
-            x = x + self.attention(i, rms_norm(x, w[p + "attn_norm.weight"].dequant(), a.eps), cos, sin, cache)
-            x = x + self.ffn(i, rms_norm(x, w[p + "ffn_norm.weight"].dequant(), a.eps))
+            x = x + self.attention(layer, i, rms_norm(x, layer.attn_norm.dequant(), a.eps), cos, sin, cache)
+            x = x + self.ffn(layer, i, rms_norm(x, layer.ffn_norm.dequant(), a.eps))
         cache.length += t
-        return output_logits(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"], last)
+        return output_logits(rms_norm(x, self.output_norm.dequant(), a.eps), self.output, last)

@@ -17,7 +17,7 @@ import torch
 from ..nn.activation import Activation, ActKind
 from ..nn.kda import kda
 from ..nn.layers import KVCache, attention, output_logits, rms_norm
-from ..nn.mla import absorbed_attention, mla_keys_values, mla_query
+from ..nn.mla import MlaWeights, absorbed_attention, mla_keys_values, mla_query
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import sigmoid_group_topk
@@ -76,7 +76,8 @@ class Model:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         if a.kda_lower_bound == float("-inf"):
             raise ValueError("kimi-k3: a KDA gate without kda.gate_lower_bound (Kimi-Linear's form) is not supported")
-        self.w = place.weights(files.trunk)
+        self.w = w = place.weights(files.trunk)
+        self.mla = {i: MlaWeights.load(w, i) for i in range(a.n_layer) if int(a.kv_heads[i]) != 0}
         self.situ = Activation(ActKind.SITU, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
         self.moe = ExpertFFN(files.experts, expert_count(files), self.situ)
         self.moe.router = self.route
@@ -94,18 +95,18 @@ class Model:
 
     # ---- blocks ----------------------------------------------------------------------------------
     def _mla(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        a, w, p, t = self.args, self.w, f"blk.{i}.", len(h)
-        q = mla_query(w, p, h, a.n_head, a.key_mla, a.eps)
+        a, w, p, m, t = self.args, self.w, f"blk.{i}.", self.mla[i], len(h)
+        q = mla_query(m, h, a.n_head, a.key_mla, a.eps)
         if use_kernels(h.device):
-            o = absorbed_attention(w, p, h, q, i, cache, a.kv_lora, a.key_mla - a.rope_dim, a.eps,
+            o = absorbed_attention(m, h, q, i, cache, a.kv_lora, a.key_mla - a.rope_dim, a.eps,
                                    a.key_mla ** -0.5).reshape(t, -1)
         else:
-            k_nope, k_pe, value = mla_keys_values(w, p, h, a.kv_lora, a.eps)
+            k_nope, k_pe, value = mla_keys_values(m, h, a.kv_lora, a.eps)
             k_pe = k_pe.expand(t, a.n_head, a.rope_dim)  # shared by the heads, never rotated
             key, value = cache.append(i, torch.cat([k_nope, k_pe], dim=-1), value)
             o = attention(q, key, value, cache.positions(t, q.device), a.key_mla ** -0.5).reshape(t, -1)
         o = o * torch.sigmoid(linear(h, w[p + "attn_gate.weight"]))  # the output gate reads the normed input
-        return linear(o, w[p + "attn_output.weight"])
+        return linear(o, m.output)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a, w, p = self.args, self.w, f"blk.{i}."
