@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from ..nn.activation import Activation, ActKind
-from ..nn.kda import kda
+from ..nn.kda import KdaWeights, kda
 from ..nn.layers import KVCache, attention, output_logits, rms_norm
 from ..nn.mla import MlaWeights, absorbed_attention, mla_keys_values, mla_query
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import sigmoid_group_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import linear, use_kernels
+from ..weights.qtensor import QTensor, linear, use_kernels
 from .config import Key, read_args
 
 
@@ -68,6 +68,68 @@ KEYS = {
 }
 
 
+@dataclass(frozen=True)
+class Mlp:
+    """A dense situ MLP's three matrices: a leading dense layer's, or the shared experts'."""
+    gate: QTensor
+    up: QTensor
+    down: QTensor
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int, suffix: str = "") -> "Mlp":
+        p = f"blk.{i}."
+        return cls(w[f"{p}ffn_gate{suffix}.weight"], w[f"{p}ffn_up{suffix}.weight"], w[f"{p}ffn_down{suffix}.weight"])
+
+
+@dataclass(frozen=True)
+class LatentMoe:
+    """An MoE layer's trunk tensors: the router on the full-width input, the projections into and
+    out of the experts' latent width (with the norm between, where the GGUF has one), the shared
+    experts where it has them."""
+    router: QTensor  # ffn_gate_inp
+    router_bias: QTensor  # exp_probs_b: the correction bias that decides selection only
+    down: QTensor  # ffn_routed_down
+    norm: QTensor | None  # ffn_routed_norm
+    up: QTensor  # ffn_routed_up
+    shared: Mlp | None
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int) -> "LatentMoe":
+        p = f"blk.{i}."
+        norm = w.get(p + "ffn_routed_norm.weight")
+        shared = Mlp.load(w, i, "_shexp") if p + "ffn_gate_shexp.weight" in w else None
+        return cls(w[p + "ffn_gate_inp.weight"], w[p + "exp_probs_b.bias"], w[p + "ffn_routed_down.weight"], norm,
+                   w[p + "ffn_routed_up.weight"], shared)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One block's trunk tensors, resolved from their GGUF names at load: a KDA layer has `kda`, an
+    MLA layer (a KV head) `mla` and its output gate; a leading dense layer has `dense`, the others
+    `moe`."""
+    attn_res_score: QTensor
+    attn_norm: QTensor
+    ffn_res_score: QTensor
+    ffn_norm: QTensor
+    kda: KdaWeights | None = None
+    mla: MlaWeights | None = None
+    attn_gate: QTensor | None = None  # the MLA output's sigmoid gate
+    dense: Mlp | None = None
+    moe: LatentMoe | None = None
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int, a: Args) -> "Layer":
+        p = f"blk.{i}."
+        common = (w[p + "attn_res_score.weight"], w[p + "attn_norm.weight"], w[p + "ffn_res_score.weight"],
+                  w[p + "ffn_norm.weight"])
+        if int(a.kv_heads[i]) == 0:
+            mixer = {"kda": KdaWeights.load(w, i)}
+        else:
+            mixer = {"mla": MlaWeights.load(w, i), "attn_gate": w[p + "attn_gate.weight"]}
+        ffn = {"dense": Mlp.load(w, i)} if i < a.n_dense else {"moe": LatentMoe.load(w, i)}
+        return cls(*common, **mixer, **ffn)
+
+
 class Model:
     static_decode = True  # a one-token step has static shapes; the KDA states are updated in place
     static_prompt = False  # a prompt advances its states token by token: its shapes stay as they are
@@ -76,8 +138,10 @@ class Model:
         self.args = a = read_args(Args, files.arch, files.metadata, KEYS)
         if a.kda_lower_bound == float("-inf"):
             raise ValueError("kimi-k3: a KDA gate without kda.gate_lower_bound (Kimi-Linear's form) is not supported")
-        self.w = w = place.weights(files.trunk)
-        self.mla = {i: MlaWeights.load(w, i) for i in range(a.n_layer) if int(a.kv_heads[i]) != 0}
+        self.w = w = place.weights(files.trunk)  # by GGUF name, for tools; forward reads the objects below
+        self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
+        self.output_res_score, self.output_norm = w["output_res_score.weight"], w["output_norm.weight"]
+        self.layers = [Layer.load(w, i, a) for i in range(a.n_layer)]
         self.situ = Activation(ActKind.SITU, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
         self.moe = ExpertFFN(files.experts, expert_count(files), self.situ)
         self.moe.router = self.route
@@ -94,8 +158,8 @@ class Model:
         return (torch.softmax(scores, dim=-1)[..., None] * sources).sum(dim=1)
 
     # ---- blocks ----------------------------------------------------------------------------------
-    def _mla(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        a, w, p, m, t = self.args, self.w, f"blk.{i}.", self.mla[i], len(h)
+    def _mla(self, layer: Layer, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        a, m, t = self.args, layer.mla, len(h)
         q = mla_query(m, h, a.n_head, a.key_mla, a.eps)
         if use_kernels(h.device):
             o = absorbed_attention(m, h, q, i, cache, a.kv_lora, a.key_mla - a.rope_dim, a.eps,
@@ -105,56 +169,54 @@ class Model:
             k_pe = k_pe.expand(t, a.n_head, a.rope_dim)  # shared by the heads, never rotated
             key, value = cache.append(i, torch.cat([k_nope, k_pe], dim=-1), value)
             o = attention(q, key, value, cache.positions(t, q.device), a.key_mla ** -0.5).reshape(t, -1)
-        o = o * torch.sigmoid(linear(h, w[p + "attn_gate.weight"]))  # the output gate reads the normed input
+        o = o * torch.sigmoid(linear(h, layer.attn_gate))  # the output gate reads the normed input
         return linear(o, m.output)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a, w, p = self.args, self.w, f"blk.{i}."
-        logits = linear(h.to(torch.float32), w[p + "ffn_gate_inp.weight"])  # the full-width input
-        return sigmoid_group_topk(logits, w[p + "exp_probs_b.bias"].dequant(), a.n_expert_used, 1, 1, a.weights_norm,
+        a, moe = self.args, self.layers[i].moe
+        logits = linear(h.to(torch.float32), moe.router)  # the full-width input
+        return sigmoid_group_topk(logits, moe.router_bias.dequant(), a.n_expert_used, 1, 1, a.weights_norm,
                                   a.weights_scale)
 
-    def _ffn(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        a, w, p = self.args, self.w, f"blk.{i}."
-        if i < a.n_dense:
-            return linear(self.situ(linear(h, w[p + "ffn_gate.weight"]), linear(h, w[p + "ffn_up.weight"])),
-                          w[p + "ffn_down.weight"])
+    def _mlp(self, mlp: Mlp, h: torch.Tensor) -> torch.Tensor:
+        return linear(self.situ(linear(h, mlp.gate), linear(h, mlp.up)), mlp.down)
+
+    def _ffn(self, layer: Layer, i: int, h: torch.Tensor) -> torch.Tensor:
+        if layer.dense is not None:
+            return self._mlp(layer.dense, h)
+        moe = layer.moe
         ids, weights = self.route(i, h)
-        latent = linear(h, w[p + "ffn_routed_down.weight"])
+        latent = linear(h, moe.down)
         routed = self.moe(i, latent, ids, weights, router_in=h)
-        if p + "ffn_routed_norm.weight" in w:
-            routed = rms_norm(routed, w[p + "ffn_routed_norm.weight"].dequant(), a.eps)
-        out = linear(routed, w[p + "ffn_routed_up.weight"])
-        if p + "ffn_gate_shexp.weight" in w:
-            out = out + linear(self.situ(linear(h, w[p + "ffn_gate_shexp.weight"]), linear(h, w[p + "ffn_up_shexp.weight"])),
-                               w[p + "ffn_down_shexp.weight"])
+        if moe.norm is not None:
+            routed = rms_norm(routed, moe.norm.dequant(), self.args.eps)
+        out = linear(routed, moe.up)
+        if moe.shared is not None:
+            out = out + self._mlp(moe.shared, h)
         return out
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; continues the KV caches and the KDA states."""
-        a, w = self.args, self.w
-        x = w["token_embd.weight"].rows(tokens)
+        a = self.args
+        x = self.token_embd.rows(tokens)
         bank: list[torch.Tensor] = []  # checkpoints of this pass, per token (across depth, not time)
-        for i in range(a.n_layer):
-            p = f"blk.{i}."
+        for i, layer in enumerate(self.layers):
             x, bank = self.place.hop(i, x, bank)
-            h = rms_norm(self._mix(x, bank, w[p + "attn_res_score.weight"].dequant()),
-                         w[p + "attn_norm.weight"].dequant(), a.eps)
+            h = rms_norm(self._mix(x, bank, layer.attn_res_score.dequant()), layer.attn_norm.dequant(), a.eps)
             banked = i % a.res_block == 0
             if banked:
                 bank.append(x)  # the raw layer input
-            if int(a.kv_heads[i]) == 0:
-                out, state = kda(w, p, h, cache.state.get(i), a.n_head, a.kda_head_dim, a.kda_lower_bound, a.eps)
+            if layer.kda is not None:
+                out, state = kda(layer.kda, h, cache.state.get(i), a.n_head, a.kda_head_dim, a.kda_lower_bound, a.eps)
                 if i in cache.state:
                     cache.state[i].assign(state)  # in place: a captured step keeps its buffers
                 else:
                     cache.state[i] = state
             else:
-                out = self._mla(i, h, cache)
+                out = self._mla(layer, i, h, cache)
             x = out if banked else x + out
-            h = rms_norm(self._mix(x, bank, w[p + "ffn_res_score.weight"].dequant()),
-                         w[p + "ffn_norm.weight"].dequant(), a.eps)
-            x = x + self._ffn(i, h)
+            h = rms_norm(self._mix(x, bank, layer.ffn_res_score.dequant()), layer.ffn_norm.dequant(), a.eps)
+            x = x + self._ffn(layer, i, h)
         cache.length += len(tokens)
-        x = self._mix(x, bank, w["output_res_score.weight"].dequant())
-        return output_logits(rms_norm(x, w["output_norm.weight"].dequant(), a.eps), w["output.weight"], last)
+        x = self._mix(x, bank, self.output_res_score.dequant())
+        return output_logits(rms_norm(x, self.output_norm.dequant(), a.eps), self.output, last)

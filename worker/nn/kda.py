@@ -3,7 +3,10 @@ state, not a growing KV. Per token: q, k, v through a short causal depthwise con
 q and k L2-normalized per head; a per-channel log-decay g in (lower_bound, 0) from a low-rank
 projection; a per-head write strength beta. Per head the state S [key, value] decays along the
 key dimension, takes the delta-rule write S += k (beta (v - S^T k))^T, and answers o = S^T q /
-sqrt(head_dim). The output is RMS-normalized per head, gated by sigmoid(g_proj x), projected."""
+sqrt(head_dim). The output is RMS-normalized per head, gated by sigmoid(g_proj x), projected.
+
+KdaWeights resolves one layer's tensors from their GGUF names once, at load; `kda` reads its
+attributes."""
 
 from __future__ import annotations
 
@@ -11,8 +14,39 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weights.qtensor import linear
+from ..weights.qtensor import QTensor, linear
 from .layers import rms_norm
+
+
+@dataclass(frozen=True)
+class KdaWeights:
+    """One KDA layer's tensors by role."""
+    q: QTensor
+    k: QTensor
+    v: QTensor
+    conv_q: QTensor  # the depthwise convolutions' taps, of q, k and v
+    conv_k: QTensor
+    conv_v: QTensor
+    f_a: QTensor  # f_a, f_b and dt_bias: the low-rank projection of the log-decay
+    f_b: QTensor
+    dt_bias: QTensor
+    a: QTensor  # -exp(A_log): a decay rate per head
+    beta: QTensor  # the write strength per head
+    norm: QTensor  # the output's per-head RMSNorm
+    g: QTensor  # the output gate
+    output: QTensor
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], layer: int) -> "KdaWeights":
+        """Layer `layer`'s KDA from the trunk's tensors by name."""
+        p = f"blk.{layer}."
+        return cls(**{field: w[p + name] for field, name in _NAMES.items()})
+
+
+_NAMES = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "conv_q": "ssm_conv1d_q.weight",
+          "conv_k": "ssm_conv1d_k.weight", "conv_v": "ssm_conv1d_v.weight", "f_a": "ssm_f_a.weight",
+          "f_b": "ssm_f_b.weight", "dt_bias": "ssm_dt.bias", "a": "ssm_a", "beta": "ssm_beta.weight",
+          "norm": "ssm_norm.weight", "g": "ssm_g.weight", "output": "attn_output.weight"}
 
 
 @dataclass
@@ -53,26 +87,26 @@ def _l2_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
 
 
-def kda(w: dict, p: str, x: torch.Tensor, state: KdaState | None, n_head: int, head_dim: int, lower_bound: float,
+def kda(m: KdaWeights, x: torch.Tensor, state: KdaState | None, n_head: int, head_dim: int, lower_bound: float,
         eps: float) -> tuple[torch.Tensor, KdaState]:
     """x [T, D] (the normalized layer input) -> [T, D], and the state after these tokens."""
     t, d_inner = x.shape[0], n_head * head_dim
     if state is None:
-        kernel = w[p + "ssm_conv1d_q.weight"].dequant().numel() // d_inner
+        kernel = m.conv_q.dequant().numel() // d_inner
         state = KdaState({n: x.new_zeros((kernel - 1, d_inner)) for n in "qkv"},
                          x.new_zeros((n_head, head_dim, head_dim)))
     conv: dict[str, torch.Tensor] = {}
     new_past: dict[str, torch.Tensor] = {}
-    for n in "qkv":
-        weight = w[p + f"ssm_conv1d_{n}.weight"].dequant().reshape(d_inner, -1)
-        out, new_past[n] = _conv(linear(x, w[p + f"attn_{n}.weight"]), state.conv[n], weight)
+    for n, proj, taps in (("q", m.q, m.conv_q), ("k", m.k, m.conv_k), ("v", m.v, m.conv_v)):
+        weight = taps.dequant().reshape(d_inner, -1)
+        out, new_past[n] = _conv(linear(x, proj), state.conv[n], weight)
         conv[n] = torch.nn.functional.silu(out).view(t, n_head, head_dim)
     q, k, v = _l2_normalized(conv["q"], eps), _l2_normalized(conv["k"], eps), conv["v"]
 
-    f = linear(linear(x, w[p + "ssm_f_a.weight"]), w[p + "ssm_f_b.weight"]) + w[p + "ssm_dt.bias"].dequant()
-    decay_rate = -w[p + "ssm_a"].dequant()  # exp(A_log): the GGUF stores -exp(A_log)
+    f = linear(linear(x, m.f_a), m.f_b) + m.dt_bias.dequant()
+    decay_rate = -m.a.dequant()  # exp(A_log): the GGUF stores -exp(A_log)
     g = lower_bound * torch.sigmoid(decay_rate[:, None] * f.view(t, n_head, head_dim))  # [T, H, d] in (lb, 0)
-    beta = torch.sigmoid(linear(x, w[p + "ssm_beta.weight"]))  # [T, H]
+    beta = torch.sigmoid(linear(x, m.beta))  # [T, H]
 
     s = state.s
     outs = []
@@ -83,6 +117,6 @@ def kda(w: dict, p: str, x: torch.Tensor, state: KdaState | None, n_head: int, h
         outs.append(torch.einsum("hkv,hk->hv", s, q[i]) * head_dim ** -0.5)
     o = torch.stack(outs)  # [T, H, d]
 
-    o = rms_norm(o, w[p + "ssm_norm.weight"].dequant(), eps)
-    gate = torch.sigmoid(linear(x, w[p + "ssm_g.weight"])).view(t, n_head, head_dim)
-    return linear((o * gate).reshape(t, d_inner), w[p + "attn_output.weight"]), KdaState(new_past, s)
+    o = rms_norm(o, m.norm.dequant(), eps)
+    gate = torch.sigmoid(linear(x, m.g)).view(t, n_head, head_dim)
+    return linear((o * gate).reshape(t, d_inner), m.output), KdaState(new_past, s)
