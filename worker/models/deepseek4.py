@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..nn.activation import Activation
-from ..nn.compressed_attention import AttentionShape, LayerState, attention, overlapping
+from ..nn.compressed_attention import AttentionShape, AttentionWeights, LayerState, attention
 from ..nn.hyper_connections import HyperConnection
 from ..nn.layers import KVCache, Rope, RopeStyle, output_logits, rms_norm
 from ..nn.moe import ExpertFFN
@@ -97,10 +97,11 @@ class Model:
         self.main_rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM)
         self.compress_rope = Rope(a.rope_dim, a.compress_rope_base, RopeStyle.NORM, a.rope_factor,
                                   a.rope_original_context, a.yarn_beta_fast, a.yarn_beta_slow)  # no mscale
+        self.attn = [AttentionWeights.load(w, i, int(a.compress_ratios[i])) for i in range(a.n_layer)]
         self.shapes = [AttentionShape(a.n_head, a.head_dim, a.window, int(a.compress_ratios[i]), a.o_groups,
                                       a.index_heads, a.index_dim, a.index_topk, a.eps,
-                                      overlap=bool(a.compress_ratios[i]) and overlapping(w, f"blk.{i}."),
-                                      indexed=f"blk.{i}.indexer.attn_q_b.weight" in w) for i in range(a.n_layer)]
+                                      overlap=attn.compressor is not None and attn.compressor.overlapping,
+                                      indexed=attn.indexer is not None) for i, attn in enumerate(self.attn)]
 
         def hc(prefix: str) -> HyperConnection:
             return HyperConnection(w[prefix + "_fn.weight"].dequant(), w[prefix + "_base.weight"].dequant(),
@@ -134,7 +135,7 @@ class Model:
             pre, post, comb = self.hc_attn[i].weights(streams)
             h = self.hc_attn[i].block_input(streams, pre, w[p + "attn_norm.weight"].dequant())
             start = cache.length if cache.step_positions is None else cache.positions(len(tokens), h.device)
-            out = attention(w, p, h, start, state, rope)
+            out = attention(self.attn[i], h, start, state, rope)
             streams = HyperConnection.expand(streams, out, post, comb)
 
             pre, post, comb = self.hc_ffn[i].weights(streams)

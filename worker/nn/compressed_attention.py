@@ -21,7 +21,10 @@ operations at every position without a host sync: raw entries in a ring, the ent
 window that can start within the capacity (rows not yet complete are masked), the incomplete
 window's tokens at their offset in it, the indexer's top-k over the whole entry buffer with the
 invalid entries at -inf. A compressed entry is written only when its window completes (a
-torch.where, not a branch), so the buffers hold what reserving an eager state would write."""
+torch.where, not a branch), so the buffers hold what reserving an eager state would write.
+
+A layer's tensors arrive as AttentionWeights, resolved from their GGUF names once at load: the
+functions here read roles, never names."""
 
 from __future__ import annotations
 
@@ -30,8 +33,68 @@ from functools import partial
 
 import torch
 
-from ..weights.qtensor import head_linear, linear, use_kernels
+from ..weights.qtensor import QTensor, head_linear, linear, use_kernels
 from .layers import Rope, RopeStyle, rms_norm
+
+
+@dataclass(frozen=True)
+class CompressorWeights:
+    """A compressor's tensors (`<prefix>_kv`, `_gate`, `_ape`, `_norm`): its two projections, a
+    learned gate bias per slot of the window, its entries' norm."""
+    kv: QTensor
+    gate: QTensor
+    ape: QTensor
+    norm: QTensor
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], prefix: str) -> "CompressorWeights":
+        return cls(*(w[f"{prefix}_{role}.weight"] for role in ("kv", "gate", "ape", "norm")))
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether it projects to two series (2 * d, CSA's) rather than one (HCA's)."""
+        return self.kv.shape[1] == 2 * self.norm.shape[0]
+
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Its projections of x (kv, gate [T, c*d]), its ape [ratio, c*d] and norm [d]."""
+        return linear(x, self.kv), linear(x, self.gate), self.ape.dequant(), self.norm.dequant()
+
+
+@dataclass(frozen=True)
+class IndexerWeights:
+    """CSA's lightning indexer: its queries from the query's LoRA input, its per-head weights and
+    its own compressor, whose entries it scores."""
+    q_b: QTensor  # indexer.attn_q_b
+    proj: QTensor  # indexer.proj
+    compressor: CompressorWeights  # indexer_compressor_*
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], p: str) -> "IndexerWeights":
+        return cls(w[p + "indexer.attn_q_b.weight"], w[p + "indexer.proj.weight"],
+                   CompressorWeights.load(w, p + "indexer_compressor"))
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """One layer's attention tensors by role, resolved from their GGUF names once at load."""
+    q_a: QTensor
+    q_a_norm: QTensor
+    q_b: QTensor
+    kv: QTensor
+    kv_norm: QTensor  # attn_kv_a_norm
+    sinks: QTensor
+    output_a: QTensor  # the grouped low-rank output: a matrix per group, then one over the groups
+    output_b: QTensor
+    compressor: CompressorWeights | None  # a compressed layer's (ratio > 0)
+    indexer: IndexerWeights | None  # a compressed layer's where its GGUF has one (CSA)
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], layer: int, ratio: int) -> "AttentionWeights":
+        p = f"blk.{layer}."
+        compressor = CompressorWeights.load(w, p + "attn_compressor") if ratio else None
+        indexer = IndexerWeights.load(w, p) if ratio and p + "indexer.attn_q_b.weight" in w else None
+        return cls(*(w[f"{p}attn_{role}.weight"] for role in ("q_a", "q_a_norm", "q_b", "kv", "kv_a_norm", "sinks",
+                                                             "output_a", "output_b")), compressor, indexer)
 
 
 @dataclass
@@ -259,36 +322,36 @@ def compress(state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, ape: 
     return state.entries
 
 
-def attention(w: dict, p: str, x: torch.Tensor, start: int | torch.Tensor, state: LayerState,
+def attention(a: AttentionWeights, x: torch.Tensor, start: int | torch.Tensor, state: LayerState,
               rope: Rope) -> torch.Tensor:
     """x [T, D] (the block's normalized input) at positions start.. -> [T, D]. `start` the
     positions [T] on the device: a static pass over the reserved buffers (_step)."""
     if isinstance(start, torch.Tensor):
-        return _step(w, p, x, start, state, rope)
+        return _step(a, x, start, state, rope)
     if state.buffers is not None:
         state.unpack(start)
-    out = _eager(w, p, x, start, state, rope)
+    out = _eager(a, x, start, state, rope)
     if state.buffers is not None:
         state.pack(start + x.shape[0])
     return out
 
 
-def _project(w: dict, p: str, x: torch.Tensor, shape: AttentionShape, rope: Rope, cos: torch.Tensor,
+def _project(a: AttentionWeights, x: torch.Tensor, shape: AttentionShape, rope: Rope, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The query's LoRA input qr [T, q_lora], the queries [T, H, d] and the keys (= values) [T, d]."""
     t, h, d = x.shape[0], shape.n_head, shape.head_dim
-    qr = rms_norm(linear(x, w[p + "attn_q_a.weight"]), w[p + "attn_q_a_norm.weight"].dequant(), shape.eps)
-    q = rms_norm(linear(qr, w[p + "attn_q_b.weight"]).view(t, h, d), None, shape.eps)
+    qr = rms_norm(linear(x, a.q_a), a.q_a_norm.dequant(), shape.eps)
+    q = rms_norm(linear(qr, a.q_b).view(t, h, d), None, shape.eps)
     q = rope_tail(q, rope, cos, sin)
-    kv = rms_norm(linear(x, w[p + "attn_kv.weight"]), w[p + "attn_kv_a_norm.weight"].dequant(), shape.eps)
+    kv = rms_norm(linear(x, a.kv), a.kv_norm.dequant(), shape.eps)
     return qr, q, rope_tail(kv[:, None, :], rope, cos, sin)[:, 0, :]
 
 
-def _attend(w: dict, p: str, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, shape: AttentionShape,
+def _attend(a: AttentionWeights, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, shape: AttentionShape,
             rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """q [T, H, d] over keys (= values) [S, d] where visible [T, S] -> the block's output [T, D]."""
     t, h, d = q.shape
-    sinks = w[p + "attn_sinks.weight"].dequant()
+    sinks = a.sinks.dequant()
     if use_kernels(q.device) and t == 1:  # a decode step: one launch over the keys it sees
         from ..kernels.attention_tl import decode_attention
 
@@ -301,16 +364,16 @@ def _attend(w: dict, p: str, q: torch.Tensor, keys: torch.Tensor, visible: torch
         out = torch.einsum("hts,sd->thd", probs, keys)
     out = rope_tail(out, rope, cos, sin, inverse=True)  # V carried the rotation: undo it at the query's position
 
-    grouped = head_linear(out.reshape(t, shape.o_groups, -1), w[p + "attn_output_a.weight"])  # [T, g, o_lora]
-    return linear(grouped.reshape(t, -1), w[p + "attn_output_b.weight"])
+    grouped = head_linear(out.reshape(t, shape.o_groups, -1), a.output_a)  # [T, g, o_lora]
+    return linear(grouped.reshape(t, -1), a.output_b)
 
 
-def _eager(w: dict, p: str, x: torch.Tensor, tokens_start: int, state: LayerState, rope: Rope) -> torch.Tensor:
+def _eager(a: AttentionWeights, x: torch.Tensor, tokens_start: int, state: LayerState, rope: Rope) -> torch.Tensor:
     """Any number of tokens, the caches growing as one long pass would see them."""
     t, shape = x.shape[0], state.shape
     positions = torch.arange(tokens_start, tokens_start + t)
     cos, sin = rope.cos_sin(positions, x.device)
-    qr, q, kv = _project(w, p, x, shape, rope, cos, sin)
+    qr, q, kv = _project(a, x, shape, rope, cos, sin)
 
     raw = kv if state.raw is None else torch.cat([state.raw, kv])
     raw_start = tokens_start + t - raw.shape[0]
@@ -320,19 +383,19 @@ def _eager(w: dict, p: str, x: torch.Tensor, tokens_start: int, state: LayerStat
     keys = raw
     if shape.ratio:
         c = state.compressors.setdefault("attn", CompressorState())
-        entries = compress(c, *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio, shape.overlap, rope,
-                           shape.eps)
+        entries = compress(c, *a.compressor.inputs(x), shape.ratio, shape.overlap, rope, shape.eps)
         threshold = (qpos + 1) // shape.ratio  # entries a query may see
         seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold
         if shape.indexed:
-            seen &= _indexer_picks(w, p, x, qr, positions, state, rope, cos, sin, threshold)
+            seen &= _indexer_picks(a.indexer, x, qr, positions, state, rope, cos, sin, threshold)
         keys = torch.cat([raw, entries])
         visible = torch.cat([visible, seen], dim=1)
     state.raw = raw[-(shape.window - 1):] if shape.window > 1 else raw[:0]
-    return _attend(w, p, q, keys, visible, shape, rope, cos, sin)
+    return _attend(a, q, keys, visible, shape, rope, cos, sin)
 
 
-def _step(w: dict, p: str, x: torch.Tensor, positions: torch.Tensor, state: LayerState, rope: Rope) -> torch.Tensor:
+def _step(a: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, state: LayerState, rope: Rope
+          ) -> torch.Tensor:
     """T tokens at the device positions [T] (a decode step's one, or a short prompt's) over the
     reserved buffers: keys are the ring of raw entries, the tokens' own, and every entry row,
     masked by position; the same shapes and operations at every position, the buffers updated in
@@ -341,20 +404,20 @@ def _step(w: dict, p: str, x: torch.Tensor, positions: torch.Tensor, state: Laye
     if b is None:
         raise ValueError("a static DeepSeek-V4 pass needs its state reserved first (KVCache.reserve)")
     cos, sin = rope.at(positions, b.capacity)
-    qr, q, kv = _project(w, p, x, shape, rope, cos, sin)
+    qr, q, kv = _project(a, x, shape, rope, cos, sin)
 
     size, keys, n_entries, picked = b.raw.shape[0], [b.raw, kv], 0, None
     if shape.ratio:
         compressed = _compress_step if t == 1 else _compress_pass
-        entries = compressed(b.compressors["attn"], *_compressor_inputs(w, p + "attn_compressor", x), shape.ratio,
-                             positions, rope, shape.eps, b.capacity)
+        entries = compressed(b.compressors["attn"], *a.compressor.inputs(x), shape.ratio, positions, rope, shape.eps,
+                             b.capacity)
         keys.append(entries)
         n_entries = entries.shape[0]
         if shape.indexed:
-            keys_index = compressed(b.compressors["indexer"], *_compressor_inputs(w, p + "indexer_compressor", x),
-                                    shape.ratio, positions, rope, shape.eps, b.capacity)
+            keys_index = compressed(b.compressors["indexer"], *a.indexer.compressor.inputs(x), shape.ratio, positions,
+                                    rope, shape.eps, b.capacity)
             if n_entries > shape.index_topk:  # else it picks every entry a query sees (_top)
-                index = _index_scores(w, p, x, qr, keys_index, shape, rope, cos, sin)
+                index = _index_scores(a.indexer, x, qr, keys_index, shape, rope, cos, sin)
                 picked, tie = _top(index, _entries_seen(positions, n_entries, shape.ratio), shape.index_topk)
                 if tie is not None:
                     b.ties.index_copy_(0, positions, tie)
@@ -365,7 +428,7 @@ def _step(w: dict, p: str, x: torch.Tensor, positions: torch.Tensor, state: Laye
     if size:  # over the positions that just left the window (the last `size` tokens where more came)
         m = min(t, size)
         b.raw.index_copy_(0, positions[t - m:] % size, kv[t - m:])
-    return _attend(w, p, q, keys, visible, shape, rope, cos, sin)
+    return _attend(a, q, keys, visible, shape, rope, cos, sin)
 
 
 def _visible(positions: torch.Tensor, size: int, n_entries: int, ratio: int, window: int) -> torch.Tensor:
@@ -390,13 +453,6 @@ def _visible(positions: torch.Tensor, size: int, n_entries: int, ratio: int, win
 def _entries_seen(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
     """[T, n_entries] bool: the entries of complete windows, for each token at `positions` [T]."""
     return torch.arange(n_entries, device=positions.device)[None, :] < (positions[:, None] + 1) // ratio
-
-
-def _compressor_inputs(w: dict, prefix: str, x: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A compressor's projections of x (kv, gate [T, c*d]), its ape [ratio, c*d] and norm [d]."""
-    return (linear(x, w[prefix + "_kv.weight"]), linear(x, w[prefix + "_gate.weight"]),
-            w[prefix + "_ape.weight"].dequant(), w[prefix + "_norm.weight"].dequant())
 
 
 def _compress_step(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
@@ -473,19 +529,13 @@ def _compress_pass(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, a
     return c.entries
 
 
-def overlapping(w: dict, p: str) -> bool:
-    """Whether layer p's compressor projects to two series (2 * d, CSA's) rather than one (HCA's)."""
-    return w[p + "attn_compressor_kv.weight"].shape[1] == 2 * w[p + "attn_compressor_norm.weight"].shape[0]
-
-
-def _index_scores(w: dict, p: str, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, shape: AttentionShape,
+def _index_scores(ix: IndexerWeights, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, shape: AttentionShape,
                   rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The lightning indexer's score [T, n] of each entry (keys [n, d_index]) for each query."""
     t = x.shape[0]
-    q = rope_tail(linear(qr, w[p + "indexer.attn_q_b.weight"]).view(t, shape.index_heads, shape.index_dim),
-                  rope, cos, sin)
+    q = rope_tail(linear(qr, ix.q_b).view(t, shape.index_heads, shape.index_dim), rope, cos, sin)
     scores = torch.relu(torch.einsum("thd,sd->ths", q, keys)) * shape.index_dim ** -0.5
-    weights = linear(x, w[p + "indexer.proj.weight"]) * shape.index_heads ** -0.5  # [T, heads]
+    weights = linear(x, ix.proj) * shape.index_heads ** -0.5  # [T, heads]
     return (scores * weights[..., None]).sum(dim=1)  # [T, n]
 
 
@@ -509,16 +559,17 @@ def _top(index: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor
     return picked & valid, tie
 
 
-def _indexer_picks(w: dict, p: str, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, state: LayerState,
-                   rope: Rope, cos: torch.Tensor, sin: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+def _indexer_picks(ix: IndexerWeights, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+                   state: LayerState, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, threshold: torch.Tensor
+                   ) -> torch.Tensor:
     """[T, n_entries] bool: the entries the lightning indexer picks for each query."""
     shape = state.shape
     c = state.compressors.setdefault("indexer", CompressorState())
-    keys = compress(c, *_compressor_inputs(w, p + "indexer_compressor", x), shape.ratio, True, rope, shape.eps)
+    keys = compress(c, *ix.compressor.inputs(x), shape.ratio, True, rope, shape.eps)
     t, n = x.shape[0], keys.shape[0]
     if n == 0:
         return torch.zeros((t, n), dtype=torch.bool, device=x.device)
-    index = _index_scores(w, p, x, qr, keys, shape, rope, cos, sin)
+    index = _index_scores(ix, x, qr, keys, shape, rope, cos, sin)
     picked, tie = _top(index, torch.arange(n, device=x.device)[None, :] < threshold, shape.index_topk)
     if tie is not None:
         state.indexer_ties.extend(positions[tie.cpu()].tolist())
