@@ -22,7 +22,7 @@ from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import sqrtsoftplus_hashed, sqrtsoftplus_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import linear
+from ..weights.qtensor import QTensor, linear
 from .config import Key, read_args
 
 
@@ -86,33 +86,86 @@ KEYS = {
 }
 
 
+def load_hyper_connection(w: dict[str, QTensor], prefix: str, a: Args) -> HyperConnection:
+    """The hyper-connection whose tensors are `<prefix>_fn`, `_base` and `_scale`, dequantized once."""
+    return HyperConnection(w[prefix + "_fn.weight"].dequant(), w[prefix + "_base.weight"].dequant(),
+                           w[prefix + "_scale.weight"].dequant(), a.hc, a.hc_iters, a.hc_eps, a.eps)
+
+
+@dataclass(frozen=True)
+class Router:
+    """A MoE block's routing: its logits' matrix, then either the top-k layers' correction bias or
+    the hash layers' token-id -> experts table (the first `n_hash` layers)."""
+    gate_inp: QTensor  # ffn_gate_inp
+    bias: QTensor | None  # exp_probs_b: top-k layers
+    table: torch.Tensor | None  # ffn_gate_tid2eid [n_vocab, k] as integers: hash layers
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], layer: int, n_hash: int) -> "Router":
+        p = f"blk.{layer}."
+        hashed = layer < n_hash
+        return cls(w[p + "ffn_gate_inp.weight"], None if hashed else w[p + "exp_probs_b.bias"],
+                   w[p + "ffn_gate_tid2eid.weight"].ints() if hashed else None)
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """The MoE block's shared expert: a SwiGLU with its own clamp."""
+    gate: QTensor  # ffn_gate_shexp
+    up: QTensor  # ffn_up_shexp
+    down: QTensor  # ffn_down_shexp
+    act: Activation
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], layer: int, limit: float) -> "SharedExpert":
+        p = f"blk.{layer}."
+        return cls(w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"],
+                   Activation(limit=limit))
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer's trunk tensors by role, resolved from their GGUF names once at load: each block's
+    hyper-connection and input norm, the attention, the MoE block's router and shared expert."""
+    hc_attn: HyperConnection
+    attn_norm: QTensor
+    attn: AttentionWeights
+    hc_ffn: HyperConnection
+    ffn_norm: QTensor
+    router: Router
+    shexp: SharedExpert
+
+    @classmethod
+    def load(cls, w: dict[str, QTensor], i: int, a: Args) -> "Layer":
+        p = f"blk.{i}."
+        return cls(load_hyper_connection(w, p + "hc_attn", a), w[p + "attn_norm.weight"],
+                   AttentionWeights.load(w, i, int(a.compress_ratios[i])), load_hyper_connection(w, p + "hc_ffn", a),
+                   w[p + "ffn_norm.weight"], Router.load(w, i, a.n_hash),
+                   SharedExpert.load(w, i, float(a.clamp_shexp[i])))
+
+
 class Model:
     static_decode = True  # once reserved, the compressed-attention states are buffers updated in place
     static_prompt = True  # a short prompt too: its compressors complete the windows it fills (_compress_pass)
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         a = self.args = read_args(Args, files.arch, files.metadata, KEYS)
-        self.w = w = place.weights(files.trunk)
+        self.w = w = place.weights(files.trunk)  # by GGUF name, for tools; forward reads the objects below
         self.place, self.device = place, place.first
+        self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
+        self.output_norm = w["output_norm.weight"]
         self.main_rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM)
         self.compress_rope = Rope(a.rope_dim, a.compress_rope_base, RopeStyle.NORM, a.rope_factor,
                                   a.rope_original_context, a.yarn_beta_fast, a.yarn_beta_slow)  # no mscale
-        self.attn = [AttentionWeights.load(w, i, int(a.compress_ratios[i])) for i in range(a.n_layer)]
+        self.layers = [Layer.load(w, i, a) for i in range(a.n_layer)]
         self.shapes = [AttentionShape(a.n_head, a.head_dim, a.window, int(a.compress_ratios[i]), a.o_groups,
                                       a.index_heads, a.index_dim, a.index_topk, a.eps,
-                                      overlap=attn.compressor is not None and attn.compressor.overlapping,
-                                      indexed=attn.indexer is not None) for i, attn in enumerate(self.attn)]
-
-        def hc(prefix: str) -> HyperConnection:
-            return HyperConnection(w[prefix + "_fn.weight"].dequant(), w[prefix + "_base.weight"].dequant(),
-                                   w[prefix + "_scale.weight"].dequant(), a.hc, a.hc_iters, a.hc_eps, a.eps)
-
-        self.hc_attn = [hc(f"blk.{i}.hc_attn") for i in range(a.n_layer)]
-        self.hc_ffn = [hc(f"blk.{i}.hc_ffn") for i in range(a.n_layer)]
-        self.hc_head = hc("output_hc")
+                                      overlap=layer.attn.compressor is not None and layer.attn.compressor.overlapping,
+                                      indexed=layer.attn.indexer is not None) for i, layer in enumerate(self.layers)]
+        self.hc_head = load_hyper_connection(w, "output_hc", a)
         self.moe = ExpertFFN(files.experts, expert_count(files), [Activation(limit=float(c)) for c in a.clamp_exp])
-        self.tables = {i: w[f"blk.{i}.ffn_gate_tid2eid.weight"].ints() for i in range(a.n_hash)}
-        self.moe.static_routes.update(self.tables)
+        self.moe.static_routes.update({i: layer.router.table for i, layer in enumerate(self.layers)
+                                       if layer.router.table is not None})
         self.moe.router = self.route
 
     def new_states(self) -> dict[int, LayerState]:
@@ -123,42 +176,40 @@ class Model:
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
-        a, w = self.args, self.w
-        x = w["token_embd.weight"].rows(tokens)  # [T, D]
+        a = self.args
+        x = self.token_embd.rows(tokens)  # [T, D]
         streams = x[:, None, :].expand(-1, a.hc, -1).contiguous()
         self.moe.begin(tokens)
-        for i in range(a.n_layer):
-            p = f"blk.{i}."
+        for i, layer in enumerate(self.layers):
             streams, tokens = self.place.hop(i, streams, tokens)
             state = cache.state.setdefault(i, LayerState(self.shapes[i]))
             rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
-            pre, post, comb = self.hc_attn[i].weights(streams)
-            h = self.hc_attn[i].block_input(streams, pre, w[p + "attn_norm.weight"].dequant())
+            pre, post, comb = layer.hc_attn.weights(streams)
+            h = layer.hc_attn.block_input(streams, pre, layer.attn_norm.dequant())
             start = cache.length if cache.step_positions is None else cache.positions(len(tokens), h.device)
-            out = attention(self.attn[i], h, start, state, rope)
+            out = attention(layer.attn, h, start, state, rope)
             streams = HyperConnection.expand(streams, out, post, comb)
 
-            pre, post, comb = self.hc_ffn[i].weights(streams)
-            h = self.hc_ffn[i].block_input(streams, pre, w[p + "ffn_norm.weight"].dequant())
+            pre, post, comb = layer.hc_ffn.weights(streams)
+            h = layer.hc_ffn.block_input(streams, pre, layer.ffn_norm.dequant())
             streams = HyperConnection.expand(streams, self._moe(i, h, tokens), post, comb)
         cache.length += len(tokens)
-        x = rms_norm(self.hc_head.head(streams), w["output_norm.weight"].dequant(), a.eps)
-        return output_logits(x, w["output.weight"], last)
+        x = rms_norm(self.hc_head.head(streams), self.output_norm.dequant(), a.eps)
+        return output_logits(x, self.output, last)
 
     def _moe(self, i: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        a, w, p = self.args, self.w, f"blk.{i}."
-        if i in self.tables:
-            logits = linear(h, w[p + "ffn_gate_inp.weight"])
-            ids, weights = sqrtsoftplus_hashed(logits, self.tables[i], tokens, a.weights_scale)
+        layer = self.layers[i]
+        if layer.router.table is not None:
+            logits = linear(h, layer.router.gate_inp)
+            ids, weights = sqrtsoftplus_hashed(logits, layer.router.table, tokens, self.args.weights_scale)
         else:
             ids, weights = self.route(i, h)
         routed = self.moe(i, h, ids, weights)
-        shared = Activation(limit=float(a.clamp_shexp[i]))(linear(h, w[p + "ffn_gate_shexp.weight"]),
-                                                           linear(h, w[p + "ffn_up_shexp.weight"]))
-        return routed + linear(shared, w[p + "ffn_down_shexp.weight"])
+        shexp = layer.shexp
+        return routed + linear(shexp.act(linear(h, shexp.gate), linear(h, shexp.up)), shexp.down)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A top-k layer's routing (hash layers route by token id, in _moe)."""
-        p = f"blk.{i}."
-        return sqrtsoftplus_topk(linear(h, self.w[p + "ffn_gate_inp.weight"]), self.w[p + "exp_probs_b.bias"].dequant(),
-                                 self.args.n_expert_used, self.args.weights_scale)
+        router = self.layers[i].router
+        return sqrtsoftplus_topk(linear(h, router.gate_inp), router.bias.dequant(), self.args.n_expert_used,
+                                 self.args.weights_scale)
