@@ -67,7 +67,7 @@ INTERPRETER_ROWS = 64
 
 @pytest.fixture
 def interpreter_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    from expertpack.worker.weights.qtensor import kernels_on_cpu
+    from expertpack.worker.nn.backend import kernels_on_cpu
 
     with kernels_on_cpu():  # defined for the interpreter, as the tests' first kernel call would
         from expertpack.worker.kernels import linear_tl, moe_dense, moe_tiles, moe_tl

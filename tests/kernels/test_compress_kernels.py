@@ -11,6 +11,9 @@ import torch
 from expertpack.worker.kernels.compress_tl import compress_step, step_visible
 from expertpack.worker.nn import compressed_attention as ca
 from expertpack.worker.nn.layers import Rope, RopeStyle
+from expertpack.worker.nn.ops import TorchOps
+
+TORCH = TorchOps(torch.device("cpu"))  # the torch formulas, the reference
 
 
 # Entry widths that are not powers of two: the entry kernel once read past the pooled row there
@@ -27,7 +30,7 @@ def test_compress_step_equals_the_torch_step(ratio: int, d: int, overlap: bool, 
     for pos in range(capacity - 1):  # three windows complete and a fourth begins
         kv, gate = torch.randn(1, width, generator=g) * 2, torch.randn(1, width, generator=g) * 3
         position = torch.tensor([pos])
-        ca._compress_step(want, kv, gate, ape, norm, ratio, position, rope, 1e-6, capacity)  # the torch path (CPU)
+        ca._compress_step(TORCH, want, kv, gate, ape, norm, ratio, position, rope, 1e-6, capacity)  # the torch path (CPU)
         compress_step(got.kv, got.gate, got.overlap, got.entries, kv.to(device), gate.to(device), ape.to(device),
                       norm.to(device), 1e-6, position.to(device), *rope.table(device, capacity), rot)
         for name, a, b in zip(("kv", "gate", "entries", "overlap kv", "overlap gate"), got.tensors(), want.tensors()):
@@ -41,6 +44,6 @@ def test_step_visible_equals_the_torch_mask(size: int, n_entries: int, ratio: in
     launch, against compressed_attention._visible's torch formula, before, around and past the
     ring's first turn and the windows' ends."""
     for pos in sorted({0, 1, 3, 4, size - 1, size, size + 1, 129, 600, 5 * 1500 - 1}):
-        want = ca._visible(torch.tensor([pos]), size, n_entries, ratio, size + 1)  # the torch path (CPU)
+        want = ca._visible(TORCH, torch.tensor([pos]), size, n_entries, ratio, size + 1)  # the torch path (CPU)
         got = step_visible(torch.tensor([pos], device=device), size, n_entries, ratio).cpu()
         assert torch.equal(got, want), f"position {pos}"

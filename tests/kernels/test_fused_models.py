@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from expertpack.worker.engine.engine import Engine
-from expertpack.worker.weights.qtensor import kernels_on_cpu
+from expertpack.worker.nn.backend import kernels_on_cpu
 
 from ..conftest import FIXTURES
 
@@ -31,6 +31,7 @@ def test_kernels_give_the_torch_paths_logits(path: str) -> None:
     engine = Engine.load(FIXTURES / path, resident_experts=True)
     want = engine.forward(TOKENS, engine.new_sequence())
     with kernels_on_cpu():
+        engine = Engine.load(FIXTURES / path, resident_experts=True)  # its ops: the kernels
         cache = engine.new_sequence()
         got = torch.cat([engine.forward(TOKENS[:16], cache), engine.forward(TOKENS[16:17], cache),
                          engine.forward(TOKENS[17:], cache)])
@@ -60,10 +61,11 @@ def test_static_steps_cross_reservations(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 4)
     monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
-    engine = Engine.load(FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", resident_experts=True)
-    reference = engine.new_sequence()  # held: the kernels' sequence gets a fresh slot
-    want = engine.forward(TOKENS[:11], reference)[2:]
+    path = FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf"
+    engine = Engine.load(path, resident_experts=True)
+    want = engine.forward(TOKENS[:11], engine.new_sequence())[2:]
     with kernels_on_cpu():
+        engine = Engine.load(path, resident_experts=True)
         cache = engine.new_sequence()
         got = [engine.forward(TOKENS[:3], cache)[-1:]]
         capacities = []
@@ -85,11 +87,11 @@ def test_short_prompts_with_static_shapes_give_the_torch_paths_logits(monkeypatc
     from expertpack.worker.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 16)
-    engine = Engine.load(FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf", resident_experts=True)
-    stream = TOKENS + TOKENS[:17]
-    reference = engine.new_sequence()  # held: the static prompts' sequence gets a fresh slot
-    want = engine.forward(stream, reference)
+    path = FIXTURES / "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf"
+    engine = Engine.load(path, resident_experts=True)
+    want = engine.forward(TOKENS + TOKENS[:17], engine.new_sequence())
     with kernels_on_cpu():
+        engine = Engine.load(path, resident_experts=True)
         cache = engine.new_sequence()
         got = [engine.forward(TOKENS, cache, last=True)]
         assert (cache.length, cache.kv.capacity, cache.kv.reserved) == (18, 32, 32)  # reserved: the static path's
@@ -125,7 +127,8 @@ def test_deepseek4_decode_steps_through_windows_give_the_torch_paths_logits() ->
     buffers end where eager decoding leaves them. ~1 min."""
     from ..helpers.engine import static_steps
 
-    engine = Engine.load(FIXTURES / "flagship/deepseek4/dsv4-tiny.BF16.gguf", resident_experts=True)
+    path = FIXTURES / "flagship/deepseek4/dsv4-tiny.BF16.gguf"
+    engine = Engine.load(path, resident_experts=True)
     prompt, feed = [(7 * i + 1) % 1000 for i in range(124)], [33, 7, 1000, 5]
     eager = engine.new_sequence()
     engine.forward(prompt, eager)
@@ -133,8 +136,8 @@ def test_deepseek4_decode_steps_through_windows_give_the_torch_paths_logits() ->
     static = engine.new_sequence()
     engine.forward(prompt, static)
     static.kv.reserve(160)
-    with kernels_on_cpu():
-        got = static_steps(engine, static.kv, feed)
+    with kernels_on_cpu():  # the torch path's prefill, then the kernels' steps over its cache
+        got = static_steps(Engine.load(path, resident_experts=True), static.kv, feed)
     err = (got - want).abs().max().item()
     assert err < 1e-5, f"max |diff| {err:.2e}"
     eager.kv.reserve(160)

@@ -11,7 +11,10 @@ from expertpack.worker.kernels.hyper_tl import hc_weights
 from expertpack.worker.kernels.pointwise_tl import rms_norm, rope
 from expertpack.worker.nn.hyper_connections import HyperConnection
 from expertpack.worker.nn.layers import Rope, RopeStyle, rms_norm as torch_rms_norm
-from expertpack.worker.weights.qtensor import kernels_on_cpu
+from expertpack.worker.nn.backend import kernels_on_cpu, ops_for
+from expertpack.worker.nn.ops import TorchOps
+
+TORCH = TorchOps(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("d", [64, 96, 2880])
@@ -61,8 +64,8 @@ def test_hyper_connection_weights(n: int, device: torch.device) -> None:
     hc = HyperConnection(torch.randn((2 + n) * n, n * d, generator=g), torch.randn((2 + n) * n, generator=g),
                          torch.rand(3, generator=g) + 0.5, n, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
     streams = torch.randn(t, n, d, generator=g)
-    want = hc.weights(streams)  # the torch path (CPU)
-    got = hc_weights(hc._mixes(streams).to(device), hc.base.to(device), hc.scale.to(device), n, 20, 1e-6)
+    want = hc.weights(TORCH, streams)  # the torch path (CPU)
+    got = hc_weights(hc._mixes(TORCH, streams).to(device), hc.base.to(device), hc.scale.to(device), n, 20, 1e-6)
     for name, w, x in zip(("pre", "post", "comb"), want, got):
         torch.testing.assert_close(x.cpu(), w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert torch.allclose(got[2].sum(dim=-2).cpu(), torch.ones(t, n), atol=1e-4)  # columns: doubly stochastic
@@ -71,16 +74,17 @@ def test_hyper_connection_weights(n: int, device: torch.device) -> None:
 @pytest.mark.parametrize("n,d", [(4, 96), (3, 80)])
 def test_hyper_connection_collapse_and_expand(n: int, d: int, device: torch.device) -> None:
     """The streams collapsed into a block's normalized input, and the block's output spread back
-    over them, one launch each through HyperConnection's seam, against its torch formulas."""
+    over them, one launch each through the ops' seam (TritonOps), against the torch formulas (TorchOps)."""
     g = torch.Generator().manual_seed(n * d)
     t = 3
     streams, out = torch.randn(t, n, d, generator=g), torch.randn(t, d, generator=g)
     pre, post, comb = torch.rand(t, n, generator=g), torch.rand(t, n, generator=g), torch.rand(t, n, n, generator=g)
     weight = torch.randn(d, generator=g)
     hc = HyperConnection(torch.zeros(1), torch.zeros(1), torch.zeros(1), n, 1, 1e-6, norm_eps=1e-6)
-    want = hc.block_input(streams, pre, weight), HyperConnection.expand(streams, out, post, comb)  # torch (CPU)
+    want = hc.block_input(TORCH, streams, pre, weight), TORCH.hc_expand(streams, out, post, comb)
     with kernels_on_cpu():  # the kernels: on the CPU through the interpreter, else on `device`
+        ops = ops_for(device)
         streams, out, pre, post, comb, weight = (v.to(device) for v in (streams, out, pre, post, comb, weight))
-        got = hc.block_input(streams, pre, weight), HyperConnection.expand(streams, out, post, comb)
+        got = hc.block_input(ops, streams, pre, weight), ops.hc_expand(streams, out, post, comb)
     for name, a, b in zip(("block input", "expanded streams"), got, want):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from expertpack.worker.engine.engine import Engine
-from expertpack.worker.weights.qtensor import kernels_on_cpu
+from expertpack.worker.nn.backend import kernels_on_cpu
 
 from ..helpers.engine import PROMPT, assert_same, daemon_for, greedy_run, minimal_cache_bytes
 

@@ -62,7 +62,7 @@ class ReplayRecorder:
 def on_cpu_with_graphs(monkeypatch: pytest.MonkeyPatch):
     """The engine's GPU branches on the CPU: static passes (torch's path), 'graphs' recorded;
     small reservations so that a few tokens cross them."""
-    monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
+    monkeypatch.setattr(Engine, "static_steps", property(lambda self: self.model.static_decode))
     monkeypatch.setattr(engine_module, "DecodeGraph", ReplayRecorder)
     monkeypatch.setattr(engine_module.torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(Engine, "_replayed_kind", lambda self: ReplayRecorder if self.graphs else None)

@@ -22,7 +22,7 @@ import torch
 from expertpack.worker.engine import engine as engine_module
 from expertpack.worker.engine.engine import Engine, SegmentedDecode
 from expertpack.worker.nn import layers
-from expertpack.worker.weights.qtensor import kernels_on_cpu
+from expertpack.worker.nn.backend import kernels_on_cpu
 
 from ..helpers.engine import daemon_for, greedy_run, minimal_cache_bytes
 

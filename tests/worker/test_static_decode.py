@@ -184,7 +184,7 @@ def test_the_engines_short_prompt_into_an_empty_deepseek4_cache(monkeypatch: pyt
     eager = engine.new_sequence()
     want = [engine.forward(prompt, eager, last=True), engine.forward(turn, eager, last=True),
             engine.forward([64], eager)]
-    monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
+    monkeypatch.setattr(Engine, "static_steps", property(lambda self: self.model.static_decode))
     cache = engine.new_sequence()
     got = [engine.forward(prompt, cache, last=True)]
     assert cache.kv.capacity == engine_module.MIN_STATIC_CAPACITY and cache.length == 21
@@ -196,14 +196,12 @@ def test_the_engines_short_prompt_into_an_empty_deepseek4_cache(monkeypatch: pyt
 
 def test_a_deepseek4_slot_left_by_an_eager_pass_takes_a_static_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sequence that ran only eagerly (a one-token prompt: its DeepSeek-V4 states unreserved)
-    leaves its slot; the next sequence there starts with a static short prompt (the engine told its
-    kernels run, the arithmetic staying torch's), whose reservation needs the cleared states'
+    leaves its slot; the next sequence there starts with a static short prompt (static steps forced
+    on, the arithmetic staying torch's), whose reservation needs the cleared states'
     device: the logits are a fresh engine's."""
-    from expertpack.worker.engine import engine as engine_module
-
     prompt = [(3 * i + 11) % 1000 for i in range(21)]
     fresh = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
-    monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
+    monkeypatch.setattr(Engine, "static_steps", property(lambda self: self.model.static_decode))
     want = fresh.forward(prompt, fresh.new_sequence(), last=True)
     engine = Engine.load(FIXTURES / MODELS["deepseek4"], resident_experts=True)
     with engine.new_sequence() as first:
@@ -217,16 +215,14 @@ def test_a_deepseek4_slot_left_by_an_eager_pass_takes_a_static_prompt(monkeypatc
 
 def test_deepseek4_short_prompt_through_a_minimal_expert_cache_equals_every_expert_resident(
         fixture_packs, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's static-shape prompt (told its kernels run, the arithmetic staying torch's) with
+    """The engine's static-shape prompt (static steps forced on, the arithmetic staying torch's) with
     DeepSeek-V4's experts streamed through expertd into a cache of one layer's step: its experts
     come in waves, its hash-routed layers' too, evicted at every layer; the prompt's logits and a
     second turn's equal every expert resident, bit for bit. (The decode steps between, CUDA graphs
     split at the MoE layers with the cache, need the kernels: tests/kernels and tests/gpu.)"""
-    from expertpack.worker.engine import engine as engine_module
-
     from ..helpers.engine import resident_and_minimal_cache
 
-    monkeypatch.setattr(engine_module, "use_kernels", lambda device: True)
+    monkeypatch.setattr(Engine, "static_steps", property(lambda self: self.model.static_decode))
     prompt = [(7 * i + 1) % 1000 for i in range(21)]
 
     def run(engine: Engine) -> torch.Tensor:

@@ -4,7 +4,6 @@ time, greedy or sampled. No HTTP, no daemon: the expert source decides where exp
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from ..models import Model, model_module
 from ..nn.layers import KVCache
 from ..nn.placement import Placement, parse_devices, plan
 from ..weights.model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
-from ..weights.qtensor import use_kernels
 from .arena import KVArena, Sequence
 from .graphs import DecodeGraph, SegmentedDecode
 from .sampling import Sampler
@@ -92,8 +90,7 @@ class Engine:
                 files.experts = ResidentExperts(on_disk, moe_layers, dev)
             on_disk.close()
         model = model_module(files.arch).Model(files, place)
-        if use_kernels(dev):  # what the kernels cannot run is refused now, not at the first token
-            _require_triton(dev)
+        if place.ops.kernels:  # what the kernels cannot run is refused now, not at the first token
             model.moe.prepare(sorted(moe_layers))
         if daemon is not None:  # after the trunk is on the devices: each cache takes what its device has left
             link = DaemonLink(daemon, files.fingerprint, place.devices, name=name, timeout_s=daemon_timeout_s,
@@ -115,6 +112,13 @@ class Engine:
             files.experts = model.moe.source = cache
             model.moe.prefetch = prefetch
         return cls(model, files, dev, place)
+
+    @property
+    def static_steps(self) -> bool:
+        """Whether decode steps and short prompts take static shapes (and CUDA graphs, where the
+        graphs are on): where the kernels run, which read positions on the device, for models
+        whose steps keep their shapes."""
+        return self.place.ops.kernels and self.model.static_decode
 
     @property
     def layer_ranges(self) -> tuple[range, ...]:
@@ -142,7 +146,7 @@ class Engine:
         `last`, [1, n_vocab] after the last token only (what a generation's prefill needs)."""
         cache = seq.kv
         with self.place.running():
-            if use_kernels(self.device) and self.model.static_decode:
+            if self.static_steps:
                 # a one-token prompt too, into a slot that has its buffers (and no states to start)
                 if len(tokens) == 1 and (cache.length or (cache.keys and not cache.state)):
                     return self._static_step(tokens[0], seq.slot, cache)
@@ -315,9 +319,3 @@ def _device_cache(manifest: Manifest, link: DaemonLink, device: torch.device, ca
     except CacheTooSmall as exc:
         shared = f"; the {n_devices} CPU devices share the budget evenly" if device.type == "cpu" else ""
         raise CacheTooSmall(f"{device} (MoE layers {layers[0]}..{layers[-1]}): {exc}{shared}") from None
-
-
-def _require_triton(device: torch.device) -> None:
-    if importlib.util.find_spec("triton") is None:
-        raise RuntimeError(f"device {device}: the GPU path runs Triton kernels, and triton is not installed "
-                           f"(it comes with torch's CUDA builds; pip install triton)")

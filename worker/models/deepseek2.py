@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..nn.layers import KVCache, Rope, RopeStyle, attention, output_logits, rms_norm
+from ..nn.layers import KVCache, Rope, RopeStyle
 from ..nn.mla import MlaWeights, absorbed_attention, mla_keys_values, mla_query
 from ..nn.moe import ExpertFFN
+from ..nn.ops import TorchOps
 from ..nn.placement import Placement
-from ..nn.routing import sigmoid_group_topk, softmax_topk
+from ..nn.routing import sigmoid_group_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import QTensor, linear, use_kernels
+from ..weights.qtensor import QTensor
 from .config import Key, read_args
 
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # {arch}.expert_gating_func; absent means softmax (DeepSeek-V2)
@@ -86,8 +87,8 @@ class SwiGLU:
         p = f"blk.{i}."
         return cls(w[f"{p}ffn_gate{suffix}.weight"], w[f"{p}ffn_up{suffix}.weight"], w[f"{p}ffn_down{suffix}.weight"])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+    def __call__(self, ops: TorchOps, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(F.silu(ops.linear(x, self.gate)) * ops.linear(x, self.up), self.down)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Model:
         self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
         self.output_norm = w["output_norm.weight"]
         self.layers = [Layer.load(w, i, a) for i in range(a.n_layer)]
-        self.moe = ExpertFFN(files.experts, expert_count(files))
+        self.moe = ExpertFFN(place.ops, files.experts, expert_count(files))
         self.moe.router = self.route
         # DeepSeek's YaRN scales attention by mscale^2 through the softmax scale, and leaves cos/sin
         # alone (its mscale equals mscale_all_dim). The GGUF stores 0.1 * mscale_all_dim.
@@ -133,50 +134,53 @@ class Model:
         self.scale = a.key_mla ** -0.5 * mscale * mscale
         self.rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow)
-        self.place, self.device = place, place.first
+        self.place, self.device, self.ops = place, place.first, place.ops
 
     def attention(self, layer: Layer, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   cache: KVCache) -> torch.Tensor:
+        ops = self.ops
         a, m, t = self.args, layer.attn, len(h)
-        q = mla_query(m, h, a.n_head, a.key_mla, a.eps)
-        if use_kernels(h.device):
-            o = absorbed_attention(m, h, q, i, cache, a.kv_lora, self.nope, a.eps, self.scale,
-                                   lambda x: self.rope.apply(x, cos, sin))
-            return linear(o.reshape(t, -1), m.output)
+        q = mla_query(ops, m, h, a.n_head, a.key_mla, a.eps)
+        if ops.kernels:
+            o = absorbed_attention(ops, m, h, q, i, cache, a.kv_lora, self.nope, a.eps, self.scale,
+                                   lambda x: ops.rope(x, self.rope, cos, sin))
+            return ops.linear(o.reshape(t, -1), m.output)
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
-        k_nope, k_pe, value = mla_keys_values(m, h, a.kv_lora, a.eps)  # k_pe: one rotary key for every head
-        q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
+        k_nope, k_pe, value = mla_keys_values(ops, m, h, a.kv_lora, a.eps)  # k_pe: one rotary key for every head
+        q_pe, k_pe = ops.rope(q_pe, self.rope, cos, sin), ops.rope(k_pe, self.rope, cos, sin)
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(t, a.n_head, a.rope_dim)], dim=-1)
         key, value = cache.append(i, key, value)
-        o = attention(query, key, value, cache.positions(t, query.device), self.scale).reshape(t, -1)
-        return linear(o, m.output)
+        o = ops.attention(query, key, value, cache.positions(t, query.device), self.scale).reshape(t, -1)
+        return ops.linear(o, m.output)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = self.ops
         a, layer = self.args, self.layers[i]
-        logits = linear(h.to(torch.float32), layer.router)
+        logits = ops.linear(h.to(torch.float32), layer.router)
         if a.gating == GATING_SIGMOID:
-            return sigmoid_group_topk(logits, layer.router_bias.dequant(), a.n_expert_used, a.n_group,
+            return sigmoid_group_topk(logits, ops.dequant(layer.router_bias), a.n_expert_used, a.n_group,
                                       a.topk_group, a.weights_norm, a.weights_scale)
-        ids, weights = softmax_topk(logits, a.n_expert_used, a.weights_norm)
+        ids, weights = ops.softmax_topk(logits, a.n_expert_used, a.weights_norm)
         return ids, weights * a.weights_scale
 
     def ffn(self, layer: Layer, i: int, h: torch.Tensor) -> torch.Tensor:
         if layer.dense is not None:
-            return layer.dense(h)
+            return layer.dense(self.ops, h)
         ids, weights = self.route(i, h)
         out = self.moe(i, h, ids, weights)
         if layer.shared is not None:
-            out = out + layer.shared(h)
+            out = out + layer.shared(self.ops, h)
         return out
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
+        ops = self.ops
         a, t = self.args, len(tokens)
-        x = self.token_embd.rows(tokens)
+        x = ops.rows(self.token_embd, tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
         for i, layer in enumerate(self.layers):
             x, cos, sin = self.place.hop(i, x, cos, sin)
-            x = x + self.attention(layer, i, rms_norm(x, layer.attn_norm.dequant(), a.eps), cos, sin, cache)
-            x = x + self.ffn(layer, i, rms_norm(x, layer.ffn_norm.dequant(), a.eps))
+            x = x + self.attention(layer, i, ops.rms_norm(x, ops.dequant(layer.attn_norm), a.eps), cos, sin, cache)
+            x = x + self.ffn(layer, i, ops.rms_norm(x, ops.dequant(layer.ffn_norm), a.eps))
         cache.length += t
-        return output_logits(rms_norm(x, self.output_norm.dequant(), a.eps), self.output, last)
+        return ops.output_logits(ops.rms_norm(x, ops.dequant(self.output_norm), a.eps), self.output, last)

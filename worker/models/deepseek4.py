@@ -17,12 +17,11 @@ import torch
 from ..nn.activation import Activation
 from ..nn.compressed_attention import AttentionShape, AttentionWeights, LayerState, attention
 from ..nn.hyper_connections import HyperConnection
-from ..nn.layers import KVCache, Rope, RopeStyle, output_logits, rms_norm
+from ..nn.layers import KVCache, Rope, RopeStyle
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
-from ..nn.routing import sqrtsoftplus_hashed, sqrtsoftplus_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import QTensor, linear
+from ..weights.qtensor import QTensor
 from .config import Key, read_args
 
 
@@ -151,7 +150,7 @@ class Model:
     def __init__(self, files: ModelFiles, place: Placement) -> None:
         a = self.args = read_args(Args, files.arch, files.metadata, KEYS)
         self.w = w = place.weights(files.trunk)  # by GGUF name, for tools; forward reads the objects below
-        self.place, self.device = place, place.first
+        self.place, self.device, self.ops = place, place.first, place.ops
         self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
         self.output_norm = w["output_norm.weight"]
         self.main_rope = Rope(a.rope_dim, a.rope_base, RopeStyle.NORM)
@@ -163,7 +162,8 @@ class Model:
                                       overlap=layer.attn.compressor is not None and layer.attn.compressor.overlapping,
                                       indexed=layer.attn.indexer is not None) for i, layer in enumerate(self.layers)]
         self.hc_head = load_hyper_connection(w, "output_hc", a)
-        self.moe = ExpertFFN(files.experts, expert_count(files), [Activation(limit=float(c)) for c in a.clamp_exp])
+        self.moe = ExpertFFN(place.ops, files.experts, expert_count(files),
+                             [Activation(limit=float(c)) for c in a.clamp_exp])
         self.moe.static_routes.update({i: layer.router.table for i, layer in enumerate(self.layers)
                                        if layer.router.table is not None})
         self.moe.router = self.route
@@ -176,40 +176,43 @@ class Model:
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
+        ops = self.ops
         a = self.args
-        x = self.token_embd.rows(tokens)  # [T, D]
+        x = ops.rows(self.token_embd, tokens)  # [T, D]
         streams = x[:, None, :].expand(-1, a.hc, -1).contiguous()
         self.moe.begin(tokens)
         for i, layer in enumerate(self.layers):
             streams, tokens = self.place.hop(i, streams, tokens)
             state = cache.state.setdefault(i, LayerState(self.shapes[i]))
             rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
-            pre, post, comb = layer.hc_attn.weights(streams)
-            h = layer.hc_attn.block_input(streams, pre, layer.attn_norm.dequant())
+            pre, post, comb = layer.hc_attn.weights(ops, streams)
+            h = layer.hc_attn.block_input(ops, streams, pre, ops.dequant(layer.attn_norm))
             start = cache.length if cache.step_positions is None else cache.positions(len(tokens), h.device)
-            out = attention(layer.attn, h, start, state, rope)
-            streams = HyperConnection.expand(streams, out, post, comb)
+            out = attention(ops, layer.attn, h, start, state, rope)
+            streams = ops.hc_expand(streams, out, post, comb)
 
-            pre, post, comb = layer.hc_ffn.weights(streams)
-            h = layer.hc_ffn.block_input(streams, pre, layer.ffn_norm.dequant())
-            streams = HyperConnection.expand(streams, self._moe(i, h, tokens), post, comb)
+            pre, post, comb = layer.hc_ffn.weights(ops, streams)
+            h = layer.hc_ffn.block_input(ops, streams, pre, ops.dequant(layer.ffn_norm))
+            streams = ops.hc_expand(streams, self._moe(i, h, tokens), post, comb)
         cache.length += len(tokens)
-        x = rms_norm(self.hc_head.head(streams), self.output_norm.dequant(), a.eps)
-        return output_logits(x, self.output, last)
+        x = ops.rms_norm(self.hc_head.head(ops, streams), ops.dequant(self.output_norm), a.eps)
+        return ops.output_logits(x, self.output, last)
 
     def _moe(self, i: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
         layer = self.layers[i]
         if layer.router.table is not None:
-            logits = linear(h, layer.router.gate_inp)
-            ids, weights = sqrtsoftplus_hashed(logits, layer.router.table, tokens, self.args.weights_scale)
+            logits = ops.linear(h, layer.router.gate_inp)
+            ids, weights = ops.sqrtsoftplus_hashed(logits, layer.router.table, tokens, self.args.weights_scale)
         else:
             ids, weights = self.route(i, h)
         routed = self.moe(i, h, ids, weights)
         shexp = layer.shexp
-        return routed + linear(shexp.act(linear(h, shexp.gate), linear(h, shexp.up)), shexp.down)
+        return routed + ops.linear(shexp.act(ops.linear(h, shexp.gate), ops.linear(h, shexp.up)), shexp.down)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A top-k layer's routing (hash layers route by token id, in _moe)."""
+        ops = self.ops
         router = self.layers[i].router
-        return sqrtsoftplus_topk(linear(h, router.gate_inp), router.bias.dequant(), self.args.n_expert_used,
-                                 self.args.weights_scale)
+        return ops.sqrtsoftplus_topk(ops.linear(h, router.gate_inp), ops.dequant(router.bias),
+                                     self.args.n_expert_used, self.args.weights_scale)

@@ -12,12 +12,10 @@ import torch
 
 from ..nn.activation import Activation, ActKind
 from ..nn.gqa import GqaMoeLayer, gqa_attention
-from ..nn.layers import KVCache, Rope, RopeStyle, add_rms_norm, output_logits, rms_norm
+from ..nn.layers import KVCache, Rope, RopeStyle
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
-from ..nn.routing import topk_softmax
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import linear
 from .config import Key, read_args
 
 SWIGLU_ALPHA = 1.702
@@ -67,30 +65,32 @@ class Model:
         self.w = w = place.weights(files.trunk)  # by GGUF name, for tools; forward reads the objects below
         self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
         self.first_norm = w["blk.0.attn_norm.weight"]
-        self.moe = ExpertFFN(files.experts, expert_count(files), Activation(ActKind.SWIGLU_OAI, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA))
+        self.moe = ExpertFFN(place.ops, files.experts, expert_count(files), Activation(ActKind.SWIGLU_OAI, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA))
         self.moe.router = self.route
         self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
-        self.place, self.device = place, place.first
+        self.place, self.device, self.ops = place, place.first, place.ops
         self.layers = [GqaMoeLayer.load(w, i, a.n_layer, place, ffn_norm="post_attention_norm")
                        for i in range(a.n_layer)]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
+        ops = self.ops
         a, hd, t = self.args, self.args.head_dim, len(tokens)
-        x = self.token_embd.rows(tokens)
+        x = ops.rows(self.token_embd, tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
-        h = rms_norm(x, self.first_norm.dequant(), a.eps)
+        h = ops.rms_norm(x, ops.dequant(self.first_norm), a.eps)
         for i, layer in enumerate(self.layers):
             x, h, cos, sin = self.place.hop(i, x, h, cos, sin)
             window = a.sliding_window if i % 2 == 0 else None  # sliding on even layers, full on odd
-            attn = gqa_attention(layer.attn, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps,
+            attn = gqa_attention(ops, layer.attn, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps,
                                  window, parts=True)
-            x, h = add_rms_norm(x, attn, layer.ffn_norm.dequant(), a.eps)
+            x, h = ops.add_rms_norm(x, attn, ops.dequant(layer.ffn_norm), a.eps)
             ids, weights = self.route(i, h)
-            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), layer.norm_after.dequant(), a.eps)
+            x, h = ops.add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), ops.dequant(layer.norm_after), a.eps)
         cache.length += t
-        return output_logits(h, self.output, last)
+        return ops.output_logits(h, self.output, last)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = self.ops
         layer = self.layers[i]
-        return topk_softmax(linear(h, layer.router, layer.router_bias), self.args.n_expert_used)
+        return ops.topk_softmax(ops.linear(h, layer.router, layer.router_bias), self.args.n_expert_used)

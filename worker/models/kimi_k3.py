@@ -16,13 +16,13 @@ import torch
 
 from ..nn.activation import Activation, ActKind
 from ..nn.kda import KdaWeights, kda
-from ..nn.layers import KVCache, attention, output_logits, rms_norm
+from ..nn.layers import KVCache
 from ..nn.mla import MlaWeights, absorbed_attention, mla_keys_values, mla_query
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..nn.routing import sigmoid_group_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import QTensor, linear, use_kernels
+from ..weights.qtensor import QTensor
 from .config import Key, read_args
 
 
@@ -143,71 +143,77 @@ class Model:
         self.output_res_score, self.output_norm = w["output_res_score.weight"], w["output_norm.weight"]
         self.layers = [Layer.load(w, i, a) for i in range(a.n_layer)]
         self.situ = Activation(ActKind.SITU, beta=a.situ_beta, linear_beta=a.situ_linear_beta)
-        self.moe = ExpertFFN(files.experts, expert_count(files), self.situ)
+        self.moe = ExpertFFN(place.ops, files.experts, expert_count(files), self.situ)
         self.moe.router = self.route
-        self.place, self.device = place, place.first
+        self.place, self.device, self.ops = place, place.first, place.ops
 
     # ---- the residual stream -------------------------------------------------------------------
     def _mix(self, cur: torch.Tensor, bank: list[torch.Tensor], score: torch.Tensor) -> torch.Tensor:
         """Softmax over the banked checkpoints and the current residual, scored on their
         normalized values, summed on their raw ones."""
+        ops = self.ops
         if not bank:
             return cur
         sources = torch.stack([*bank, cur], dim=1)  # [T, n+1, D]
-        scores = (rms_norm(sources, None, self.args.eps) * score).sum(-1)
+        scores = (ops.rms_norm(sources, None, self.args.eps) * score).sum(-1)
         return (torch.softmax(scores, dim=-1)[..., None] * sources).sum(dim=1)
 
     # ---- blocks ----------------------------------------------------------------------------------
     def _mla(self, layer: Layer, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        ops = self.ops
         a, m, t = self.args, layer.mla, len(h)
-        q = mla_query(m, h, a.n_head, a.key_mla, a.eps)
-        if use_kernels(h.device):
-            o = absorbed_attention(m, h, q, i, cache, a.kv_lora, a.key_mla - a.rope_dim, a.eps,
+        q = mla_query(ops, m, h, a.n_head, a.key_mla, a.eps)
+        if ops.kernels:
+            o = absorbed_attention(ops, m, h, q, i, cache, a.kv_lora, a.key_mla - a.rope_dim, a.eps,
                                    a.key_mla ** -0.5).reshape(t, -1)
         else:
-            k_nope, k_pe, value = mla_keys_values(m, h, a.kv_lora, a.eps)
+            k_nope, k_pe, value = mla_keys_values(ops, m, h, a.kv_lora, a.eps)
             k_pe = k_pe.expand(t, a.n_head, a.rope_dim)  # shared by the heads, never rotated
             key, value = cache.append(i, torch.cat([k_nope, k_pe], dim=-1), value)
-            o = attention(q, key, value, cache.positions(t, q.device), a.key_mla ** -0.5).reshape(t, -1)
-        o = o * torch.sigmoid(linear(h, layer.attn_gate))  # the output gate reads the normed input
-        return linear(o, m.output)
+            o = ops.attention(q, key, value, cache.positions(t, q.device), a.key_mla ** -0.5).reshape(t, -1)
+        o = o * torch.sigmoid(ops.linear(h, layer.attn_gate))  # the output gate reads the normed input
+        return ops.linear(o, m.output)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = self.ops
         a, moe = self.args, self.layers[i].moe
-        logits = linear(h.to(torch.float32), moe.router)  # the full-width input
-        return sigmoid_group_topk(logits, moe.router_bias.dequant(), a.n_expert_used, 1, 1, a.weights_norm,
+        logits = ops.linear(h.to(torch.float32), moe.router)  # the full-width input
+        return sigmoid_group_topk(logits, ops.dequant(moe.router_bias), a.n_expert_used, 1, 1, a.weights_norm,
                                   a.weights_scale)
 
     def _mlp(self, mlp: Mlp, h: torch.Tensor) -> torch.Tensor:
-        return linear(self.situ(linear(h, mlp.gate), linear(h, mlp.up)), mlp.down)
+        ops = self.ops
+        return ops.linear(self.situ(ops.linear(h, mlp.gate), ops.linear(h, mlp.up)), mlp.down)
 
     def _ffn(self, layer: Layer, i: int, h: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
         if layer.dense is not None:
             return self._mlp(layer.dense, h)
         moe = layer.moe
         ids, weights = self.route(i, h)
-        latent = linear(h, moe.down)
+        latent = ops.linear(h, moe.down)
         routed = self.moe(i, latent, ids, weights, router_in=h)
         if moe.norm is not None:
-            routed = rms_norm(routed, moe.norm.dequant(), self.args.eps)
-        out = linear(routed, moe.up)
+            routed = ops.rms_norm(routed, ops.dequant(moe.norm), self.args.eps)
+        out = ops.linear(routed, moe.up)
         if moe.shared is not None:
             out = out + self._mlp(moe.shared, h)
         return out
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; continues the KV caches and the KDA states."""
+        ops = self.ops
         a = self.args
-        x = self.token_embd.rows(tokens)
+        x = ops.rows(self.token_embd, tokens)
         bank: list[torch.Tensor] = []  # checkpoints of this pass, per token (across depth, not time)
         for i, layer in enumerate(self.layers):
             x, bank = self.place.hop(i, x, bank)
-            h = rms_norm(self._mix(x, bank, layer.attn_res_score.dequant()), layer.attn_norm.dequant(), a.eps)
+            h = ops.rms_norm(self._mix(x, bank, ops.dequant(layer.attn_res_score)), ops.dequant(layer.attn_norm), a.eps)
             banked = i % a.res_block == 0
             if banked:
                 bank.append(x)  # the raw layer input
             if layer.kda is not None:
-                out, state = kda(layer.kda, h, cache.state.get(i), a.n_head, a.kda_head_dim, a.kda_lower_bound, a.eps)
+                out, state = kda(ops, layer.kda, h, cache.state.get(i), a.n_head, a.kda_head_dim, a.kda_lower_bound, a.eps)
                 if i in cache.state:
                     cache.state[i].assign(state)  # in place: a captured step keeps its buffers
                 else:
@@ -215,8 +221,8 @@ class Model:
             else:
                 out = self._mla(layer, i, h, cache)
             x = out if banked else x + out
-            h = rms_norm(self._mix(x, bank, layer.ffn_res_score.dequant()), layer.ffn_norm.dequant(), a.eps)
+            h = ops.rms_norm(self._mix(x, bank, ops.dequant(layer.ffn_res_score)), ops.dequant(layer.ffn_norm), a.eps)
             x = x + self._ffn(layer, i, h)
         cache.length += len(tokens)
-        x = self._mix(x, bank, self.output_res_score.dequant())
-        return output_logits(rms_norm(x, self.output_norm.dequant(), a.eps), self.output, last)
+        x = self._mix(x, bank, ops.dequant(self.output_res_score))
+        return ops.output_logits(ops.rms_norm(x, ops.dequant(self.output_norm), a.eps), self.output, last)

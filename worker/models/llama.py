@@ -9,12 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from ..nn.gqa import GqaMoeLayer, gqa_attention
-from ..nn.layers import KVCache, Rope, RopeStyle, add_rms_norm, output_logits, rms_norm
+from ..nn.layers import KVCache, Rope, RopeStyle
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
-from ..nn.routing import softmax_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import linear_parts
 from .config import Key, read_args
 
 
@@ -52,26 +50,28 @@ class Model:
         self.w = w = place.weights(files.trunk)  # by GGUF name, for tools; forward reads the objects below
         self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
         self.first_norm = w["blk.0.attn_norm.weight"]
-        self.moe = ExpertFFN(files.experts, expert_count(files))
+        self.moe = ExpertFFN(place.ops, files.experts, expert_count(files))
         self.moe.router = self.route
         self.rope = Rope(a.rope_dim or self.head_dim, a.rope_base, RopeStyle.NORM)
-        self.place, self.device = place, place.first
+        self.place, self.device, self.ops = place, place.first, place.ops
         self.layers = [GqaMoeLayer.load(w, i, self.args.n_layer, place) for i in range(self.args.n_layer)]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
+        ops = self.ops
         a, hd, t = self.args, self.head_dim, len(tokens)
-        x = self.token_embd.rows(tokens)
+        x = ops.rows(self.token_embd, tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
-        h = rms_norm(x, self.first_norm.dequant(), a.eps)
+        h = ops.rms_norm(x, ops.dequant(self.first_norm), a.eps)
         for i, layer in enumerate(self.layers):
             x, h, cos, sin = self.place.hop(i, x, h, cos, sin)
-            attn = gqa_attention(layer.attn, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps,
+            attn = gqa_attention(ops, layer.attn, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps,
                                  parts=True)
-            x, h = add_rms_norm(x, attn, layer.ffn_norm.dequant(), a.eps)
+            x, h = ops.add_rms_norm(x, attn, ops.dequant(layer.ffn_norm), a.eps)
             ids, weights = self.route(i, h)
-            x, h = add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), layer.norm_after.dequant(), a.eps)
+            x, h = ops.add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), ops.dequant(layer.norm_after), a.eps)
         cache.length += t
-        return output_logits(h, self.output, last)
+        return ops.output_logits(h, self.output, last)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(linear_parts(h, self.layers[i].router), self.args.n_expert_used, normalize=True)
+        ops = self.ops
+        return ops.softmax_topk(ops.linear_parts(h, self.layers[i].router), self.args.n_expert_used, normalize=True)

@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from ..nn.gqa import GqaWeights, gqa_attention
-from ..nn.layers import KVCache, Rope, RopeStyle, output_logits, rms_norm
+from ..nn.layers import KVCache, Rope, RopeStyle
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
-from ..nn.routing import softmax_topk
 from ..weights.model_files import ModelFiles, expert_count
-from ..weights.qtensor import QTensor, linear
+from ..weights.qtensor import QTensor
 from .config import Key, read_args
 
 
@@ -72,30 +71,32 @@ class Model:
         self.token_embd, self.output = w["token_embd.weight"], w["output.weight"]
         self.output_norm = w["output_norm.weight"]
         self.layers = [Layer.load(w, i) for i in range(a.n_layer)]
-        self.moe = ExpertFFN(files.experts, expert_count(files))
+        self.moe = ExpertFFN(place.ops, files.experts, expert_count(files))
         self.moe.router = self.route
         self.rope = Rope(self.head_dim, a.rope_base, RopeStyle.NEOX)
-        self.place, self.device = place, place.first
+        self.place, self.device, self.ops = place, place.first, place.ops
 
-    @staticmethod
-    def shared_expert(layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        y = linear(F.silu(linear(h, layer.shared_gate)) * linear(h, layer.shared_up), layer.shared_down)
-        gate = h @ layer.shared_router.dequant().reshape(-1, 1)  # [T, 1]
+    def shared_expert(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        y = ops.linear(F.silu(ops.linear(h, layer.shared_gate)) * ops.linear(h, layer.shared_up), layer.shared_down)
+        gate = h @ ops.dequant(layer.shared_router).reshape(-1, 1)  # [T, 1]
         return torch.sigmoid(gate) * y
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
+        ops = self.ops
         a, hd, t = self.args, self.head_dim, len(tokens)
-        x = self.token_embd.rows(tokens)
+        x = ops.rows(self.token_embd, tokens)
         cos, sin = self.rope.at(cache.positions(t, self.device), cache.bound(t))
         for i, layer in enumerate(self.layers):
             x, cos, sin = self.place.hop(i, x, cos, sin)
-            h = rms_norm(x, layer.attn_norm.dequant(), a.eps)
-            x = x + gqa_attention(layer.attn, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
-            h = rms_norm(x, layer.ffn_norm.dequant(), a.eps)
+            h = ops.rms_norm(x, ops.dequant(layer.attn_norm), a.eps)
+            x = x + gqa_attention(ops, layer.attn, h, i, cache, a.n_head, a.n_head_kv, hd, self.rope, cos, sin, a.eps)
+            h = ops.rms_norm(x, ops.dequant(layer.ffn_norm), a.eps)
             ids, weights = self.route(i, h)
             x = x + self.moe(i, h, ids, weights) + self.shared_expert(layer, h)
         cache.length += t
-        return output_logits(rms_norm(x, self.output_norm.dequant(), a.eps), self.output, last)
+        return ops.output_logits(ops.rms_norm(x, ops.dequant(self.output_norm), a.eps), self.output, last)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(linear(h, self.layers[i].router), self.args.n_expert_used, normalize=False)
+        ops = self.ops
+        return ops.softmax_topk(ops.linear(h, self.layers[i].router), self.args.n_expert_used, normalize=False)

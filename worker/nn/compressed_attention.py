@@ -30,11 +30,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..weights.qtensor import QTensor, head_linear, linear, use_kernels
-from .layers import Rope, RopeStyle, rms_norm
+from ..weights.qtensor import QTensor
+from .layers import Rope, RopeStyle
+
+if TYPE_CHECKING:
+    from .ops import TorchOps
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,9 @@ class CompressorWeights:
         """Whether it projects to two series (2 * d, CSA's) rather than one (HCA's)."""
         return self.kv.shape[1] == 2 * self.norm.shape[0]
 
-    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def inputs(self, ops: TorchOps, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Its projections of x (kv, gate [T, c*d]), its ape [ratio, c*d] and norm [d]."""
-        return linear(x, self.kv), linear(x, self.gate), self.ape.dequant(), self.norm.dequant()
+        return ops.linear(x, self.kv), ops.linear(x, self.gate), ops.dequant(self.ape), ops.dequant(self.norm)
 
 
 @dataclass(frozen=True)
@@ -279,18 +283,7 @@ def _ring_rows(length: int, kept: int, size: int, device: torch.device) -> torch
     return torch.arange(length - kept, length, device=device) % size
 
 
-def rope_tail(x: torch.Tensor, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-              ) -> torch.Tensor:
-    """Interleaved RoPE on the last rope.dim channels of x [T, H, d] (undone where `inverse`)."""
-    if use_kernels(x.device) and x.dtype == torch.float32 and cos.shape[0] == x.shape[0]:
-        from ..kernels.pointwise_tl import rope as fused_rope
-
-        return fused_rope(x, cos, sin, rope.dim, rope.style is RopeStyle.NEOX, x.shape[-1] - rope.dim, inverse)
-    nope, tail = x[..., :-rope.dim], x[..., -rope.dim:]
-    return torch.cat([nope, rope.apply(tail, cos, -sin if inverse else sin)], dim=-1)
-
-
-def compress(state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
+def compress(ops: TorchOps, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
              norm: torch.Tensor, ratio: int, overlap: bool, rope: Rope, eps: float) -> torch.Tensor:
     """Adds the new tokens' projections (kv, gate [T, c*d]) and returns every entry so far [n, d]."""
     first = state.count * ratio
@@ -312,9 +305,9 @@ def compress(state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, ape: 
                 pool_kv[0, :ratio], pool_gate[0, :ratio] = state.overlap
             state.overlap = (ckv[-1, :, :d].clone(), cgate[-1, :, :d].clone())
             ckv, cgate = pool_kv, pool_gate
-        pooled = rms_norm((ckv * torch.softmax(cgate, dim=1)).sum(dim=1), norm, eps)  # [n, d]
+        pooled = ops.rms_norm((ckv * torch.softmax(cgate, dim=1)).sum(dim=1), norm, eps)  # [n, d]
         cos, sin = rope.cos_sin(torch.arange(n) * ratio + first, pooled.device)
-        pooled = rope_tail(pooled[:, None, :], rope, cos, sin)[:, 0, :]
+        pooled = ops.rope_tail(pooled[:, None, :], rope, cos, sin)[:, 0, :]
         state.entries = pooled if state.entries is None else torch.cat([state.entries, pooled])
         state.count += n
     if state.entries is None:
@@ -322,58 +315,48 @@ def compress(state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, ape: 
     return state.entries
 
 
-def attention(a: AttentionWeights, x: torch.Tensor, start: int | torch.Tensor, state: LayerState,
+def attention(ops: TorchOps, a: AttentionWeights, x: torch.Tensor, start: int | torch.Tensor, state: LayerState,
               rope: Rope) -> torch.Tensor:
     """x [T, D] (the block's normalized input) at positions start.. -> [T, D]. `start` the
     positions [T] on the device: a static pass over the reserved buffers (_step)."""
     if isinstance(start, torch.Tensor):
-        return _step(a, x, start, state, rope)
+        return _step(ops, a, x, start, state, rope)
     if state.buffers is not None:
         state.unpack(start)
-    out = _eager(a, x, start, state, rope)
+    out = _eager(ops, a, x, start, state, rope)
     if state.buffers is not None:
         state.pack(start + x.shape[0])
     return out
 
 
-def _project(a: AttentionWeights, x: torch.Tensor, shape: AttentionShape, rope: Rope, cos: torch.Tensor,
+def _project(ops: TorchOps, a: AttentionWeights, x: torch.Tensor, shape: AttentionShape, rope: Rope, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The query's LoRA input qr [T, q_lora], the queries [T, H, d] and the keys (= values) [T, d]."""
     t, h, d = x.shape[0], shape.n_head, shape.head_dim
-    qr = rms_norm(linear(x, a.q_a), a.q_a_norm.dequant(), shape.eps)
-    q = rms_norm(linear(qr, a.q_b).view(t, h, d), None, shape.eps)
-    q = rope_tail(q, rope, cos, sin)
-    kv = rms_norm(linear(x, a.kv), a.kv_norm.dequant(), shape.eps)
-    return qr, q, rope_tail(kv[:, None, :], rope, cos, sin)[:, 0, :]
+    qr = ops.rms_norm(ops.linear(x, a.q_a), ops.dequant(a.q_a_norm), shape.eps)
+    q = ops.rms_norm(ops.linear(qr, a.q_b).view(t, h, d), None, shape.eps)
+    q = ops.rope_tail(q, rope, cos, sin)
+    kv = ops.rms_norm(ops.linear(x, a.kv), ops.dequant(a.kv_norm), shape.eps)
+    return qr, q, ops.rope_tail(kv[:, None, :], rope, cos, sin)[:, 0, :]
 
 
-def _attend(a: AttentionWeights, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, shape: AttentionShape,
+def _attend(ops: TorchOps, a: AttentionWeights, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, shape: AttentionShape,
             rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """q [T, H, d] over keys (= values) [S, d] where visible [T, S] -> the block's output [T, D]."""
-    t, h, d = q.shape
-    sinks = a.sinks.dequant()
-    if use_kernels(q.device) and t == 1:  # a decode step: one launch over the keys it sees
-        from ..kernels.attention_tl import decode_attention
+    t, d = q.shape[0], q.shape[2]
+    out = ops.shared_head_attention(q, keys, visible, d ** -0.5, ops.dequant(a.sinks))
+    out = ops.rope_tail(out, rope, cos, sin, inverse=True)  # V carried the rotation: undo it at the query's position
 
-        out = decode_attention(q, keys[:, None], keys[:, None], None, d ** -0.5,
-                               sinks=sinks, visible=visible)
-    else:
-        scores = torch.einsum("thd,sd->hts", q, keys) * d ** -0.5
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        probs = torch.softmax(torch.cat([scores, sinks.reshape(h, 1, 1).expand(h, t, 1)], dim=-1), dim=-1)[..., :-1]
-        out = torch.einsum("hts,sd->thd", probs, keys)
-    out = rope_tail(out, rope, cos, sin, inverse=True)  # V carried the rotation: undo it at the query's position
-
-    grouped = head_linear(out.reshape(t, shape.o_groups, -1), a.output_a)  # [T, g, o_lora]
-    return linear(grouped.reshape(t, -1), a.output_b)
+    grouped = ops.head_linear(out.reshape(t, shape.o_groups, -1), a.output_a)  # [T, g, o_lora]
+    return ops.linear(grouped.reshape(t, -1), a.output_b)
 
 
-def _eager(a: AttentionWeights, x: torch.Tensor, tokens_start: int, state: LayerState, rope: Rope) -> torch.Tensor:
+def _eager(ops: TorchOps, a: AttentionWeights, x: torch.Tensor, tokens_start: int, state: LayerState, rope: Rope) -> torch.Tensor:
     """Any number of tokens, the caches growing as one long pass would see them."""
     t, shape = x.shape[0], state.shape
     positions = torch.arange(tokens_start, tokens_start + t)
     cos, sin = rope.cos_sin(positions, x.device)
-    qr, q, kv = _project(a, x, shape, rope, cos, sin)
+    qr, q, kv = _project(ops, a, x, shape, rope, cos, sin)
 
     raw = kv if state.raw is None else torch.cat([state.raw, kv])
     raw_start = tokens_start + t - raw.shape[0]
@@ -383,18 +366,18 @@ def _eager(a: AttentionWeights, x: torch.Tensor, tokens_start: int, state: Layer
     keys = raw
     if shape.ratio:
         c = state.compressors.setdefault("attn", CompressorState())
-        entries = compress(c, *a.compressor.inputs(x), shape.ratio, shape.overlap, rope, shape.eps)
+        entries = compress(ops, c, *a.compressor.inputs(ops, x), shape.ratio, shape.overlap, rope, shape.eps)
         threshold = (qpos + 1) // shape.ratio  # entries a query may see
         seen = torch.arange(entries.shape[0], device=x.device)[None, :] < threshold
         if shape.indexed:
-            seen &= _indexer_picks(a.indexer, x, qr, positions, state, rope, cos, sin, threshold)
+            seen &= _indexer_picks(ops, a.indexer, x, qr, positions, state, rope, cos, sin, threshold)
         keys = torch.cat([raw, entries])
         visible = torch.cat([visible, seen], dim=1)
     state.raw = raw[-(shape.window - 1):] if shape.window > 1 else raw[:0]
-    return _attend(a, q, keys, visible, shape, rope, cos, sin)
+    return _attend(ops, a, q, keys, visible, shape, rope, cos, sin)
 
 
-def _step(a: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, state: LayerState, rope: Rope
+def _step(ops: TorchOps, a: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, state: LayerState, rope: Rope
           ) -> torch.Tensor:
     """T tokens at the device positions [T] (a decode step's one, or a short prompt's) over the
     reserved buffers: keys are the ring of raw entries, the tokens' own, and every entry row,
@@ -404,41 +387,39 @@ def _step(a: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, state: 
     if b is None:
         raise ValueError("a static DeepSeek-V4 pass needs its state reserved first (KVCache.reserve)")
     cos, sin = rope.at(positions, b.capacity)
-    qr, q, kv = _project(a, x, shape, rope, cos, sin)
+    qr, q, kv = _project(ops, a, x, shape, rope, cos, sin)
 
     size, keys, n_entries, picked = b.raw.shape[0], [b.raw, kv], 0, None
     if shape.ratio:
         compressed = _compress_step if t == 1 else _compress_pass
-        entries = compressed(b.compressors["attn"], *a.compressor.inputs(x), shape.ratio, positions, rope, shape.eps,
+        entries = compressed(ops, b.compressors["attn"], *a.compressor.inputs(ops, x), shape.ratio, positions, rope, shape.eps,
                              b.capacity)
         keys.append(entries)
         n_entries = entries.shape[0]
         if shape.indexed:
-            keys_index = compressed(b.compressors["indexer"], *a.indexer.compressor.inputs(x), shape.ratio, positions,
+            keys_index = compressed(ops, b.compressors["indexer"], *a.indexer.compressor.inputs(ops, x), shape.ratio, positions,
                                     rope, shape.eps, b.capacity)
             if n_entries > shape.index_topk:  # else it picks every entry a query sees (_top)
-                index = _index_scores(a.indexer, x, qr, keys_index, shape, rope, cos, sin)
+                index = _index_scores(ops, a.indexer, x, qr, keys_index, shape, rope, cos, sin)
                 picked, tie = _top(index, _entries_seen(positions, n_entries, shape.ratio), shape.index_topk)
                 if tie is not None:
                     b.ties.index_copy_(0, positions, tie)
-    visible = _visible(positions, size, n_entries, shape.ratio, shape.window)
+    visible = _visible(ops, positions, size, n_entries, shape.ratio, shape.window)
     if picked is not None:
         visible[:, size + t:] = picked
     keys = torch.cat(keys)
     if size:  # over the positions that just left the window (the last `size` tokens where more came)
         m = min(t, size)
         b.raw.index_copy_(0, positions[t - m:] % size, kv[t - m:])
-    return _attend(a, q, keys, visible, shape, rope, cos, sin)
+    return _attend(ops, a, q, keys, visible, shape, rope, cos, sin)
 
 
-def _visible(positions: torch.Tensor, size: int, n_entries: int, ratio: int, window: int) -> torch.Tensor:
+def _visible(ops: TorchOps, positions: torch.Tensor, size: int, n_entries: int, ratio: int, window: int) -> torch.Tensor:
     """[T, size + T + n_entries] bool: the keys of a static pass (the ring of `size` raw entries,
     the tokens' own, the entry rows) that each of its tokens at `positions` [T] sees."""
     t, device = positions.shape[0], positions.device
-    if t == 1 and use_kernels(device):
-        from ..kernels.compress_tl import step_visible
-
-        return step_visible(positions, size, n_entries, ratio)
+    if t == 1 and ops.kernels:
+        return ops.step_visible(positions, size, n_entries, ratio)
     first = positions[:1]
     held = first - 1 - (first - 1 - torch.arange(size, device=device)) % size  # [S]: each row's position
     if t == 1:  # the ring holds the window before the token, which sees itself
@@ -455,16 +436,14 @@ def _entries_seen(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.
     return torch.arange(n_entries, device=positions.device)[None, :] < (positions[:, None] + 1) // ratio
 
 
-def _compress_step(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
+def _compress_step(ops: TorchOps, c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
                    ratio: int, position: torch.Tensor, rope: Rope, eps: float, capacity: int) -> torch.Tensor:
     """compress for one token at a device position: it joins its window at its offset; the
     window's entry is pooled as compress pools it, at every step, and written (with the overlap
     moving on and the window's rows cleared) only where the window completes. Returns every
     entry row [n, d]."""
-    if use_kernels(kv.device) and rope.style is RopeStyle.NORM:
-        from ..kernels.compress_tl import compress_step
-
-        compress_step(c.kv, c.gate, c.overlap, c.entries, kv, gate, ape, norm, eps, position,
+    if ops.kernels and rope.style is RopeStyle.NORM:
+        ops.compress_step(c.kv, c.gate, c.overlap, c.entries, kv, gate, ape, norm, eps, position,
                       *rope.table(kv.device, capacity), rope.dim)
         return c.entries
     offset = position % ratio
@@ -479,17 +458,17 @@ def _compress_step(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, a
         c.overlap[0].copy_(torch.where(complete, ckv[0, :, :d], c.overlap[0]))
         c.overlap[1].copy_(torch.where(complete, cgate[0, :, :d], c.overlap[1]))
         ckv, cgate = pool_kv, pool_gate
-    pooled = rms_norm((ckv * torch.softmax(cgate, dim=1)).sum(dim=1), norm, eps)  # [1, d]
+    pooled = ops.rms_norm((ckv * torch.softmax(cgate, dim=1)).sum(dim=1), norm, eps)  # [1, d]
     window = position // ratio
     cos, sin = rope.at(window * ratio, capacity)
-    pooled = rope_tail(pooled[:, None, :], rope, cos, sin)[:, 0, :]
+    pooled = ops.rope_tail(pooled[:, None, :], rope, cos, sin)[:, 0, :]
     c.entries.index_copy_(0, window, torch.where(complete, pooled, c.entries.index_select(0, window)))
     c.kv.masked_fill_(complete, 0)
     c.gate.masked_fill_(complete, 0)
     return c.entries
 
 
-def _compress_pass(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
+def _compress_pass(ops: TorchOps, c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
                    ratio: int, positions: torch.Tensor, rope: Rope, eps: float, capacity: int) -> torch.Tensor:
     """compress for T tokens at consecutive device positions [T] (a short prompt's) with static
     shapes: the windows the pass can touch (T // ratio + 2 from the first token's) laid out as a
@@ -517,9 +496,9 @@ def _compress_pass(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, a
         c.overlap[0].copy_(torch.where(moved, ckv.index_select(0, last)[0, :, :d], c.overlap[0]))
         c.overlap[1].copy_(torch.where(moved, cgate.index_select(0, last)[0, :, :d], c.overlap[1]))
         ckv, cgate = pool_kv, pool_gate
-    pooled = rms_norm((ckv * torch.softmax(cgate, dim=1)).sum(dim=1), norm, eps)  # [W, d]
+    pooled = ops.rms_norm((ckv * torch.softmax(cgate, dim=1)).sum(dim=1), norm, eps)  # [W, d]
     cos, sin = rope.at((windows * ratio).clamp(max=capacity - 1), capacity)  # incomplete windows: never written
-    pooled = rope_tail(pooled[:, None, :], rope, cos, sin)[:, 0, :]
+    pooled = ops.rope_tail(pooled[:, None, :], rope, cos, sin)[:, 0, :]
     row = torch.arange(c.entries.shape[0], device=device) - first_window  # [n]: window index in the grid
     inside = (row >= 0) & (row < n_win)
     row = row.clamp(0, n_win - 1)
@@ -529,13 +508,13 @@ def _compress_pass(c: CompressorBuffers, kv: torch.Tensor, gate: torch.Tensor, a
     return c.entries
 
 
-def _index_scores(ix: IndexerWeights, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, shape: AttentionShape,
+def _index_scores(ops: TorchOps, ix: IndexerWeights, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, shape: AttentionShape,
                   rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The lightning indexer's score [T, n] of each entry (keys [n, d_index]) for each query."""
     t = x.shape[0]
-    q = rope_tail(linear(qr, ix.q_b).view(t, shape.index_heads, shape.index_dim), rope, cos, sin)
+    q = ops.rope_tail(ops.linear(qr, ix.q_b).view(t, shape.index_heads, shape.index_dim), rope, cos, sin)
     scores = torch.relu(torch.einsum("thd,sd->ths", q, keys)) * shape.index_dim ** -0.5
-    weights = linear(x, ix.proj) * shape.index_heads ** -0.5  # [T, heads]
+    weights = ops.linear(x, ix.proj) * shape.index_heads ** -0.5  # [T, heads]
     return (scores * weights[..., None]).sum(dim=1)  # [T, n]
 
 
@@ -559,17 +538,17 @@ def _top(index: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor
     return picked & valid, tie
 
 
-def _indexer_picks(ix: IndexerWeights, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+def _indexer_picks(ops: TorchOps, ix: IndexerWeights, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
                    state: LayerState, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, threshold: torch.Tensor
                    ) -> torch.Tensor:
     """[T, n_entries] bool: the entries the lightning indexer picks for each query."""
     shape = state.shape
     c = state.compressors.setdefault("indexer", CompressorState())
-    keys = compress(c, *ix.compressor.inputs(x), shape.ratio, True, rope, shape.eps)
+    keys = compress(ops, c, *ix.compressor.inputs(ops, x), shape.ratio, True, rope, shape.eps)
     t, n = x.shape[0], keys.shape[0]
     if n == 0:
         return torch.zeros((t, n), dtype=torch.bool, device=x.device)
-    index = _index_scores(ix, x, qr, keys, shape, rope, cos, sin)
+    index = _index_scores(ops, ix, x, qr, keys, shape, rope, cos, sin)
     picked, tie = _top(index, torch.arange(n, device=x.device)[None, :] < threshold, shape.index_topk)
     if tie is not None:
         state.indexer_ties.extend(positions[tie.cpu()].tolist())

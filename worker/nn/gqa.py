@@ -10,11 +10,16 @@ in one launch. The torch path reads the same bytes through the views, so its bit
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..weights.qtensor import QTensor, linear, linear_parts, stacked_rows, use_kernels
-from .layers import KVCache, Rope, RopeStyle, attention, rms_norm
+from ..weights.qtensor import QTensor, stacked_rows
+from .layers import KVCache, Rope, RopeStyle
+from .ops import TorchOps
+
+if TYPE_CHECKING:
+    from .triton_ops import TritonOps
 from .placement import Placement
 
 
@@ -84,46 +89,44 @@ _NAMES = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "out
           "sinks": "attn_sinks.weight"}
 
 
-def gqa_attention(a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
+def gqa_attention(ops: TorchOps, a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
                   head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                   window: int | None = None, parts: bool = False) -> torch.Tensor:
     """h [T, D] -> [T, D]; with `parts`, a decode step on the fast path may answer [T, S, D],
     partial sums for add_rms_norm."""
-    if a.qkv is not None and use_kernels(h.device) and h.dtype == torch.float32:
-        return _fused_gqa(a, h, layer, cache, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window, parts)
+    if a.qkv is not None and ops.kernels and h.dtype == torch.float32:
+        return _fused_gqa(ops, a, h, layer, cache, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window, parts)
     t = h.shape[0]
-    q = linear(h, a.q, a.q_bias).reshape(t, n_head, head_dim)
-    k = linear(h, a.k, a.k_bias).reshape(t, n_head_kv, head_dim)
-    v = linear(h, a.v, a.v_bias).reshape(t, n_head_kv, head_dim)
+    q = ops.linear(h, a.q, a.q_bias).reshape(t, n_head, head_dim)
+    k = ops.linear(h, a.k, a.k_bias).reshape(t, n_head_kv, head_dim)
+    v = ops.linear(h, a.v, a.v_bias).reshape(t, n_head_kv, head_dim)
     if a.q_norm is not None:
-        q = rms_norm(q, a.q_norm.dequant(), eps)
-        k = rms_norm(k, a.k_norm.dequant(), eps)
-    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        q = ops.rms_norm(q, ops.dequant(a.q_norm), eps)
+        k = ops.rms_norm(k, ops.dequant(a.k_norm), eps)
+    q, k = ops.rope(q, rope, cos, sin), ops.rope(k, rope, cos, sin)
     k, v = cache.append(layer, k, v)
-    sinks = a.sinks.dequant() if a.sinks is not None else None
-    o = attention(q, k, v, cache.positions(t, q.device), head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
-    return linear(o, a.output, a.output_bias)
+    sinks = ops.dequant(a.sinks) if a.sinks is not None else None
+    o = ops.attention(q, k, v, cache.positions(t, q.device), head_dim ** -0.5, window=window, sinks=sinks)
+    return ops.linear(o.reshape(t, -1), a.output, a.output_bias)
 
 
-def _fused_gqa(a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
+def _fused_gqa(ops: TritonOps, a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
                head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float, window: int | None,
                parts: bool) -> torch.Tensor:
     """gqa_attention on the fast path: one launch for q/k/v, one for their norms, RoPE and the
     cache write, two for attention, one for the output projection (whose split-K partial sums,
     with `parts`, are left for add_rms_norm to add)."""
-    from ..kernels.pointwise_tl import qkv_rope_store
-
     t = h.shape[0]
-    qkv = linear(h, a.qkv, a.qkv_bias) if a.qkv_bias is not None else linear_parts(h, a.qkv)
+    qkv = ops.linear(h, a.qkv, a.qkv_bias) if a.qkv_bias is not None else ops.linear_parts(h, a.qkv)
     shape = torch.Size((n_head_kv, head_dim))
     keys, values, seen = cache.buffers(layer, t, shape, shape, qkv)
     positions = cache.positions(t, h.device)
-    q_norm = a.q_norm.dequant() if a.q_norm is not None else None
-    k_norm = a.k_norm.dequant() if q_norm is not None else None
-    q = qkv_rope_store(qkv, n_head, n_head_kv, q_norm, k_norm, eps, cos, sin, rope.dim,
+    q_norm = ops.dequant(a.q_norm) if a.q_norm is not None else None
+    k_norm = ops.dequant(a.k_norm) if q_norm is not None else None
+    q = ops.qkv_rope_store(qkv, n_head, n_head_kv, q_norm, k_norm, eps, cos, sin, rope.dim,
                        rope.style is RopeStyle.NEOX, keys, values, positions)
-    sinks = a.sinks.dequant() if a.sinks is not None else None
-    o = attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window, sinks=sinks).reshape(t, -1)
+    sinks = ops.dequant(a.sinks) if a.sinks is not None else None
+    o = ops.attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window, sinks=sinks)
     if parts and a.output_bias is None:
-        return linear_parts(o, a.output)
-    return linear(o, a.output, a.output_bias)
+        return ops.linear_parts(o.reshape(t, -1), a.output)
+    return ops.linear(o.reshape(t, -1), a.output, a.output_bias)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weights.qtensor import QTensor, linear
-from .layers import rms_norm
+from ..weights.qtensor import QTensor
+from .ops import TorchOps
 
 
 @dataclass(frozen=True)
@@ -87,26 +87,26 @@ def _l2_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
 
 
-def kda(m: KdaWeights, x: torch.Tensor, state: KdaState | None, n_head: int, head_dim: int, lower_bound: float,
+def kda(ops: TorchOps, m: KdaWeights, x: torch.Tensor, state: KdaState | None, n_head: int, head_dim: int, lower_bound: float,
         eps: float) -> tuple[torch.Tensor, KdaState]:
     """x [T, D] (the normalized layer input) -> [T, D], and the state after these tokens."""
     t, d_inner = x.shape[0], n_head * head_dim
     if state is None:
-        kernel = m.conv_q.dequant().numel() // d_inner
+        kernel = ops.dequant(m.conv_q).numel() // d_inner
         state = KdaState({n: x.new_zeros((kernel - 1, d_inner)) for n in "qkv"},
                          x.new_zeros((n_head, head_dim, head_dim)))
     conv: dict[str, torch.Tensor] = {}
     new_past: dict[str, torch.Tensor] = {}
     for n, proj, taps in (("q", m.q, m.conv_q), ("k", m.k, m.conv_k), ("v", m.v, m.conv_v)):
-        weight = taps.dequant().reshape(d_inner, -1)
-        out, new_past[n] = _conv(linear(x, proj), state.conv[n], weight)
+        weight = ops.dequant(taps).reshape(d_inner, -1)
+        out, new_past[n] = _conv(ops.linear(x, proj), state.conv[n], weight)
         conv[n] = torch.nn.functional.silu(out).view(t, n_head, head_dim)
     q, k, v = _l2_normalized(conv["q"], eps), _l2_normalized(conv["k"], eps), conv["v"]
 
-    f = linear(linear(x, m.f_a), m.f_b) + m.dt_bias.dequant()
-    decay_rate = -m.a.dequant()  # exp(A_log): the GGUF stores -exp(A_log)
+    f = ops.linear(ops.linear(x, m.f_a), m.f_b) + ops.dequant(m.dt_bias)
+    decay_rate = -ops.dequant(m.a)  # exp(A_log): the GGUF stores -exp(A_log)
     g = lower_bound * torch.sigmoid(decay_rate[:, None] * f.view(t, n_head, head_dim))  # [T, H, d] in (lb, 0)
-    beta = torch.sigmoid(linear(x, m.beta))  # [T, H]
+    beta = torch.sigmoid(ops.linear(x, m.beta))  # [T, H]
 
     s = state.s
     outs = []
@@ -117,6 +117,6 @@ def kda(m: KdaWeights, x: torch.Tensor, state: KdaState | None, n_head: int, hea
         outs.append(torch.einsum("hkv,hk->hv", s, q[i]) * head_dim ** -0.5)
     o = torch.stack(outs)  # [T, H, d]
 
-    o = rms_norm(o, m.norm.dequant(), eps)
-    gate = torch.sigmoid(linear(x, m.g)).view(t, n_head, head_dim)
-    return linear((o * gate).reshape(t, d_inner), m.output), KdaState(new_past, s)
+    o = ops.rms_norm(o, ops.dequant(m.norm), eps)
+    gate = torch.sigmoid(ops.linear(x, m.g)).view(t, n_head, head_dim)
+    return ops.linear((o * gate).reshape(t, d_inner), m.output), KdaState(new_past, s)

@@ -1,6 +1,7 @@
 """The building blocks every architecture file wires together: RMSNorm, rotary embeddings (both of
 llama.cpp's layouts, with YaRN), causal attention over a KV cache (GQA, sliding window, attention
-sinks). Pure torch on whatever device the inputs live on; no quant formats, no sockets."""
+sinks). The formulas here are torch's, the reference (ops.TorchOps); the kernels' are
+triton_ops.TritonOps'. No quant formats, no sockets."""
 
 from __future__ import annotations
 
@@ -11,30 +12,11 @@ from typing import Protocol
 
 import torch
 
-from ..weights.qtensor import QTensor, linear, use_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    if use_kernels(x.device) and x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
-        from ..kernels.pointwise_tl import rms_norm as fused_rms_norm
-
-        return fused_rms_norm(x, weight, eps)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
-
-
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream after a block, x + delta, and the next block's input, its RMSNorm:
-    one launch on the fast path. delta [T, D], or [T, n, D] (the per-slot outputs of the experts,
-    added over n first)."""
-    if (use_kernels(x.device) and x.dim() == 2 and x.dtype == delta.dtype == torch.float32
-            and (weight is None or weight.dtype == torch.float32)):
-        from ..kernels.pointwise_tl import add_rms_norm as fused_add_rms_norm
-
-        return fused_add_rms_norm(x, delta, weight, eps)
-    x = x + (delta.sum(dim=1) if delta.dim() == 3 else delta)
-    return x, rms_norm(x, weight, eps)
 
 
 class RopeStyle(Enum):
@@ -104,10 +86,6 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, d]: rotates the first `dim` channels (cos/sin [T, dim/2])."""
-        if use_kernels(x.device) and x.dtype == torch.float32 and x.dim() == 3 and cos.shape[0] == x.shape[0]:
-            from ..kernels.pointwise_tl import rope
-
-            return rope(x, cos, sin, self.dim, self.style is RopeStyle.NEOX)
         rot, rest = x[..., :self.dim], x[..., self.dim:]
         c, s = cos[:, None, :], sin[:, None, :]
         if self.style is RopeStyle.NEOX:
@@ -272,11 +250,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | to
     `window` positions only (itself included). `sinks` [H]: a learned logit per head that joins
     the softmax and takes probability mass without contributing a value."""
     t, h = q.shape[0], q.shape[1]
-    if use_kernels(q.device) and t <= DECODE_MAX_QUERIES and q.dtype == k.dtype == v.dtype == torch.float32:
-        from ..kernels.attention_tl import decode_attention
-
-        positions = start if isinstance(start, torch.Tensor) else torch.arange(start, start + t, device=q.device)
-        return decode_attention(q, k, v, positions, scale, window, sinks)
     s, hkv = k.shape[0], k.shape[1]
     if hkv != h:
         k = k.repeat_interleave(h // hkv, dim=1)
@@ -294,10 +267,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | to
     if sinks is not None:
         probs = probs[..., :-1]
     return torch.einsum("hts,shd->thd", probs, v)
-
-
-def output_logits(h: torch.Tensor, head: QTensor, last: bool) -> torch.Tensor:
-    """The output head over every position, or over the last one only where nothing else reads
-    the prompt's logits (a generation's prefill): the head is a step's largest matrix, and a long
-    prompt's logits are its largest product."""
-    return linear(h[-1:] if last else h, head)

@@ -19,8 +19,9 @@ from typing import Callable
 
 import torch
 
-from ..weights.qtensor import QTensor, head_linear, linear
-from .layers import KVCache, attention, rms_norm
+from ..weights.qtensor import QTensor
+from .layers import KVCache
+from .ops import TorchOps
 
 
 @dataclass(frozen=True)
@@ -50,38 +51,38 @@ class MlaWeights:
                    w[p + "attn_v_b.weight"], w[p + "attn_output.weight"], **query)
 
 
-def mla_query(m: MlaWeights, h: torch.Tensor, n_head: int, key_mla: int, eps: float) -> torch.Tensor:
+def mla_query(ops: TorchOps, m: MlaWeights, h: torch.Tensor, n_head: int, key_mla: int, eps: float) -> torch.Tensor:
     """[T, n_head, key_mla]: nope then rope channels per head."""
     if m.q_a is not None:
-        q = linear(rms_norm(linear(h, m.q_a), m.q_a_norm.dequant(), eps), m.q_b)
+        q = ops.linear(ops.rms_norm(ops.linear(h, m.q_a), ops.dequant(m.q_a_norm), eps), m.q_b)
     else:
-        q = linear(h, m.q)
+        q = ops.linear(h, m.q)
     return q.reshape(len(h), n_head, key_mla)
 
 
-def mla_keys_values(m: MlaWeights, h: torch.Tensor, kv_lora: int,
+def mla_keys_values(ops: TorchOps, m: MlaWeights, h: torch.Tensor, kv_lora: int,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k_nope [T, H, nope], the shared rope key [T, 1, rope] (not rotated here), values [T, H, v]."""
-    kv = linear(h, m.kv_a_mqa)  # [T, kv_lora + rope]
-    c = rms_norm(kv[:, :kv_lora], m.kv_a_norm.dequant(), eps)
-    k_nope = torch.einsum("tc,hcn->thn", c, m.k_b.dequant())
-    value = torch.einsum("tc,hvc->thv", c, m.v_b.dequant())
+    kv = ops.linear(h, m.kv_a_mqa)  # [T, kv_lora + rope]
+    c = ops.rms_norm(kv[:, :kv_lora], ops.dequant(m.kv_a_norm), eps)
+    k_nope = torch.einsum("tc,hcn->thn", c, ops.dequant(m.k_b))
+    value = torch.einsum("tc,hvc->thv", c, ops.dequant(m.v_b))
     return k_nope, kv[:, None, kv_lora:], value
 
 
-def absorbed_attention(m: MlaWeights, h: torch.Tensor, q: torch.Tensor, layer: int, cache: KVCache,
+def absorbed_attention(ops: TorchOps, m: MlaWeights, h: torch.Tensor, q: torch.Tensor, layer: int, cache: KVCache,
                        kv_lora: int, nope: int, eps: float, scale: float,
                        rotate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """MLA in its latent form: q [T, H, nope + rope] -> the heads' values [T, H, v]. `rotate`
     applies RoPE to the rope channels (of q [T, H, r] and of the shared key [T, 1, r]); None for
     NoPE models. The cache holds [S, 1, kv_lora + rope] keys and [S, 1, kv_lora] values."""
     t = h.shape[0]
-    kv = linear(h, m.kv_a_mqa)  # [T, kv_lora + rope]
-    c = rms_norm(kv[:, :kv_lora].contiguous(), m.kv_a_norm.dequant(), eps)[:, None, :]
+    kv = ops.linear(h, m.kv_a_mqa)  # [T, kv_lora + rope]
+    c = ops.rms_norm(kv[:, :kv_lora].contiguous(), ops.dequant(m.kv_a_norm), eps)[:, None, :]
     q_pe, k_pe = q[..., nope:], kv[:, None, kv_lora:]
     if rotate is not None:
         q_pe, k_pe = rotate(q_pe.contiguous()), rotate(k_pe.contiguous())
-    q_lat = head_linear(q[..., :nope], m.k_b)  # [T, H, kv_lora]
+    q_lat = ops.head_linear(q[..., :nope], m.k_b)  # [T, H, kv_lora]
     keys, values = cache.append(layer, torch.cat([c, k_pe], dim=-1), c)
-    o = attention(torch.cat([q_lat, q_pe], dim=-1), keys, values, cache.positions(t, h.device), scale)
-    return head_linear(o, m.v_b)  # [T, H, v]
+    o = ops.attention(torch.cat([q_lat, q_pe], dim=-1), keys, values, cache.positions(t, h.device), scale)
+    return ops.head_linear(o, m.v_b)  # [T, H, v]

@@ -21,24 +21,27 @@ the offsets) to the boundary, between two graphs, and reads the offsets from the
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from ..experts.lookahead import Guesses, Router, look_ahead, next_guesses
 from ..experts.source import ExpertRows, ExpertSource, ExpertWeights, PrefetchingSource
 from ..weights.expert_roles import ExpertRoles, expert_roles
-from ..weights.qtensor import linear, use_kernels
 from .activation import SWIGLU, Activation
+from .ops import TorchOps
+
+if TYPE_CHECKING:
+    from .triton_ops import TritonOps
 
 
-def torch_expert(x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Tensor:
-    """down(act(gate(x), up(x))) through `linear`; a fused gate_up role holds gate's rows first."""
+def torch_expert(ops: TorchOps, x: torch.Tensor, w: ExpertWeights, act: Activation) -> torch.Tensor:
+    """down(act(gate(x), up(x))) through `ops.linear`; a fused gate_up role holds gate's rows first."""
     if "gate_up" in w:
-        gate, up = linear(x, w["gate_up"], w.get("gate_up.bias")).chunk(2, dim=-1)
+        gate, up = ops.linear(x, w["gate_up"], w.get("gate_up.bias")).chunk(2, dim=-1)
     else:
-        gate, up = linear(x, w["gate"], w.get("gate.bias")), linear(x, w["up"], w.get("up.bias"))
-    return linear(act(gate, up), w["down"], w.get("down.bias"))
+        gate, up = ops.linear(x, w["gate"], w.get("gate.bias")), ops.linear(x, w["up"], w.get("up.bias"))
+    return ops.linear(act(gate, up), w["down"], w.get("down.bias"))
 
 
 # Where a segmented decode step stops at an MoE layer: (layer, ids [T, k], the lookahead's guesses
@@ -67,10 +70,12 @@ def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False) -> str:
 
 
 class ExpertFFN:
-    def __init__(self, source: ExpertSource, n_expert: int,
+    def __init__(self, ops: TorchOps, source: ExpertSource, n_expert: int,
                  activation: Activation | Sequence[Activation] = SWIGLU) -> None:
-        """`n_expert`: routed experts per layer; `activation`: one for every layer, or one per layer
-        (DeepSeek-V4's clamp varies)."""
+        """`ops`: the model's (the fused kernels where ops.kernels, else a torch loop); `n_expert`:
+        routed experts per layer; `activation`: one for every layer, or one per layer (DeepSeek-V4's
+        clamp varies)."""
+        self.ops = ops
         self.source = source
         self.n_expert = n_expert
         self.activation = activation
@@ -121,7 +126,7 @@ class ExpertFFN:
             return y.sum(dim=1).to(h.dtype) if summed else y
         ahead = partial(look_ahead, self.source, layer, h if router_in is None else router_in, self.router,
                         self.static_routes, self.tokens) if prefetching else None
-        if use_kernels(h.device):
+        if self.ops.kernels:
             y = self._fused(layer, h, ids, weights, then=ahead)  # the later layers' prefetches behind its misses
             y = y.sum(dim=1).to(h.dtype) if summed else y
         else:
@@ -149,11 +154,7 @@ class ExpertFFN:
 
     def _fused(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                rows: Sequence[ExpertRows] | None = None, then: Callable[[], None] | None = None) -> torch.Tensor:
-        from ..kernels import moe_grouped
-        from ..kernels.moe_dense import experts_dense
-        from ..kernels.moe_tiles import experts_in_tiles
-        from ..kernels.moe_tl import experts_per_pair
-
+        ops: TritonOps = self.ops  # type: ignore[assignment]  # _fused runs where ops.kernels
         t, k = ids.shape
         roles = self._roles.get(layer)
         if roles is None:
@@ -161,10 +162,8 @@ class ExpertFFN:
             roles = self._roles[layer]
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
-        path = fused_path(ids, self.n_expert, moe_grouped.decodes(roles))  # by the whole step: every wave alike
-        run = {"grouped": partial(moe_grouped.experts_grouped, n_expert=self.n_expert),
-               "dense": partial(experts_dense, n_expert=self.n_expert),
-               "tiles": partial(experts_in_tiles, n_expert=self.n_expert), "per_pair": experts_per_pair}[path]
+        path = fused_path(ids, self.n_expert, ops.experts_grouped(roles))  # by the whole step: every wave alike
+        run = ops.experts_runner(path, self.n_expert)
         y = None
         if rows is None:  # `then` comes with a prefetching source only (ExpertCache, CacheGroup)
             rows = self.source.expert_rows(layer, ids) if then is None else self.source.expert_rows(layer, ids, then)
@@ -187,6 +186,6 @@ class ExpertFFN:
             for e in group:
                 tokens, slots = (ids == e).nonzero(as_tuple=True)
                 w = {role: t.to(h.device) for role, t in loaded[e].items()}
-                y = torch_expert(h[tokens], w, act)  # [n, D]
+                y = torch_expert(self.ops, h[tokens], w, act)  # [n, D]
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
         return out

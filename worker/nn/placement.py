@@ -13,12 +13,15 @@ import bisect
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from ..weights.model_files import ModelFiles, expert_layers
 from ..weights.qtensor import QTensor
+from .backend import ops_for
+from .ops import TorchOps
 
 
 class DeviceSpecError(ValueError):
@@ -166,6 +169,12 @@ class Placement:
                              f"of {[str(d) for d in devices]}")
         return cls(tuple(devices), tuple(r.start for r in ranges))
 
+    @cached_property
+    def ops(self) -> TorchOps:
+        """The ops every layer runs (the devices are of one kind: parse_devices), chosen once, as the
+        model loads onto them."""
+        return ops_for(self.first)
+
     @property
     def first(self) -> torch.device:
         return self.devices[0]
@@ -198,7 +207,7 @@ class Placement:
         """Every trunk tensor on its device (a block's on its layer's). Placing regroups Q8_0 matrices
         on the GPU (QTensor.to), through temporaries of up to twice a matrix that torch's allocator
         keeps reserved: handed back here, before an expert cache sizes itself from the free memory."""
-        placed = {name: t.to(self.tensor_device(name)) for name, t in trunk.items()}
+        placed = {name: t.to(self.tensor_device(name), self.ops.kernels) for name, t in trunk.items()}
         if any(d.type == "cuda" for d in self.devices):
             torch.cuda.empty_cache()
         return placed
@@ -207,7 +216,7 @@ class Placement:
         """`t` where layer `layer` runs: for a tensor read by the layer before its own (the next
         block's input norm fused into the residual add of this one)."""
         device = self.device_of(layer)
-        return t if t.raw.device == device else t.to(device)
+        return t if t.raw.device == device else t.to(device, self.ops.kernels)
 
     def hop(self, layer: int, *state: Any) -> tuple[Any, ...]:
         """The step's state (tensors, lists of tensors, None, anything else as is) on the device of

@@ -1,20 +1,15 @@
 """Routing functions: router logits [T, n_expert] -> (expert ids [T, k], weights [T, k]). Pure
-functions, each the formula of one family of models, tested against a naive per-token loop."""
+functions, each the formula of one family of models, tested against a naive per-token loop; torch's
+path (ops.TorchOps), where triton_ops.TritonOps runs kernels/routing_tl.py."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..weights.qtensor import use_kernels
-
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2/3-MoE, Mixtral, OLMoE: softmax over all experts, keep the top k (renormalized or not)."""
-    if use_kernels(logits.device):
-        from ..kernels.routing_tl import softmax_topk as fused
-
-        return fused(logits, k, normalize)
     probs = torch.softmax(logits.to(torch.float32), dim=-1)
     weights, ids = torch.topk(probs, k, dim=-1)
     if normalize:
@@ -24,10 +19,6 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss: the top k logits, then a softmax over those k."""
-    if use_kernels(logits.device):
-        from ..kernels.routing_tl import softmax_topk as fused
-
-        return fused(logits, k, normalize=False, softmax_first=False)
     top, ids = torch.topk(logits.to(torch.float32), k, dim=-1)
     return ids, torch.softmax(top, dim=-1)
 
@@ -58,10 +49,6 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group
 def sqrtsoftplus_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 top-k layers: scores sqrt(softplus(logit)); the correction bias decides the
     selection only; the chosen scores, renormalized, times the routed scaling factor."""
-    if use_kernels(logits.device):
-        from ..kernels.routing_tl import sqrtsoftplus_route
-
-        return sqrtsoftplus_route(logits, k, scale, bias=bias)
     scores = F.softplus(logits.to(torch.float32)).sqrt()
     ids = (scores + bias).topk(k, dim=-1).indices
     return ids, _renormalized(scores.gather(1, ids), scale)
@@ -71,10 +58,6 @@ def sqrtsoftplus_hashed(logits: torch.Tensor, table: torch.Tensor, tokens: torch
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 hash layers: the experts are table[token] (a fixed token-id -> experts table,
     known before the layer runs); the weights are their sqrt-softplus scores, renormalized."""
-    if use_kernels(logits.device):
-        from ..kernels.routing_tl import sqrtsoftplus_route
-
-        return sqrtsoftplus_route(logits, table.shape[1], scale, table=table, tokens=tokens)
     scores = F.softplus(logits.to(torch.float32)).sqrt()
     ids = table[tokens].to(torch.int64)
     return ids, _renormalized(scores.gather(1, ids), scale)

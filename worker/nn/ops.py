@@ -1,0 +1,128 @@
+"""The math a layer asks of its device, chosen once per device when a model loads (backend.ops_for).
+
+TorchOps is the reference: plain torch on any device, what CI runs and what the kernels are checked
+against. TritonOps (triton_ops.py) runs the same products through the Triton kernels, which decode
+quantized bytes in registers, and takes TorchOps' formula where its kernels do not cover a shape.
+A model's layers hold the ops of their device and call them; nothing on the way from a request to
+the logits asks again which device it is on or imports a kernel."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..weights.qtensor import QTensor
+from . import hyper_connections, layers, routing
+from .layers import Rope
+
+
+class TorchOps:
+    """Every op in torch: a quantized matrix is dequantized for its one use."""
+
+    kernels = False  # whether this device runs the fused kernels (the engine's CUDA graphs, the fused MoE)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    # -- quantized matrices
+    def linear(self, x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
+        """x [..., in] @ w^T -> [..., out], with float32 accumulation."""
+        y = x @ self.dequant(w, x.dtype).T
+        return y if bias is None else y + bias.dequant(x.dtype)
+
+    def linear_parts(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+        """x [T, in] @ w^T for a consumer that adds partial sums itself (add_rms_norm, the q/k/v
+        RoPE kernel, the routers): [T, S, out] where the kernels split K, else [T, out], the sum."""
+        return self.linear(x, w)
+
+    def head_linear(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+        """x [T, H, K] times a matrix per head, w holding H matrices [R, K] one after another (ggml
+        shape (K, R, H), or (K, H * R)) -> [T, H, R]: MLA's absorbed projections, DeepSeek-V4's
+        grouped output."""
+        t, h, k = x.shape
+        r = math.prod(w.shape[1:]) // h
+        return torch.einsum("thk,hrk->thr", x, self.dequant(w, x.dtype).view(h, r, k))
+
+    def dequant(self, w: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """w's values in torch order (a matrix ne [in, out] -> [out, in])."""
+        return w.dequant(dtype)
+
+    def rows(self, w: QTensor, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` of a matrix (an embedding lookup) without dequantizing the whole table."""
+        return w.rows(ids, dtype)
+
+    def output_logits(self, h: torch.Tensor, head: QTensor, last: bool) -> torch.Tensor:
+        """The output head over every position, or over the last one only where nothing else reads
+        the prompt's logits (a generation's prefill): the head is a step's largest matrix, and a
+        long prompt's logits are its largest product."""
+        return self.linear(h[-1:] if last else h, head)
+
+    # -- pointwise
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return layers.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after a block, x + delta, and the next block's input, its RMSNorm.
+        delta [T, D], or [T, n, D] (the per-slot outputs of the experts, added over n first)."""
+        x = x + (delta.sum(dim=1) if delta.dim() == 3 else delta)
+        return x, self.rms_norm(x, weight, eps)
+
+    def rope(self, x: torch.Tensor, rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, d]: its first rope.dim channels rotated (cos/sin [T, dim/2])."""
+        return rope.apply(x, cos, sin)
+
+    def rope_tail(self, x: torch.Tensor, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+                  ) -> torch.Tensor:
+        """x [T, H, d]: its last rope.dim channels rotated (DeepSeek-V4's layout), or the rotation
+        undone where `inverse`."""
+        nope, tail = x[..., :-rope.dim], x[..., -rope.dim:]
+        return torch.cat([nope, rope.apply(tail, cos, -sin if inverse else sin)], dim=-1)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor, scale: float,
+                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """layers.attention: causal attention of q [T, H, d] at positions start.. (or [T] given) over
+        k [S, Hkv, d], v [S, Hkv, dv] -> [T, H, dv]."""
+        return layers.attention(q, k, v, start, scale, window, sinks)
+
+    def shared_head_attention(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float,
+                              sinks: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V4's: q [T, H, d] over one key head that is also the value head, keys [S, d],
+        where visible [T, S] (keys in any order), with a sink logit per head [H] -> [T, H, d]."""
+        t, h = q.shape[0], q.shape[1]
+        scores = torch.einsum("thd,sd->hts", q, keys) * scale
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(torch.cat([scores, sinks.reshape(h, 1, 1).expand(h, t, 1)], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("hts,sd->thd", probs, keys)
+
+    # -- routing: router logits [T, E] (or linear_parts' [T, S, E]) -> expert ids [T, k], weights [T, k]
+    def softmax_topk(self, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return routing.softmax_topk(logits, k, normalize)
+
+    def topk_softmax(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return routing.topk_softmax(logits, k)
+
+    def sqrtsoftplus_topk(self, logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        return routing.sqrtsoftplus_topk(logits, bias, k, scale)
+
+    def sqrtsoftplus_hashed(self, logits: torch.Tensor, table: torch.Tensor, tokens: torch.Tensor, scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        return routing.sqrtsoftplus_hashed(logits, table, tokens, scale)
+
+    # -- DeepSeek-V4's hyper-connections (hyper_connections.py)
+    def hc_weights(self, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return hyper_connections.sinkhorn_weights(mixes, base, scale, n, iters, eps)
+
+    def hc_collapse_norm(self, streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float
+                         ) -> torch.Tensor:
+        return hyper_connections.collapse_norm(streams, pre, weight, eps)
+
+    def hc_expand(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+                  ) -> torch.Tensor:
+        return hyper_connections.expand(streams, out, post, comb)
