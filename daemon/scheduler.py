@@ -127,11 +127,13 @@ class Scheduler:
 
     def dispatch(self, session: Session) -> None:
         """Answers or starts the session's queued keys in order, demand first, until one needs a
-        staging slot (or a RAM hold) the client does not have free."""
-        if session.closed:
-            return
-        demand, prefetch = session.pending
-        while demand or prefetch:
+        staging slot (or a RAM hold) the client does not have free, or the session ends: a RAM hit
+        is answered at once, and a client found unreachable then is dropped (sessions.py) while
+        this loop runs; nothing more may start for it (each start would pin a block for nobody)."""
+        while not session.closed:
+            demand, prefetch = session.pending  # a drop replaces them: read anew each turn
+            if not (demand or prefetch):
+                return
             queue_ = demand if demand else prefetch
             if not queue_[0].done and not self._start(session, queue_[0]):
                 return
@@ -324,7 +326,9 @@ class Scheduler:
 
     # ---- answers -----------------------------------------------------------------------------
     def _ready_ram(self, work: Work, slot: RamSlot) -> None:
-        """READY naming a resident RAM block: the client holds it until it releases it."""
+        """READY naming a resident RAM block: the client holds it until it releases it. Never for
+        a session that has ended: its holds were all ended with it, and one added now would never be."""
+        assert not work.session.closed, "a RAM hold for a session that has ended"
         self.ram.hold(slot)
         work.session.ram_holds[slot.index] += 1
         self.fetch_latency.add_ns(time.monotonic_ns() - work.submitted_ns)

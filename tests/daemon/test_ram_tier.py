@@ -2,7 +2,7 @@
 keys is answered from RAM without a read and byte-exact, by slot references into the segment the
 client maps; a small budget evicts (and keeps the hot block through a scan of cold ones); a block
 a client holds is never overwritten until it is released; a corrupt block is never made resident;
-a tier of 0 serves from staging as before; a client's RAM hold share is apart from its staging
+a tier of 0 serves from staging as before; clients that release and vanish leave no hold behind; a client's RAM hold share is apart from its staging
 (v6), and its prefetches take half of it, of its reads and of its staging, its demand the rest; a bad ram_cache_gib in the file is one line and exit 2
 (bad flags: tests/reliability/test_bad_input_table.py); STATS,
 `expertctl stats` and the mlock state say what the tier does."""
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 from expertpack.client import ExpertClient, FetchFailed
 from expertpack.client import protocol as p
@@ -472,3 +473,46 @@ def test_the_hold_share_defaults_to_256_at_most_half_the_tier_at_least_the_stagi
     assert config.ram_hold_share(16, 100) == 50
     assert config.ram_hold_share(16, 10) == 16
     assert config.ram_hold_share(16, 0) == 0  # no tier
+
+
+def test_clients_that_release_and_vanish_leave_no_holds_behind(tiny_pack: Path, tmp_path: Path) -> None:
+    """Issue 37: a client holds its share of a resident tier with more RAM hits queued, RELEASEs
+    them all and closes its socket at once. Answering its next hit finds it unreachable and ends
+    its session; no hold may be added for that session after that (they pinned the whole tier with
+    nobody connected). Once the clients are gone the tier holds nothing and serves a new one from RAM."""
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    keys = tuple(all_keys(m))
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d:
+        with ExpertClient(d.endpoint, name="warm") as client:
+            fetch_all(client, list(keys), m, packed)  # every block resident
+        with zmq.Context() as ctx:
+            deadline = time.monotonic() + 6
+            rounds = 0
+            while time.monotonic() < deadline and rounds < 100:
+                with ctx.socket(zmq.DEALER) as sock:
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(d.endpoint)
+                    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "vanisher", slots=1)))
+                    welcome = recv(sock)
+                    if isinstance(welcome, p.Error) and welcome.code is p.ErrorCode.NO_SLOTS:
+                        time.sleep(0.01)  # closed sockets whose disconnect expertd has not seen yet
+                        continue
+                    assert isinstance(welcome, p.Welcome) and welcome.ram_holds < len(keys), welcome
+                    sock.send(p.encode(p.Fetch(1, keys)))  # its share answered, the rest queued behind it
+                    ready = [recv(sock) for _ in range(welcome.ram_holds)]
+                    sock.send(p.encode(p.Release(tuple(r.slot for r in ready))))
+                rounds += 1
+        with ExpertClient(d.endpoint, name="after") as client:
+            stats = client.stats()
+            for _ in range(100):
+                if not stats["ram"]["held"] and len(stats["clients"]) == 1:
+                    break
+                time.sleep(0.05)
+                stats = client.stats()
+            assert stats["ram"]["held"] == 0, f"{stats['ram']['held']} tier blocks held after {rounds} rounds"
+            before = stats["counters"]
+            fetch_all(client, list(keys), m, packed)
+            after = client.stats()["counters"]
+    assert after["pack_read_bytes"] == before["pack_read_bytes"]  # all from RAM: nothing was pinned away
+    assert after["ram_hits"] - before["ram_hits"] == len(keys)
