@@ -41,7 +41,9 @@ payload is its first `nbytes` bytes (slot i starts at byte i * slot_bytes, which
 RAM tier slots, [ram_first_slot, ram_first_slot + ram_slots), hold blocks resident for every
 client: a READY naming one is a hold that keeps the block there (never evicted nor overwritten)
 until the client RELEASEs it; several READYs, of one client or of many, may name the same RAM slot
-at once, and a client releases it once per READY. The client must only read a RAM slot. Keys are ExpertKey(layer, expert), the pack's own key type.
+at once, and a client releases it once per READY. Clients map the segment read-only (it is mode
+0640): only expertd writes it, and it checks a RAM slot's block against its crc32 again before each
+READY names it. Keys are ExpertKey(layer, expert), the pack's own key type.
 Decoding validates every field (type, range, length) and the message size before anything acts on
 it; it never raises anything but ProtocolError. Never pickle.
 
