@@ -13,8 +13,10 @@ msgpack map with an integer `op`:
                                          (ERROR FINGERPRINT when the client's trunk was built with another pack;
                                          an empty fingerprint, as ops tools send, skips the check;
                                          `client` is 1..64 printable characters; `slots` asks for that
-                                         many staging slots, granted up to the daemon's max_client_slots,
-                                         0 or absent: its client_slots)
+                                         many staging slots, granted up to the daemon's max_client_slots
+                                         less what the client's other sessions lease (a client is its
+                                         process over ipc, its CurveZMQ key over tcp; ERROR NO_SLOTS
+                                         when that leaves none), 0 or absent: its client_slots)
     FETCH{id, keys: [[layer, expert], ...], prio}
                                       -> one READY{id, key, slot, nbytes} or FAIL{id, key, code, message}
                                          per key, in completion order; `slot` is one of the client's

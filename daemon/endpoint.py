@@ -3,7 +3,8 @@ an ipc:// endpoint the socket file's life. One expertd per ipc endpoint from sta
 on <socket>.lock is taken before a socket found there is judged stale, and at exit the socket file
 is removed only while it is still the one this daemon bound. A file that is not a socket, or a
 socket some process answers on, is never removed: that is an error naming the path. A tcp://
-endpoint is CurveZMQ only. Knows nothing of sessions or messages."""
+endpoint is CurveZMQ only, with a ZAP handler that admits any client key and names it on each
+message (User-Id), so that a client is its key (peers.py). Knows nothing of sessions or messages."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from expertpack.client import protocol as p
 
@@ -35,9 +37,11 @@ class Endpoint:
         self._path = Path(self.address.removeprefix("ipc://")) if self.address.startswith("ipc://") else None
         self._socket_inode: tuple[int, int] | None = None  # the socket file this daemon bound, once bound
         self._lock_fd: int | None = None  # flock on <socket>.lock: one expertd per ipc endpoint, start to exit
+        self._zap: ThreadAuthenticator | None = None  # tcp: names each connection's CurveZMQ key
         try:
             self.router = self._bind(ctx, config, send_hwm)
         except BaseException:
+            self._stop_zap()
             self._unlock()
             raise
 
@@ -63,6 +67,11 @@ class Endpoint:
                 if secret is None:
                     raise ValueError(f"{config.curve_secret_key_file} holds no secret key (make one with "
                                      "zmq.auth.create_certificates)")
+                # Every key may connect (the server's key is the secret that matters); the handler
+                # only makes libzmq name the client's key on its messages.
+                self._zap = ThreadAuthenticator(ctx, log=log.getChild("zap"))
+                self._zap.start()
+                self._zap.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
                 sock.setsockopt(zmq.CURVE_SERVER, 1)
                 sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             else:
@@ -84,9 +93,15 @@ class Endpoint:
         """Closes the socket and removes its file (if still ours: whatever another process put
         there since is left alone), then the lock."""
         self.router.close()
+        self._stop_zap()
         if self._path is not None and self._socket_inode is not None and _inode(self._path) == self._socket_inode:
             self._path.unlink()
         self._unlock()
+
+    def _stop_zap(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:

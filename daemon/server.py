@@ -40,7 +40,7 @@ from .config import DaemonConfig
 from .endpoint import Endpoint
 from .flood import StatsBudget
 from .notify import notify, watchdog_interval_s
-from .peers import Peers
+from .peers import Arrival, Peers, connection_closed
 from .ram_tier import RamState, RamTier, ram_slot_count
 from .reader import OpenPack, open_pack
 from .scheduler import Scheduler
@@ -82,7 +82,7 @@ class ExpertDaemon:
                             "unlocked and may be swapped out. Raise the memlock limit (systemd: "
                             "LimitMEMLOCK=infinity; shell: ulimit -l unlimited) to lock it",
                             f"{ram_slots * slot_bytes:,}", self.staging.ram_lock_error)
-            self.sessions = Sessions(config, self.staging, self.ram, self.counters)
+            self.sessions = Sessions(config, self.staging, self.ram, self.counters, connection_closed)
             self.ctx = zmq.Context()
             self.endpoint = Endpoint(self.ctx, config, SEND_HWM)
             self.router = self.endpoint.router
@@ -177,7 +177,7 @@ class ExpertDaemon:
             if arrival.late and isinstance(msg, p.Hello):  # its client is gone: a session would hold slots for nobody
                 log.debug("HELLO of pid %d read after its connection closed: no session", arrival.pid)
                 continue
-            self._handle(identity, msg, fd, arrival.pid)
+            self._handle(identity, msg, fd, arrival)
         self.peers.after_batch(bool(self.router.get(zmq.EVENTS) & zmq.POLLIN))
 
     def _drain_monitor(self) -> None:
@@ -202,7 +202,7 @@ class ExpertDaemon:
             message = f"expertd ended this client's session: {why}; say HELLO again"
             self._send(identity, p.Error(p.ErrorCode.NO_SESSION, message[:p.MAX_TEXT]))
 
-    def _handle(self, identity: bytes, msg: p.Message, fd: int = -1, pid: int | None = None) -> None:
+    def _handle(self, identity: bytes, msg: p.Message, fd: int = -1, arrival: Arrival | None = None) -> None:
         if isinstance(msg, p.Ping):
             self._send(identity, p.Pong())
         elif isinstance(msg, p.Stats):
@@ -212,7 +212,7 @@ class ExpertDaemon:
                 self._error(identity, p.ErrorCode.BUSY, f"at most {self.stats_budget.per_s} STATS a second per "
                             "connection: ask less often")
         elif isinstance(msg, p.Hello):
-            self._hello(identity, msg, fd, pid)
+            self._hello(identity, msg, fd, arrival or Arrival(None, False))
         elif isinstance(msg, p.Heartbeat):
             return  # its arrival was the point (_drain_router); a late one of an ended session says nothing
         elif (session := self.sessions.live.get(identity)) is None:
@@ -234,7 +234,7 @@ class ExpertDaemon:
             self._error(identity, p.ErrorCode.UNKNOWN_OP, f"{msg.op.name} is sent by the daemon, not to it")
 
     # ---- requests ----------------------------------------------------------------------------
-    def _hello(self, identity: bytes, msg: p.Hello, fd: int, pid: int | None) -> None:
+    def _hello(self, identity: bytes, msg: p.Hello, fd: int, arrival: Arrival) -> None:
         if msg.version != p.PROTOCOL_VERSION:
             self._error(identity, p.ErrorCode.VERSION,
                         f"client speaks protocol {msg.version}, this expertd speaks {p.PROTOCOL_VERSION}")
@@ -248,7 +248,7 @@ class ExpertDaemon:
                         f"trunk.gguf was built with pack {msg.fingerprint}; point one of them at the other's pack")
             return
         try:
-            session = self.sessions.admit(identity, msg.client, msg.slots, fd, pid)
+            session = self.sessions.admit(identity, msg.client, msg.slots, fd, arrival.pid, arrival.client(fd))
         except NoSlots as exc:
             self._error(identity, p.ErrorCode.NO_SLOTS, str(exc))
             return

@@ -366,7 +366,8 @@ def test_clients_racing_over_a_small_tier_get_exact_bytes_and_leave_it_clean(tin
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
-    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", gib_for(6, tiny_pack), "--read-splits", "2") as d:
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", gib_for(6, tiny_pack), "--read-splits", "2",
+                    "--max-client-slots", "32") as d:  # four clients of this one process
         threads = [threading.Thread(target=client_loop, args=(s, d.endpoint)) for s in range(4)]
         for t in threads:
             t.start()
