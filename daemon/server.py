@@ -50,6 +50,9 @@ from .stats import Counters
 
 log = logging.getLogger("expertd")
 
+# Signals that stop expertd cleanly, as SIGTERM does: it has no reload, and any of these taking its
+# default action (the process ends) would leave the shared memory and the socket behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 MAX_QUEUED_KEYS = 4 * p.MAX_KEYS  # per client: pending + in flight
 SEND_HWM = MAX_QUEUED_KEYS + 1024  # every queued key may end in one message
 DRAIN_TIMEOUT_S = 10.0  # at shutdown, how long in-flight reads may take to finish
@@ -97,7 +100,7 @@ class ExpertDaemon:
         sig_r, sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         previous_fd = signal.set_wakeup_fd(sig_w, warn_on_full_buffer=False)
         caught: list[int] = []
-        handlers = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+        handlers = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOP_SIGNALS}
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
