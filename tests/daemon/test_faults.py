@@ -253,7 +253,8 @@ def test_clean_client_exits_are_not_protocol_errors(daemon: Daemon) -> None:
 
 def test_a_second_expertd_on_a_starting_ones_endpoint_says_so(tiny_pack: Path, tmp_path: Path) -> None:
     """Two daemons started at once on one endpoint: the one that loses the race says another
-    expertd is there (never an errno, never the winner's socket removed); the lock goes at exit."""
+    expertd is there (never an errno, never the winner's socket removed); a lock the daemon made
+    goes at exit."""
     import fcntl
     import os
 
@@ -264,13 +265,28 @@ def test_a_second_expertd_on_a_starting_ones_endpoint_says_so(tiny_pack: Path, t
         loser = subprocess.run([str(Path(sys.executable).parent / "expertd"), "--pack", str(tiny_pack), "--endpoint",
                                 f"ipc://{tmp_path}/expertd.sock"], capture_output=True, text=True, timeout=30)
     finally:
+        lock.unlink()  # as that expertd would at its exit
         os.close(fd)
     assert loser.returncode == 2 and "Traceback" not in loser.stderr and "Errno" not in loser.stderr, loser.stderr
     assert "another expertd is serving (or starting)" in loser.stderr and str(lock) in loser.stderr
     d = start_daemon(tiny_pack, tmp_path)  # the lock is free now: a daemon starts, and cleans up after itself
     d.wait_for("READY=1")
+    assert lock.exists()
     assert d.stop()[0] == 0
     assert not lock.exists() and not d.socket_path.exists()
+
+
+def test_a_lock_file_that_was_there_before_is_left_at_exit(tiny_pack: Path, tmp_path: Path) -> None:
+    """Issue 37: an empty <socket>.lock that was there before expertd started (an operator's, or
+    one a killed expertd left) was deleted at exit. expertd uses it, and removes only what it made."""
+    lock = tmp_path / "expertd.sock.lock"
+    lock.touch()
+    d = start_daemon(tiny_pack, tmp_path)
+    d.wait_for("READY=1")
+    code, err = d.stop()
+    assert code == 0, err
+    assert lock.exists() and lock.stat().st_size == 0, "a lock file expertd did not make was removed"
+    assert not d.socket_path.exists()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1], ids=lambda s: s.name)
