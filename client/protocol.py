@@ -1,4 +1,4 @@
-"""Protocol v6 between expertd and its clients: the one module that knows the wire format.
+"""Protocol v7 between expertd and its clients: the one module that knows the wire format.
 
 Transport: ZeroMQ, the daemon a ROUTER, each client a DEALER. Every message is ONE frame holding ONE
 msgpack map with an integer `op`:
@@ -77,6 +77,11 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
        holds, its reads into the tier and its staging slots: the rest is its demand's, however many
        prefetches it sends. A v5 client would size its prefetches by its staging alone, hence the
        new version.
+    7  (2026-12-03) FAIL code TRUNCATED: the pack file is shorter than its manifest says (it was
+       truncated while expertd served it) and the key's block lies past its end; the message names
+       both sizes. Until v6 that was an IO_ERROR, which a worker could not tell from a failing read
+       worth retrying; no retry helps here (restore the pack, restart expertd). A v6 client could
+       not decode that FAIL, hence the new version.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ import msgpack
 
 from expertpack.packtools.layout import ExpertKey
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
 MAX_KEYS = 65536
 MAX_TEXT = 1024
@@ -137,6 +142,7 @@ class FailCode(IntEnum):
     CANCELLED = 2
     SHUTDOWN = 3
     CORRUPT = 4  # v2: the block's bytes fail the pack's crc32 (damaged on disk); the slot's bytes are not used
+    TRUNCATED = 5  # v7: the pack is shorter than its manifest (truncated under expertd); no retry helps
 
 
 class Priority(IntEnum):

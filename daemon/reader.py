@@ -29,6 +29,17 @@ class PackContractError(RuntimeError):
     """The pack cannot be served safely; the message says what is wrong and what to do."""
 
 
+class ShortRead(OSError):
+    """A read that came back short: the pack ends before the range the manifest gave (a regular file
+    reads short only at its end), so it was truncated while expertd served it."""
+
+    def __init__(self, offset: int, got: int, wanted: int) -> None:
+        super().__init__(errno.EIO, f"short read at byte {offset}: {got} of {wanted} bytes")
+        self.offset = offset
+        self.got = got
+        self.wanted = wanted
+
+
 class CorruptBlock(Exception):
     """A block read whole whose bytes do not match the crc32 the build recorded for them."""
 
@@ -193,8 +204,7 @@ class ReaderPool:
             try:
                 got = os.preadv(self._fd, [job.dest], job.offset) if job.read else len(job.dest)
                 if got != len(job.dest):
-                    error = OSError(errno.EIO, f"short read at byte {job.offset}: {got} of {len(job.dest)} bytes "
-                                               "(pack truncated?)")
+                    error = ShortRead(job.offset, got, len(job.dest))
                 else:
                     read_ns = time.monotonic_ns() - start  # the read's latency (STATS), without the checksum
                     if job.crc_bytes:  # releases the GIL: the threads checksum in parallel

@@ -18,7 +18,9 @@ demand's holds are its to give back: the worker does so before a fetch runs out 
 Each reader thread checksums the piece it read; once every piece is in, their crc32s joined
 (block_crc.py) are the block's, checked against the manifest's (packs of format 1.1); only then
 does READY name the slot: a block that fails the check is FAILed CORRUPT to every key that waited
-on it, counted and logged once by (layer, expert), and every other key is served on.
+on it, counted and logged once by (layer, expert), and every other key is served on. A read that
+comes back short because the pack was truncated under expertd is FAILed TRUNCATED (protocol v7),
+naming the pack's size now and its manifest's.
 Runs on the main loop's thread, but for `_on_read_done` (a reader thread's hand-over through an
 eventfd); it never reads a socket, and sends only answers, through `send`."""
 
@@ -38,7 +40,7 @@ from expertpack.packtools.layout import ExpertKey, LayerLayout, format_crc32
 from .block_crc import CrcJoiner
 from .config import DaemonConfig
 from .ram_tier import RamSlot, RamState, RamTier
-from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob
+from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, ShortRead
 from .sessions import Request, Session, Work
 from .staging import SlotState, StagingSegment
 from .stats import Counters, Histogram
@@ -378,6 +380,13 @@ class Scheduler:
                       layer, expert, self.pack.path, work.error, self.config.pack)
             return p.FailCode.CORRUPT, (f"layer {layer} expert {expert} of {self.pack.path} is corrupt: {work.error}; "
                                         f"run expertpack verify {self.config.pack}")
+        size = os.fstat(self.pack.fd).st_size if isinstance(work.error, ShortRead) else None
+        if size is not None and size < self.pack.manifest.pack_size_bytes:
+            why = (f"{self.pack.path} is {size:,} bytes now, its manifest says {self.pack.manifest.pack_size_bytes:,}: "
+                   f"it was truncated while expertd served it, and layer {layer} expert {expert} lies past its end "
+                   f"({work.error}). Restore the pack (expertpack verify {self.config.pack}) and restart expertd")
+            log.error("%s", why)
+            return p.FailCode.TRUNCATED, why
         log.warning("read of %s failed: %s", list(work.key), work.error)
         return p.FailCode.IO_ERROR, f"read failed: {work.error}"
 

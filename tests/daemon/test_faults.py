@@ -1,6 +1,6 @@
 """Faults: a client SIGKILLed mid-fetch loses its leases; SIGTERM stops the daemon cleanly (BYE to
-clients, exit 0, no shared memory or socket left), and so do SIGHUP, SIGUSR1 and SIGUSR2; a pack truncated under the daemon gives FAIL with
-io_errors counted, never wrong bytes; a daemon SIGKILLed leaves a socket file and a segment that
+clients, exit 0, no shared memory or socket left), and so do SIGHUP, SIGUSR1 and SIGUSR2; a pack
+truncated under the daemon gives FAIL TRUNCATED saying so, io_errors counted, never wrong bytes; a daemon SIGKILLed leaves a socket file and a segment that
 the next one clears, while a live daemon's socket is never taken over."""
 
 from __future__ import annotations
@@ -138,10 +138,14 @@ def test_truncated_pack_gives_fail_not_wrong_bytes(tiny_pack: Path, tmp_path: Pa
                 good.append(expert.key.expert)
                 expert.release()
             assert sorted(good) == list(range(10))
-            for e in (10, 15):
+            for e in (10, 15):  # issue 37: a FAIL that says what is wrong, not a retryable I/O error
                 with pytest.raises(FetchFailed) as caught:
                     list(client.fetch([(last.layer, e)]))
-                assert caught.value.code is p.FailCode.IO_ERROR and "short read" in str(caught.value)
+                assert caught.value.code is p.FailCode.TRUNCATED, caught.value
+                size = last.block_offset(10) + 4096
+                assert (f"is {size:,} bytes now, its manifest says {m.pack_size_bytes:,}" in caught.value.message
+                        and f"layer {last.layer} expert {e}" in caught.value.message
+                        and "expertpack verify" in caught.value.message), caught.value.message
             stats = client.stats()
         assert stats["counters"]["io_errors"] >= 2 and stats["counters"]["failed"] == 2
         assert stats["slots"]["reading"] == 0 and stats["slots"]["leased"] == 0
