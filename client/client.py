@@ -2,7 +2,7 @@
 
     with ExpertClient("ipc:///run/expertpack/expertd.sock") as c:
         for expert in c.fetch([(3, 17), (3, 99)]):
-            use(expert.key, expert.data)   # memoryview of the payload, in shared staging
+            use(expert.key, expert.data)   # read-only memoryview of the payload, in shared staging
             expert.release()               # the slot goes back to the daemon
 
 Experts arrive in completion order, not request order. `data` is valid until `release()`. The client
@@ -242,7 +242,8 @@ class ExpertClient:
 
     @property
     def staging(self) -> mmap.mmap:
-        """The whole shared staging segment (the worker registers it with CUDA)."""
+        """The whole shared staging segment, read-only (the worker registers it with CUDA, read-only
+        too)."""
         assert self._map is not None
         return self._map
 

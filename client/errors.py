@@ -28,7 +28,7 @@ class DaemonError(ClientError):
 
 class FetchFailed(ClientError):
     """expertd could not deliver an expert (FAIL): an I/O error, a corrupt block (code CORRUPT), a
-    cancel or a shutdown."""
+    pack truncated under expertd (code TRUNCATED), a cancel or a shutdown."""
 
     def __init__(self, key: ExpertKey, code: p.FailCode, message: str) -> None:
         super().__init__(f"expert {tuple(key)}: {code.name}: {message}")

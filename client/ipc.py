@@ -1,6 +1,7 @@
 """The client's side of what it shares with expertd on one host: the ipc:// socket file (may this
 user connect to it, and why does nobody answer there) and the shared staging segment in /dev/shm,
-mapped read-write. Only the file system and the socket file: no ZeroMQ, no protocol."""
+mapped read-only: what expertd owns (staging slots, RAM tier blocks shared by every client), only
+expertd writes. Only the file system and the socket file: no ZeroMQ, no protocol."""
 
 from __future__ import annotations
 
@@ -53,15 +54,16 @@ def ipc_problem(endpoint: str) -> str | None:
 
 
 def map_staging(name: str, size: int) -> mmap.mmap:
-    """The staging segment WELCOME named, `size` bytes of it, shared and writable."""
+    """The staging segment WELCOME named, `size` bytes of it, shared and read-only (a write into it
+    raises TypeError; CUDA registers it with cudaHostRegisterReadOnly)."""
     path = SHM_DIR / name
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDONLY)
     except PermissionError:
-        raise ClientError(f"{path}: permission denied; run in expertd's group (the segment is 0660)") from None
+        raise ClientError(f"{path}: permission denied; run in expertd's group (the segment is 0640)") from None
     except FileNotFoundError:
         raise ClientError(f"{path}: staging segment not found; is expertd on this host?") from None
     try:
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)

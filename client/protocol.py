@@ -1,4 +1,4 @@
-"""Protocol v6 between expertd and its clients: the one module that knows the wire format.
+"""Protocol v7 between expertd and its clients: the one module that knows the wire format.
 
 Transport: ZeroMQ, the daemon a ROUTER, each client a DEALER. Every message is ONE frame holding ONE
 msgpack map with an integer `op`:
@@ -13,8 +13,10 @@ msgpack map with an integer `op`:
                                          (ERROR FINGERPRINT when the client's trunk was built with another pack;
                                          an empty fingerprint, as ops tools send, skips the check;
                                          `client` is 1..64 printable characters; `slots` asks for that
-                                         many staging slots, granted up to the daemon's max_client_slots,
-                                         0 or absent: its client_slots)
+                                         many staging slots, granted up to the daemon's max_client_slots
+                                         less what the client's other sessions lease (a client is its
+                                         process over ipc, its CurveZMQ key over tcp; ERROR NO_SLOTS
+                                         when that leaves none), 0 or absent: its client_slots)
     FETCH{id, keys: [[layer, expert], ...], prio}
                                       -> one READY{id, key, slot, nbytes} or FAIL{id, key, code, message}
                                          per key, in completion order; `slot` is one of the client's
@@ -41,7 +43,9 @@ payload is its first `nbytes` bytes (slot i starts at byte i * slot_bytes, which
 RAM tier slots, [ram_first_slot, ram_first_slot + ram_slots), hold blocks resident for every
 client: a READY naming one is a hold that keeps the block there (never evicted nor overwritten)
 until the client RELEASEs it; several READYs, of one client or of many, may name the same RAM slot
-at once, and a client releases it once per READY. The client must only read a RAM slot. Keys are ExpertKey(layer, expert), the pack's own key type.
+at once, and a client releases it once per READY. Clients map the segment read-only (it is mode
+0640): only expertd writes it, and it checks a RAM slot's block against its crc32 again before each
+READY names it. Keys are ExpertKey(layer, expert), the pack's own key type.
 Decoding validates every field (type, range, length) and the message size before anything acts on
 it; it never raises anything but ProtocolError. Never pickle.
 
@@ -73,6 +77,11 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
        holds, its reads into the tier and its staging slots: the rest is its demand's, however many
        prefetches it sends. A v5 client would size its prefetches by its staging alone, hence the
        new version.
+    7  (2026-12-03) FAIL code TRUNCATED: the pack file is shorter than its manifest says (it was
+       truncated while expertd served it) and the key's block lies past its end; the message names
+       both sizes. Until v6 that was an IO_ERROR, which a worker could not tell from a failing read
+       worth retrying; no retry helps here (restore the pack, restart expertd). A v6 client could
+       not decode that FAIL, hence the new version.
 """
 
 from __future__ import annotations
@@ -85,7 +94,7 @@ import msgpack
 
 from expertpack.packtools.layout import ExpertKey
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
 MAX_KEYS = 65536
 MAX_TEXT = 1024
@@ -133,6 +142,7 @@ class FailCode(IntEnum):
     CANCELLED = 2
     SHUTDOWN = 3
     CORRUPT = 4  # v2: the block's bytes fail the pack's crc32 (damaged on disk); the slot's bytes are not used
+    TRUNCATED = 5  # v7: the pack is shorter than its manifest (truncated under expertd); no retry helps
 
 
 class Priority(IntEnum):

@@ -43,8 +43,10 @@ class DaemonConfig:
     endpoint: str = DEFAULT_ENDPOINT
     stage_slots: int = 64  # staging slots in shared memory, each one expert block (max stride)
     client_slots: int = 16  # slots leased to a client at HELLO unless it asks for another number
-    # The most slots one client is granted, whatever its HELLO asks: one peer cannot take the staging
-    # from the others. 0: half of stage_slots, at least client_slots (see client_slot_cap).
+    # The most slots one client is granted, whatever its HELLOs ask, over all its sessions (a client is
+    # its process over ipc, its CurveZMQ key over tcp): one peer cannot take the staging from the
+    # others, however many connections it opens. 0: half of stage_slots, at least client_slots (see
+    # client_slot_cap).
     max_client_slots: int = 0
     # RAM tier blocks one client may hold at once (READYs naming them not yet released), apart from
     # its staging: a worker's prefetches wait in the tier for their layer, six layers of a top-8
@@ -102,8 +104,9 @@ class DaemonConfig:
 
     @property
     def client_slot_cap(self) -> int:
-        """The slots one client may hold: max_client_slots, or by default half the staging (a setting
-        that gives each client more, client_slots, raises it to that)."""
+        """The slots one client (process, or CurveZMQ key) may hold over all its sessions:
+        max_client_slots, or by default half the staging (a setting that gives each client more,
+        client_slots, raises it to that)."""
         return self.max_client_slots or max(self.client_slots, self.stage_slots // 2)
 
     def ram_hold_share(self, n_slots: int, ram_slots: int) -> int:
@@ -123,8 +126,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "endpoint": f"ZeroMQ endpoint to bind (default {DEFAULT_ENDPOINT})",
         "stage_slots": "staging slots in shared memory, each one expert block (default 64)",
         "client_slots": "slots leased to a client at HELLO that asks for no other number (default 16)",
-        "max_client_slots": "the most slots one client is leased, whatever its HELLO asks (default 0: half of "
-                            "stage_slots, at least client_slots)",
+        "max_client_slots": "the most slots one client (a process over ipc, a CurveZMQ key over tcp) is leased "
+                            "over all its sessions, whatever its HELLOs ask (default 0: half of stage_slots, at "
+                            "least client_slots)",
         "client_ram_holds": "RAM tier blocks one client may hold at once, its prefetches half of them (default 256; "
                             "at most half the tier, at least the client's staging slots)",
         "read_threads": "reader threads issuing preadv (default 8)",

@@ -1,9 +1,11 @@
 """expertd's endpoint: the ROUTER socket, bound with the options the main loop relies on, and for
 an ipc:// endpoint the socket file's life. One expertd per ipc endpoint from start to exit: a flock
 on <socket>.lock is taken before a socket found there is judged stale, and at exit the socket file
-is removed only while it is still the one this daemon bound. A file that is not a socket, or a
+is removed only while it is still the one this daemon bound, the lock file only if this daemon
+made it (an empty one found there is used and left). A file that is not a socket, or a
 socket some process answers on, is never removed: that is an error naming the path. A tcp://
-endpoint is CurveZMQ only. Knows nothing of sessions or messages."""
+endpoint is CurveZMQ only, with a ZAP handler that admits any client key and names it on each
+message (User-Id), so that a client is its key (peers.py). Knows nothing of sessions or messages."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from expertpack.client import protocol as p
 
@@ -35,9 +38,12 @@ class Endpoint:
         self._path = Path(self.address.removeprefix("ipc://")) if self.address.startswith("ipc://") else None
         self._socket_inode: tuple[int, int] | None = None  # the socket file this daemon bound, once bound
         self._lock_fd: int | None = None  # flock on <socket>.lock: one expertd per ipc endpoint, start to exit
+        self._lock_made = False  # whether this daemon made the lock file (only then is it removed)
+        self._zap: ThreadAuthenticator | None = None  # tcp: names each connection's CurveZMQ key
         try:
             self.router = self._bind(ctx, config, send_hwm)
         except BaseException:
+            self._stop_zap()
             self._unlock()
             raise
 
@@ -63,13 +69,18 @@ class Endpoint:
                 if secret is None:
                     raise ValueError(f"{config.curve_secret_key_file} holds no secret key (make one with "
                                      "zmq.auth.create_certificates)")
+                # Every key may connect (the server's key is the secret that matters); the handler
+                # only makes libzmq name the client's key on its messages.
+                self._zap = ThreadAuthenticator(ctx, log=log.getChild("zap"))
+                self._zap.start()
+                self._zap.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
                 sock.setsockopt(zmq.CURVE_SERVER, 1)
                 sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             else:
                 if not self._path.parent.is_dir():
                     raise ValueError(f"{self.address}: directory {self._path.parent} does not exist "
                                      "(systemd creates it with RuntimeDirectory=expertpack)")
-                self._lock_fd = _lock_endpoint(self._path)
+                self._lock_fd, self._lock_made = _lock_endpoint(self._path)
                 _remove_stale_socket(self._path)
             sock.bind(self.address)
             if self._path is not None:
@@ -84,14 +95,21 @@ class Endpoint:
         """Closes the socket and removes its file (if still ours: whatever another process put
         there since is left alone), then the lock."""
         self.router.close()
+        self._stop_zap()
         if self._path is not None and self._socket_inode is not None and _inode(self._path) == self._socket_inode:
             self._path.unlink()
         self._unlock()
 
+    def _stop_zap(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
+
     def _unlock(self) -> None:
         if self._lock_fd is not None:
             assert self._path is not None
-            _lock_path(self._path).unlink(missing_ok=True)  # still held: see _lock_endpoint
+            if self._lock_made:
+                _lock_path(self._path).unlink(missing_ok=True)  # still held: see _lock_endpoint
             os.close(self._lock_fd)
             self._lock_fd = None
 
@@ -109,15 +127,23 @@ def _lock_path(socket_path: Path) -> Path:
     return socket_path.with_name(socket_path.name + ".lock")
 
 
-def _lock_endpoint(socket_path: Path) -> int:
+def _lock_endpoint(socket_path: Path) -> tuple[int, bool]:
     """Takes the flock that makes this the only expertd between checking `socket_path` and
     removing it at exit: two daemons started at once on one endpoint would otherwise each take the
-    other's fresh socket for a stale one. The lock file is removed at exit while still held, so a
-    waiter that opened the old file retries on the new one."""
+    other's fresh socket for a stale one. Returns the locked fd and whether this call made the file.
+    A file it made is removed at exit while still held, so a waiter that opened the old file retries
+    on the new one; an empty file found there is used and left in place (it is not expertd's to remove)."""
     lock = _lock_path(socket_path)
     while True:
+        made = True
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                made = False
+                fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # removed by the expertd that made it, between the two opens: make it now
         except OSError as exc:
             raise ValueError(f"{lock}: cannot create expertd's lock file next to the socket ({exc.strerror})") from None
         st = os.fstat(fd)
@@ -136,7 +162,7 @@ def _lock_endpoint(socket_path: Path) -> int:
         except FileNotFoundError:
             current = None
         if current is not None and (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino):
-            return fd
+            return fd, made
         os.close(fd)  # the holder removed it as it exited: take the new one
 
 

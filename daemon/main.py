@@ -1,6 +1,7 @@
 """`expertd`: the expert-storage daemon's command line. Exit status 0 after a clean shutdown
-(SIGTERM), 2 when the configuration, the pack or the environment is unusable (one line says why:
-fail-closed, before anything is served)."""
+(SIGTERM, and SIGINT, SIGHUP, SIGUSR1 or SIGUSR2 alike: server.STOP_SIGNALS), 2 when the
+configuration, the pack or the environment is unusable (one line says why: fail-closed, before
+anything is served)."""
 
 from __future__ import annotations
 
@@ -38,29 +39,35 @@ def main(argv: list[str] | None = None) -> int:
                         format="expertd[%(process)d] %(levelname)s %(message)s")
     import zmq
 
-    from .server import ExpertDaemon  # zmq and the pack are only touched once the config is sound
+    from .server import STOP_SIGNALS, ExpertDaemon  # zmq and the pack are only touched once the config is sound
 
-    # Until serve() installs its own handler, SIGTERM interrupts the start-up (which cleans up).
-    signal.signal(signal.SIGTERM, _interrupt)
+    _interrupt_start_on(STOP_SIGNALS)
     try:
         daemon = ExpertDaemon(config)
     except (ManifestError, PackContractError, StagingError, ValueError, TypeError, OSError, zmq.ZMQError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    except KeyboardInterrupt:
-        log.info("interrupted during start-up")
+    except KeyboardInterrupt as exc:
+        log.info("interrupted during start-up%s", f" ({exc})" if exc.args else "")
         return 0
     try:
         return daemon.serve()
-    except KeyboardInterrupt:  # before serve() had its own handlers in place
+    except KeyboardInterrupt as exc:  # before serve() had its own handlers in place
         daemon.close()
-        log.info("interrupted during start-up")
+        log.info("interrupted during start-up%s", f" ({exc})" if exc.args else "")
         return 0
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
-    raise KeyboardInterrupt
+def _interrupt_start_on(signals: tuple[signal.Signals, ...]) -> None:
+    """Until serve() installs its own handlers, each of `signals` interrupts the start-up (which
+    cleans up), once: a second must not cut the clean-up short."""
+    def interrupt(signum: int, frame: object) -> None:
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for s in signals:
+        signal.signal(s, interrupt)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Who is at the other end of each of expertd's connections, as far as the main loop must know: the
 peer process of each open connection (SO_PEERCRED at accept) and of each message (its own
-connection's record), which routing id speaks on which connection, and who is cut for flooding.
+connection's record), or over tcp its CurveZMQ key, which routing id speaks on which connection,
+and who is cut for flooding. A client is its process over ipc and its key over tcp (ClientId):
+what the per-client caps count against, however many connections it opens.
 
 A peer that connects with a routing id already in use takes it over (ROUTER_HANDOVER: libzmq
 otherwise keeps every such ignored connection's pipes, ~20 kB each, for the life of the socket). The
@@ -21,6 +23,7 @@ import logging
 import os
 import socket
 import struct
+import select
 import time
 from typing import Callable, NamedTuple
 
@@ -32,11 +35,32 @@ from .stats import Counters
 log = logging.getLogger("expertd")
 
 
+class ClientId(NamedTuple):
+    """The client a connection belongs to, as far as expertd can tell: its process over ipc
+    (SO_PEERCRED), its CurveZMQ public key over tcp (Z85), else the connection alone."""
+
+    kind: str  # "process", "CurveZMQ key" or "connection"
+    value: int | str
+
+    def __str__(self) -> str:
+        return {"process": "this client process (pid {})", "CurveZMQ key": "this client's CurveZMQ key ({:.8}...)",
+                "connection": "this connection (fd {})"}[self.kind].format(self.value)
+
+
 class Arrival(NamedTuple):
     """Who sent a message that is to be handled."""
 
     pid: int | None  # the sender process, as its connection recorded it or as the fd's holder; None over tcp
     late: bool  # its connection closed since and its fd is another process's now
+    curve_key: str | None = None  # over tcp, the sender's CurveZMQ public key (Z85), as the ZAP handler named it
+
+    def client(self, fd: int) -> ClientId:
+        """Whom a session opened by this message belongs to (`fd`: its connection)."""
+        if self.pid is not None:
+            return ClientId("process", self.pid)
+        if self.curve_key is not None:
+            return ClientId("CurveZMQ key", self.curve_key)
+        return ClientId("connection", fd)
 
 
 class Peers:
@@ -88,7 +112,7 @@ class Peers:
         late = sender is not None and holder is not None and sender != holder
         pid = sender if sender is not None else holder
         self.flood.seen(pid if pid is not None else ("connection", fd))
-        return Arrival(pid, late)
+        return Arrival(pid, late, curve_key(frame) if pid is None else None)
 
     def note_connection(self, identity: bytes, fd: int) -> None:
         """Remembers which connection `identity` speaks on. One that took the id over from another
@@ -172,6 +196,34 @@ def sender_pid(frame: zmq.Frame) -> int | None:
     host, _, rest = address.partition(":")
     pid = rest.rpartition(":")[2]
     return int(pid) if host == "localhost" and rest.count(":") == 2 and pid.isdigit() and int(pid) > 0 else None
+
+
+def curve_key(frame: zmq.Frame) -> str | None:
+    """The CurveZMQ public key (Z85) of the tcp peer that sent `frame`: the User-Id that the ZAP
+    handler (endpoint.py) gave its connection; None without one (ipc)."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return user or None
+
+
+def connection_closed(fd: int) -> bool:
+    """Whether the peer of connection `fd` has closed it, though libzmq may not have told the main
+    loop yet (its socket monitor reports a close a little after it happens). Asked through a
+    duplicate of the fd (libzmq's I/O thread owns it), without reading anything."""
+    if fd < 0:
+        return False
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(dup, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(0))
+    finally:
+        os.close(dup)
 
 
 def peer_pid(fd: int) -> int | None:

@@ -4,8 +4,11 @@ on a miss lands straight in a RAM slot when the policy admits it, and every clie
 key meanwhile waits on that one read. Each RAM slot moves EMPTY -> READING -> RESIDENT -> EMPTY
 (READING -> EMPTY when its read fails or its block is corrupt), checked on every move; a RESIDENT
 block is only evicted while no client holds it (holds are counted: READY adds one, RELEASE or the
-client's end takes it back). Which block leaves is RamPolicy's choice. Knows nothing of sockets,
-reads or the pack's bytes: the server drives it.
+client's end takes it back) and no check of its bytes runs. A resident block found altered
+(the scheduler checks it at every hit) is condemned: out of the index at once, so that no hit
+finds it and its key may be read again, and EMPTY once nobody holds it (RESIDENT -> CONDEMNED ->
+EMPTY). Which block leaves is RamPolicy's choice. Knows nothing of sockets, reads or the pack's
+bytes: the server drives it.
 
 Why inside the staging segment: the worker maps the whole segment and registers it with CUDA, so a
 READY that names a RAM slot is DMA'd by the GPU from where the block rests, with the same
@@ -39,12 +42,14 @@ class RamState(Enum):
     EMPTY = "empty"
     READING = "reading"
     RESIDENT = "resident"
+    CONDEMNED = "condemned"  # its bytes no longer match its crc32; held still, never named again
 
 
 TRANSITIONS: dict[RamState, frozenset[RamState]] = {
     RamState.EMPTY: frozenset({RamState.READING}),
     RamState.READING: frozenset({RamState.RESIDENT, RamState.EMPTY}),
-    RamState.RESIDENT: frozenset({RamState.EMPTY}),
+    RamState.RESIDENT: frozenset({RamState.EMPTY, RamState.CONDEMNED}),
+    RamState.CONDEMNED: frozenset({RamState.EMPTY}),
 }
 
 
@@ -55,6 +60,7 @@ class RamSlot:
     key: ExpertKey | None = None
     nbytes: int = 0  # the payload resident (or being read)
     holds: int = 0  # READYs naming this slot not yet released, over all clients
+    checking: bool = False  # a check of its bytes (a hit's) is in flight: it is not evicted meanwhile
 
     def move(self, new: RamState) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -133,7 +139,8 @@ class RamTier:
             slot = self.slot(self._empty.pop())
         else:
             victim = self.policy.victim(key, evictable=lambda k: self.slot_of[k].holds == 0
-                                        and self.slot_of[k].state is RamState.RESIDENT)
+                                        and self.slot_of[k].state is RamState.RESIDENT
+                                        and not self.slot_of[k].checking)
             if victim is None:
                 return None
             slot = self.slot_of.pop(victim)
@@ -158,6 +165,24 @@ class RamTier:
         assert slot.key is not None and slot.holds == 0
         del self.slot_of[slot.key]
         self.policy.forget(slot.key)
+        self._vacate(slot)
+
+    def condemn(self, slot: RamSlot) -> None:
+        """The RESIDENT block in `slot` no longer matches its crc32 (written by someone else): out of
+        the index now (no hit finds it, its key may be read into another slot), EMPTY now if nobody
+        holds it, else once the last hold ends."""
+        assert slot.key is not None and not slot.checking
+        del self.slot_of[slot.key]
+        self.policy.forget(slot.key)
+        self.resident_bytes -= slot.nbytes
+        if slot.holds:
+            slot.move(RamState.CONDEMNED)
+        else:
+            slot.move(RamState.EMPTY)
+            self._vacate(slot)
+
+    def _vacate(self, slot: RamSlot) -> None:
+        """`slot`, EMPTY now, is free for the next claim."""
         slot.key = None
         slot.nbytes = 0
         self._empty.append(slot.index)
@@ -168,9 +193,13 @@ class RamTier:
         slot.holds += 1
 
     def unhold(self, slot: RamSlot, n: int = 1) -> None:
+        """Ends `n` holds; a condemned block is emptied with its last."""
         if slot.holds < n:
             raise IllegalTransition(f"RAM slot {slot.index}: {n} holds released, {slot.holds} held")
         slot.holds -= n
+        if slot.state is RamState.CONDEMNED and not slot.holds:
+            slot.move(RamState.EMPTY)
+            self._vacate(slot)
 
     def count(self, state: RamState) -> int:
         return sum(1 for s in self.slots if s.state is state)

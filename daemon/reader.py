@@ -3,8 +3,9 @@ pool of threads (os.preadv releases the GIL). It checks the whole contract befor
 it is ready: manifest against pack (size, header, fingerprint), every block offset, every split read
 range and length a multiple of 4096. Demand reads overtake prefetch reads in its queue. A read
 asked to checksum the payload bytes of its piece does so as soon as they are in (format 1.1; the server
-joins the pieces' crc32s and compares the block's with the manifest's, block_crc.py). It knows
-nothing of sockets or clients: completions go to a callback."""
+joins the pieces' crc32s and compares the block's with the manifest's, block_crc.py); a job may
+also only checksum bytes already in a slot (a RAM tier hit's check), in the same queue and threads.
+It knows nothing of sockets or clients: completions go to a callback."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ from expertpack.packtools.layout import (
 
 class PackContractError(RuntimeError):
     """The pack cannot be served safely; the message says what is wrong and what to do."""
+
+
+class ShortRead(OSError):
+    """A read that came back short: the pack ends before the range the manifest gave (a regular file
+    reads short only at its end), so it was truncated while expertd served it."""
+
+    def __init__(self, offset: int, got: int, wanted: int) -> None:
+        super().__init__(errno.EIO, f"short read at byte {offset}: {got} of {wanted} bytes")
+        self.offset = offset
+        self.got = got
+        self.wanted = wanted
 
 
 class CorruptBlock(Exception):
@@ -138,6 +150,7 @@ class ReadJob:
     piece: int = field(default=0, compare=False)  # which of the token's pieces
     crc_bytes: int = field(default=0, compare=False)  # leading bytes of `dest` to checksum once read (0: none)
     crc32: int | None = field(default=None, compare=False)  # their crc32, set by the reader
+    read: bool = field(default=True, compare=False)  # False: `dest` holds its bytes already, only checksum them
 
 
 Completion = Callable[[ReadJob, "BaseException | None", int], None]  # job, error, elapsed_ns
@@ -159,6 +172,10 @@ class ReaderPool:
         """Reads len(dest) bytes at `offset` into `dest`; with `crc_bytes`, the completion's job
         carries the crc32 of dest's first crc_bytes bytes."""
         self._queue.put(ReadJob(prio, next(self._seq), offset, dest, token, piece, crc_bytes))
+
+    def submit_check(self, prio: int, dest: memoryview, token: Any, piece: int = 0) -> None:
+        """Checksums the bytes `dest` holds (no read): the completion's job carries their crc32."""
+        self._queue.put(ReadJob(prio, next(self._seq), -1, dest, token, piece, len(dest), read=False))
 
     def promote(self, token: Any, prio: int) -> None:
         """Moves the queued reads of `token` up to `prio`: a demand key that joins a read a prefetch
@@ -185,14 +202,15 @@ class ReaderPool:
             error: BaseException | None = None
             read_ns = 0
             try:
-                got = os.preadv(self._fd, [job.dest], job.offset)
+                got = os.preadv(self._fd, [job.dest], job.offset) if job.read else len(job.dest)
                 if got != len(job.dest):
-                    error = OSError(errno.EIO, f"short read at byte {job.offset}: {got} of {len(job.dest)} bytes "
-                                               "(pack truncated?)")
+                    error = ShortRead(job.offset, got, len(job.dest))
                 else:
                     read_ns = time.monotonic_ns() - start  # the read's latency (STATS), without the checksum
                     if job.crc_bytes:  # releases the GIL: the threads checksum in parallel
                         job.crc32 = block_crc32(job.dest[:job.crc_bytes])
+                    if not job.read:
+                        read_ns = time.monotonic_ns() - start  # a check's latency is its checksum's
             except BaseException as exc:  # any failure fails this read; the thread lives on
                 error = exc
             self._on_complete(job, error, read_ns if error is None else time.monotonic_ns() - start)

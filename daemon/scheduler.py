@@ -1,10 +1,15 @@
 """The key path of expertd: each session's queued keys, demand before prefetch, to reads and to
 their one answer (READY or FAIL), and the RAM tier (ram_tier.py, protocol v3) in front of the reads.
 
-A key resident in the tier is answered at once with READY naming its RAM slot (a hold, ended by
-RELEASE like a lease); a key being read into it waits for that read; a miss the policy admits is
-read into a RAM slot instead of the client's staging slot, and is resident for everyone once its
-crc32 check passed; any other miss gets one of the client's leased staging slots. A client holds at
+A key resident in the tier is answered with READY naming its RAM slot (a hold, ended by RELEASE
+like a lease) once the block's bytes were checked against its crc32 again: the segment is shared,
+and a block altered in memory since it was read (by a process that maps the segment writable, or a
+memory fault) is counted in corrupt_blocks, condemned (ram_tier.py) and read again from the pack
+for the keys that waited on the check. The check runs on the reader threads, its pieces in
+parallel, and hits on a block under check join it. A key being read into the tier waits for that
+read; a miss the policy admits is read into a RAM slot instead of the client's staging slot, and
+is resident for everyone once its crc32 check passed; any other miss gets one of the client's
+leased staging slots. A client holds at
 most its RAM hold share of blocks and has at most as many reads into the tier in flight as it
 leases staging slots, so one client cannot pin the tier nor take every reader. Its PREFETCH keys
 take at most the protocol's prefetch budget of each (holds, reads, staging slots), whatever the
@@ -13,7 +18,9 @@ demand's holds are its to give back: the worker does so before a fetch runs out 
 Each reader thread checksums the piece it read; once every piece is in, their crc32s joined
 (block_crc.py) are the block's, checked against the manifest's (packs of format 1.1); only then
 does READY name the slot: a block that fails the check is FAILed CORRUPT to every key that waited
-on it, counted and logged once by (layer, expert), and every other key is served on.
+on it, counted and logged once by (layer, expert), and every other key is served on. A read that
+comes back short because the pack was truncated under expertd is FAILed TRUNCATED (protocol v7),
+naming the pack's size now and its manifest's.
 Runs on the main loop's thread, but for `_on_read_done` (a reader thread's hand-over through an
 eventfd); it never reads a socket, and sends only answers, through `send`."""
 
@@ -24,20 +31,35 @@ import os
 import queue
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 from expertpack.client import protocol as p
-from expertpack.packtools.layout import ExpertKey, LayerLayout
+from expertpack.packtools.layout import ExpertKey, LayerLayout, format_crc32
 
 from .block_crc import CrcJoiner
 from .config import DaemonConfig
 from .ram_tier import RamSlot, RamState, RamTier
-from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob
+from .reader import CorruptBlock, OpenPack, ReaderPool, ReadJob, ShortRead
 from .sessions import Request, Session, Work
 from .staging import SlotState, StagingSegment
 from .stats import Counters, Histogram
 
 log = logging.getLogger("expertd")
+
+
+@dataclass(eq=False)
+class RamCheck:
+    """A check of one resident RAM block's bytes against its crc32, on the reader threads, and the
+    hits answered when it is done."""
+
+    slot: RamSlot
+    key: ExpertKey
+    prio: int
+    waiting: list[Work] = field(default_factory=list)
+    pieces_left: int = 0
+    piece_crc32s: list[int | None] = field(default_factory=list)
+    error: BaseException | None = None
 
 
 def _room(share: int, prefetch: bool) -> int:
@@ -71,6 +93,7 @@ class Scheduler:
                            for l in layers.values()} if self.check_crc32 else {}
         self._crc_joiner = CrcJoiner(n for lengths in self._crc_bytes.values() for n in lengths if n)
         self._waiting: dict[int, list[Work]] = {}  # RAM slot being read -> the keys answered when it is in
+        self._checks: dict[int, RamCheck] = {}  # RAM slot whose bytes are being checked -> its check
         self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # the main loop polls it
         try:
@@ -115,6 +138,12 @@ class Scheduler:
             work.prio = p.Priority.DEMAND
             if work.slot is None:
                 continue  # still queued: moved below
+            check = self._checks.get(work.slot) if work.ram else None
+            if check is not None:  # a hit waiting on its block's check
+                if check.prio > p.Priority.DEMAND:
+                    check.prio = int(p.Priority.DEMAND)
+                    self.readers.promote(check, check.prio)
+                continue
             reader = self._waiting.get(work.slot, [work])[0] if work.ram else work  # whose read fills the slot
             reader.prio = p.Priority.DEMAND
             self.readers.promote(reader, int(p.Priority.DEMAND))
@@ -127,18 +156,21 @@ class Scheduler:
 
     def dispatch(self, session: Session) -> None:
         """Answers or starts the session's queued keys in order, demand first, until one needs a
-        staging slot (or a RAM hold) the client does not have free."""
-        if session.closed:
-            return
-        demand, prefetch = session.pending
-        while demand or prefetch:
+        staging slot (or a RAM hold) the client does not have free, or the session ends: a RAM hit
+        is answered at once, and a client found unreachable then is dropped (sessions.py) while
+        this loop runs; nothing more may start for it (each start would pin a block for nobody)."""
+        while not session.closed:
+            demand, prefetch = session.pending  # a drop replaces them: read anew each turn
+            if not (demand or prefetch):
+                return
             queue_ = demand if demand else prefetch
             if not queue_[0].done and not self._start(session, queue_[0]):
                 return
             queue_.popleft()
 
     def _start(self, session: Session, work: Work) -> bool:
-        """A RAM hit is answered now; a key being read into the RAM tier waits for that read; a
+        """A RAM hit is answered once its block is checked (now, for a pack without crc32s); a key
+        being read into the RAM tier waits for that read; a
         miss is read into a RAM slot if the policy admits it, else into a free staging slot of the
         client. False when none of these can happen yet: the client holds its share of the tier
         (it must RELEASE), has its share of reads into it in flight, or has no staging slot free; a
@@ -151,13 +183,16 @@ class Scheduler:
         if resident is not None:
             if session.ram_taken >= hold_room:
                 return False
-            self.counters.ram_hits += 1
-            session.counters.ram_hits += 1
             work.slot, work.ram = resident.index, True
             session.ram_taken += 1
             if resident.state is RamState.RESIDENT:
-                self._ready_ram(work, resident)
+                if self.check_crc32:
+                    self._check_resident(work, resident)
+                else:
+                    self._hit(session)
+                    self._ready_ram(work, resident)
                 return True
+            self._hit(session)
             waiting = self._waiting[resident.index]
             reader = waiting[0]  # the key whose read fills the slot
             if work.prio < reader.prio:  # demand joins a prefetch's read: it goes at demand priority now
@@ -189,6 +224,83 @@ class Scheduler:
         self._read(work)
         return True
 
+    def _hit(self, session: Session) -> None:
+        """A key answered from the tier without a read of its own (resident and intact, or joining a read)."""
+        self.counters.ram_hits += 1
+        session.counters.ram_hits += 1
+
+    # ---- checks of resident blocks -------------------------------------------------------------
+    def _check_resident(self, work: Work, slot: RamSlot) -> None:
+        """The hit `work` waits for a check of `slot`'s bytes: the one in flight, or a new one on
+        the reader threads (a demand hit moves a prefetch's check up the queue)."""
+        check = self._checks.get(slot.index)
+        if check is None:
+            check = self._checks[slot.index] = RamCheck(slot, work.key, int(work.prio))
+            slot.checking = True
+            layer = self.layers[work.key.layer]
+            pieces = [(start, n) for (start, _), n in zip(self.pack.splits[layer.layer], self._crc_bytes[layer.layer])
+                      if n]
+            check.pieces_left = len(pieces)
+            check.piece_crc32s = [None] * len(pieces)
+            for i, (start, n) in enumerate(pieces):
+                self.readers.submit_check(check.prio, self.staging.view(slot.index, start, start + n), check, piece=i)
+        elif work.prio < check.prio:
+            check.prio = int(work.prio)
+            self.readers.promote(check, check.prio)
+        check.waiting.append(work)
+
+    def _check_piece_done(self, job: ReadJob, error: BaseException | None) -> None:
+        check: RamCheck = job.token
+        job.dest.release()
+        check.piece_crc32s[job.piece] = job.crc32
+        check.error = check.error or error
+        check.pieces_left -= 1
+        if check.pieces_left == 0:
+            self._check_complete(check)
+
+    def _check_complete(self, check: RamCheck) -> None:
+        """A resident block's check is in: intact, its hits are answered from the tier; altered, it
+        is counted and condemned, and its hits go back to the front of their clients' queues, to
+        be read from the pack like any miss."""
+        slot = check.slot
+        del self._checks[slot.index]
+        slot.checking = False
+        assert slot.state is RamState.RESIDENT and slot.key == check.key
+        layer = self.layers[check.key.layer]
+        found = self._crc_joiner.join(zip(check.piece_crc32s, (n for n in self._crc_bytes[layer.layer] if n)))
+        expected = layer.crc32[check.key.expert]
+        self.counters.ram_checks += 1
+        self.counters.ram_checked_bytes += layer.payload_bytes
+        intact = check.error is None and found == expected
+        if not intact:
+            self.counters.corrupt_blocks += 1
+            why = (f"it cannot be checked ({check.error})" if check.error is not None else
+                   f"its crc32 is {format_crc32(found)}, the manifest says {format_crc32(expected)}")
+            log.error("RAM tier block of layer %d expert %d (slot %d) altered in memory since it was read: %s. "
+                      "Some process maps expertd's segment writable (only expertd should: /dev/shm/%s), or the "
+                      "memory is failing; the block leaves the tier and is read again from the pack",
+                      check.key.layer, check.key.expert, slot.index, why, self.staging.name)
+            self.ram.condemn(slot)
+        sessions: list[Session] = []
+        for w in reversed(check.waiting):  # reversed: back to the queues' fronts in their order
+            if w.session.closed or w.done:
+                continue
+            if w.session not in sessions:
+                sessions.append(w.session)
+            if w.cancelled:
+                self.finish(w, p.FailCode.CANCELLED, "cancelled")
+            elif not intact:
+                w.slot, w.ram = None, False
+                w.session.ram_taken -= 1
+                w.session.pending[w.prio].appendleft(w)
+        if intact:
+            for w in check.waiting:
+                if not w.session.closed and not w.done:
+                    self._hit(w.session)
+                    self._ready_ram(w, slot)
+        for session in sessions:
+            self.dispatch(session)
+
     # ---- reads -------------------------------------------------------------------------------
     def _read(self, work: Work) -> None:
         """Queues the reads of the work's block into its slot (staging or RAM: one segment)."""
@@ -219,6 +331,9 @@ class Scheduler:
                 job, error, elapsed_ns = self._completions.get_nowait()
             except queue.Empty:
                 return
+            if not job.read:
+                self._check_piece_done(job, error)
+                continue
             nbytes = job.dest.nbytes
             job.dest.release()
             work: Work = job.token
@@ -239,7 +354,7 @@ class Scheduler:
 
     def in_flight(self) -> bool:
         return (any(s.state is SlotState.READING for s in self.staging.pool.slots)
-                or any(s.state is RamState.READING for s in self.ram.slots))
+                or any(s.state is RamState.READING for s in self.ram.slots) or bool(self._checks))
 
     def _check(self, work: Work) -> None:
         """Compares the crc32 of the block just read (joined from its pieces') with the manifest's;
@@ -265,6 +380,13 @@ class Scheduler:
                       layer, expert, self.pack.path, work.error, self.config.pack)
             return p.FailCode.CORRUPT, (f"layer {layer} expert {expert} of {self.pack.path} is corrupt: {work.error}; "
                                         f"run expertpack verify {self.config.pack}")
+        size = os.fstat(self.pack.fd).st_size if isinstance(work.error, ShortRead) else None
+        if size is not None and size < self.pack.manifest.pack_size_bytes:
+            why = (f"{self.pack.path} is {size:,} bytes now, its manifest says {self.pack.manifest.pack_size_bytes:,}: "
+                   f"it was truncated while expertd served it, and layer {layer} expert {expert} lies past its end "
+                   f"({work.error}). Restore the pack (expertpack verify {self.config.pack}) and restart expertd")
+            log.error("%s", why)
+            return p.FailCode.TRUNCATED, why
         log.warning("read of %s failed: %s", list(work.key), work.error)
         return p.FailCode.IO_ERROR, f"read failed: {work.error}"
 
@@ -324,7 +446,9 @@ class Scheduler:
 
     # ---- answers -----------------------------------------------------------------------------
     def _ready_ram(self, work: Work, slot: RamSlot) -> None:
-        """READY naming a resident RAM block: the client holds it until it releases it."""
+        """READY naming a resident RAM block: the client holds it until it releases it. Never for
+        a session that has ended: its holds were all ended with it, and one added now would never be."""
+        assert not work.session.closed, "a RAM hold for a session that has ended"
         self.ram.hold(slot)
         work.session.ram_holds[slot.index] += 1
         self.fetch_latency.add_ns(time.monotonic_ns() - work.submitted_ns)

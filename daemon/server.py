@@ -40,7 +40,7 @@ from .config import DaemonConfig
 from .endpoint import Endpoint
 from .flood import StatsBudget
 from .notify import notify, watchdog_interval_s
-from .peers import Peers
+from .peers import Arrival, Peers, connection_closed
 from .ram_tier import RamState, RamTier, ram_slot_count
 from .reader import OpenPack, open_pack
 from .scheduler import Scheduler
@@ -50,6 +50,9 @@ from .stats import Counters
 
 log = logging.getLogger("expertd")
 
+# Signals that stop expertd cleanly, as SIGTERM does: it has no reload, and any of these taking its
+# default action (the process ends) would leave the shared memory and the socket behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 MAX_QUEUED_KEYS = 4 * p.MAX_KEYS  # per client: pending + in flight
 SEND_HWM = MAX_QUEUED_KEYS + 1024  # every queued key may end in one message
 DRAIN_TIMEOUT_S = 10.0  # at shutdown, how long in-flight reads may take to finish
@@ -82,7 +85,7 @@ class ExpertDaemon:
                             "unlocked and may be swapped out. Raise the memlock limit (systemd: "
                             "LimitMEMLOCK=infinity; shell: ulimit -l unlimited) to lock it",
                             f"{ram_slots * slot_bytes:,}", self.staging.ram_lock_error)
-            self.sessions = Sessions(config, self.staging, self.ram, self.counters)
+            self.sessions = Sessions(config, self.staging, self.ram, self.counters, connection_closed)
             self.ctx = zmq.Context()
             self.endpoint = Endpoint(self.ctx, config, SEND_HWM)
             self.router = self.endpoint.router
@@ -97,7 +100,7 @@ class ExpertDaemon:
         sig_r, sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         previous_fd = signal.set_wakeup_fd(sig_w, warn_on_full_buffer=False)
         caught: list[int] = []
-        handlers = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+        handlers = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in STOP_SIGNALS}
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
@@ -177,7 +180,7 @@ class ExpertDaemon:
             if arrival.late and isinstance(msg, p.Hello):  # its client is gone: a session would hold slots for nobody
                 log.debug("HELLO of pid %d read after its connection closed: no session", arrival.pid)
                 continue
-            self._handle(identity, msg, fd, arrival.pid)
+            self._handle(identity, msg, fd, arrival)
         self.peers.after_batch(bool(self.router.get(zmq.EVENTS) & zmq.POLLIN))
 
     def _drain_monitor(self) -> None:
@@ -202,7 +205,7 @@ class ExpertDaemon:
             message = f"expertd ended this client's session: {why}; say HELLO again"
             self._send(identity, p.Error(p.ErrorCode.NO_SESSION, message[:p.MAX_TEXT]))
 
-    def _handle(self, identity: bytes, msg: p.Message, fd: int = -1, pid: int | None = None) -> None:
+    def _handle(self, identity: bytes, msg: p.Message, fd: int = -1, arrival: Arrival | None = None) -> None:
         if isinstance(msg, p.Ping):
             self._send(identity, p.Pong())
         elif isinstance(msg, p.Stats):
@@ -212,7 +215,7 @@ class ExpertDaemon:
                 self._error(identity, p.ErrorCode.BUSY, f"at most {self.stats_budget.per_s} STATS a second per "
                             "connection: ask less often")
         elif isinstance(msg, p.Hello):
-            self._hello(identity, msg, fd, pid)
+            self._hello(identity, msg, fd, arrival or Arrival(None, False))
         elif isinstance(msg, p.Heartbeat):
             return  # its arrival was the point (_drain_router); a late one of an ended session says nothing
         elif (session := self.sessions.live.get(identity)) is None:
@@ -234,7 +237,7 @@ class ExpertDaemon:
             self._error(identity, p.ErrorCode.UNKNOWN_OP, f"{msg.op.name} is sent by the daemon, not to it")
 
     # ---- requests ----------------------------------------------------------------------------
-    def _hello(self, identity: bytes, msg: p.Hello, fd: int, pid: int | None) -> None:
+    def _hello(self, identity: bytes, msg: p.Hello, fd: int, arrival: Arrival) -> None:
         if msg.version != p.PROTOCOL_VERSION:
             self._error(identity, p.ErrorCode.VERSION,
                         f"client speaks protocol {msg.version}, this expertd speaks {p.PROTOCOL_VERSION}")
@@ -248,7 +251,7 @@ class ExpertDaemon:
                         f"trunk.gguf was built with pack {msg.fingerprint}; point one of them at the other's pack")
             return
         try:
-            session = self.sessions.admit(identity, msg.client, msg.slots, fd, pid)
+            session = self.sessions.admit(identity, msg.client, msg.slots, fd, arrival.pid, arrival.client(fd))
         except NoSlots as exc:
             self._error(identity, p.ErrorCode.NO_SLOTS, str(exc))
             return

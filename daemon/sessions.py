@@ -5,8 +5,11 @@ A session belongs to the connection that said HELLO, and ends with it, when the 
 again, when it is silent for heartbeat_timeout_s (protocol v4), or when it is cut or unreachable;
 its slots and holds then go back at once (a slot being read, when its read completes). A client
 is leased the slots its HELLO asks for (client_slots when it asks for none), never more than the
-per-client cap (max_client_slots), so that one client cannot take the staging from the others, and
-may hold its RAM hold share of tier blocks (client_ram_holds, WELCOME's ram_holds; protocol v6).
+per-client cap (max_client_slots) less what its other sessions lease: a client is its process over
+ipc and its CurveZMQ key over tcp (peers.ClientId), so that one client cannot take the staging from
+the others by opening more connections. It may hold its RAM hold share of tier blocks
+(client_ram_holds, WELCOME's ram_holds; protocol v6). When a HELLO finds too few slots, sessions
+whose connection has closed (the socket monitor has not said so yet) end first.
 The routing ids of ended sessions are remembered, bounded, for their late messages. Sends nothing:
 the server answers."""
 
@@ -16,11 +19,13 @@ import logging
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
 from .config import DaemonConfig
+from .peers import ClientId
 from .ram_tier import RamTier
 from .staging import SlotState, StagingSegment
 from .stats import ClientCounters, Counters
@@ -71,6 +76,7 @@ class Session:
     ram_share: int = 0  # RAM tier blocks it may hold at once (DaemonConfig.ram_hold_share)
     ram_taken: int = 0  # its holds (ram_holds summed) and its keys given a RAM slot, not answered yet
     pid: int | None = None  # the peer process (SO_PEERCRED of an ipc connection); None over tcp or when unknown
+    owner: ClientId | None = None  # the client its slots count against (max_client_slots); its connection if None
     connected: float = field(default_factory=time.monotonic)
     heard: float = field(default_factory=time.monotonic)  # its connection's last message (liveness)
     counters: ClientCounters = field(default_factory=ClientCounters)
@@ -103,38 +109,63 @@ class NoSlots(Exception):
 class Sessions:
     """The live sessions by routing id, and the ended ones' reasons."""
 
-    def __init__(self, config: DaemonConfig, staging: StagingSegment, ram: RamTier, counters: Counters) -> None:
+    def __init__(self, config: DaemonConfig, staging: StagingSegment, ram: RamTier, counters: Counters,
+                 connection_closed: Callable[[int], bool] = lambda fd: False) -> None:
         self.config = config
         self.staging = staging
         self.ram = ram
         self.counters = counters
+        self._connection_closed = connection_closed  # peers.connection_closed: a close not yet reported
         self.live: dict[bytes, Session] = {}
         # Clients whose connection closed: a RELEASE or CANCEL they sent just before closing is read
         # after the disconnect and is the tail of a clean close, not a protocol error. Bounded.
         self._gone: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why its session ended
         self._next_sweep = time.monotonic()  # when silent sessions are next looked for
 
-    def admit(self, identity: bytes, client: str, asked: int, fd: int, pid: int | None) -> Session:
+    def admit(self, identity: bytes, client: str, asked: int, fd: int, pid: int | None,
+              owner: ClientId | None = None) -> Session:
         """A HELLO's session (a session already under `identity` ends first): `asked` staging slots,
-        client_slots for 0, at most the per-client cap. NoSlots when the staging has not that many
-        unleased."""
+        client_slots for 0, at most the per-client cap less what `owner`'s other sessions lease.
+        NoSlots when that leaves none, or when the staging has not that many unleased."""
         if identity in self.live:
             self.drop(identity, HELLO_AGAIN)
         self._gone.pop(identity, None)
+        owner = owner or ClientId("connection", fd)
         asked = asked or self.config.client_slots
-        n_slots = min(asked, self.config.client_slot_cap)
+        cap = self.config.client_slot_cap
+        n_slots = min(asked, cap - self._leased_by(owner))
+        if (n_slots <= 0 or self.staging.pool.n_unleased < n_slots) and self._end_closed():
+            n_slots = min(asked, cap - self._leased_by(owner))
+        if n_slots <= 0:
+            mine = [s for s in self.live.values() if s.owner == owner]
+            raise NoSlots(f"{asked} slots asked, but {owner} leases {sum(len(s.slots) for s in mine)} slots over "
+                          f"{len(mine)} session{'s' if len(mine) != 1 else ''} already, at most {cap} a client "
+                          "(max_client_slots): end one of its sessions first, or raise max_client_slots")
         slots = self.staging.pool.lease(identity, n_slots)
         if slots is None:
             raise NoSlots(f"{n_slots} slots asked, {self.staging.pool.n_unleased} of {self.config.stage_slots} "
                           f"staging slots unleased ({len(self.live)} clients hold the rest); ask for fewer, or raise "
                           "stage_slots or lower client_slots")
         ram_share = self.config.ram_hold_share(len(slots), self.ram.n_slots)
-        session = self.live[identity] = Session(identity, fd, client, slots, deque(slots), pid=pid, ram_share=ram_share)
+        session = self.live[identity] = Session(identity, fd, client, slots, deque(slots), pid=pid, ram_share=ram_share,
+                                                owner=owner)
         self.counters.clients_total += 1
+        others = len(slots) < min(asked, cap)
         log.info("client %r (pid %s) connected: %d slots%s", client, pid if pid is not None else "unknown",
-                 len(slots),
-                 f" ({asked} asked, at most {self.config.client_slot_cap} a client)" if asked > n_slots else "")
+                 len(slots), f" ({asked} asked, at most {cap} a client {owner.kind}"
+                             f"{', the rest leased by its other sessions' if others else ''})" if asked > n_slots else "")
         return session
+
+    def _leased_by(self, owner: ClientId) -> int:
+        return sum(len(s.slots) for s in self.live.values() if s.owner == owner)
+
+    def _end_closed(self) -> bool:
+        """Ends the sessions whose connection has closed though the monitor has not said so yet (a
+        client that reconnects at once must not find its old session's slots taken); whether any."""
+        closed = [identity for identity, s in self.live.items() if self._connection_closed(s.fd)]
+        for identity in closed:
+            self.drop(identity, "disconnected")
+        return bool(closed)
 
     def drop(self, identity: bytes, why: str) -> None:
         """Ends a session: queued keys vanish, leased slots return (a slot being read returns when

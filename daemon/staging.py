@@ -1,5 +1,7 @@
-"""The shared staging: one POSIX shared-memory segment (/dev/shm, mode 0660, locked in RAM), carved
-into slots of one expert block each, where O_DIRECT reads land and clients read from. The RAM
+"""The shared staging: one POSIX shared-memory segment (/dev/shm, locked in RAM), carved into slots
+of one expert block each, where O_DIRECT reads land and clients read from. Mode 0640: expertd's
+group (the workers) may map it to read, only expertd writes it (a client that could write a RAM
+tier block would hand its bytes to every other client). The RAM
 tier's slots (ram_tier.py) follow the staging slots in the same segment, so that the one mapping a
 client registers with CUDA covers both; they are locked where the memlock limit allows, and
 served unlocked (said once in the log and in STATS) where it does not. Each staging slot
@@ -23,6 +25,7 @@ import psutil
 from expertpack.packtools.layout import ALIGNMENT as SLOT_ALIGNMENT  # O_DIRECT lands in slots
 
 SHM_DIR = Path("/dev/shm")
+SEGMENT_MODE = 0o640  # the workers' group reads, only expertd writes
 
 
 class StagingError(RuntimeError):
@@ -152,12 +155,12 @@ class StagingSegment:
         self.ram_lock_error: str | None = None
         self.path = SHM_DIR / self.name
         self.map: mmap.mmap | None = None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
         # From here every way out but success removes the segment: an error, and also SIGTERM or
         # Ctrl-C (KeyboardInterrupt) during the seconds that locking gigabytes takes.
         try:
             try:
-                os.fchmod(fd, 0o660)  # group shared with workers, whatever the umask
+                os.fchmod(fd, SEGMENT_MODE)  # whatever the umask
                 os.ftruncate(fd, self.size_bytes)
                 self.map = mmap.mmap(fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as exc:

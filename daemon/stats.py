@@ -49,7 +49,9 @@ class Counters:
     pack_read_bytes: int = 0
     read_ops: int = 0
     io_errors: int = 0
-    corrupt_blocks: int = 0  # blocks read whole whose crc32 did not match the manifest's: FAILed CORRUPT
+    # blocks read whole whose crc32 did not match the manifest's (FAILed CORRUPT), and RAM tier blocks
+    # found altered in memory at a hit (read again from the pack)
+    corrupt_blocks: int = 0
     checked_blocks: int = 0  # blocks whose crc32 was checked (0 for a pack built before format 1.1)
     checked_bytes: int = 0
     fallback_count: int = 0  # reads that went through the page cache (direct_io = false)
@@ -58,6 +60,8 @@ class Counters:
     ram_hits: int = 0
     ram_misses: int = 0
     ram_evictions: int = 0
+    ram_checks: int = 0  # checks of a resident block's crc32 before its hits were answered (one per hit or hits joined)
+    ram_checked_bytes: int = 0
     protocol_errors: int = 0  # ERROR replies
     clients_total: int = 0
     clients_dropped: int = 0  # vanished (disconnect or heartbeat timeout) holding leases

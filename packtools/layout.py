@@ -35,6 +35,7 @@ import json
 import re
 import struct
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -360,16 +361,24 @@ def model_problems(model: ModelInfo) -> list[str]:
 
 def layout_problems(manifest: Manifest) -> list[str]:
     """Every violation of the alignment and non-overlap contract; empty when the layout is sound.
-    Part of manifest_problems; the layout alone bounds the work a reader does (every block lies
-    inside the pack's size, one hash per expert)."""
+    Part of manifest_problems; the layout alone bounds the work a reader does (each layer once,
+    every block inside the pack's size, one hash per expert), so a reader checks it before reading
+    a block. A layer listed more than once is said once, and the rest is checked on its first entry."""
     problems: list[str] = []
     if manifest.data_start % ALIGNMENT or manifest.data_start < HEADER.size:
         problems.append(f"data_start {manifest.data_start} is not a multiple of {ALIGNMENT} past the header")
     cursor = manifest.data_start
     n_expert = manifest.model.n_expert
+    for what, layers in (("`layers`", [e.layer for e in manifest.layers]), ("model.moe_layers", manifest.model.moe_layers)):
+        repeated = [(layer, n) for layer, n in Counter(layers).items() if n > 1]
+        if repeated:
+            shown = ", ".join(f"layer {layer} listed {n} times" for layer, n in repeated[:4])
+            more = f" and {len(repeated) - 4} more layers" if len(repeated) > 4 else ""
+            problems.append(f"{what} lists a layer more than once ({shown}{more}): each layer's blocks appear once")
+    entries = list({e.layer: e for e in reversed(manifest.layers)}.values())  # the first entry of each layer
     if sorted(e.layer for e in manifest.layers) != sorted(manifest.model.moe_layers):
         problems.append("model.moe_layers does not list exactly the layers in `layers`")
-    for entry in sorted(manifest.layers, key=lambda e: e.offset):
+    for entry in sorted(entries, key=lambda e: e.offset):
         where = f"layer {entry.layer}"
         if entry.offset % ALIGNMENT:
             problems.append(f"{where}: offset {entry.offset} is not a multiple of {ALIGNMENT}")

@@ -1,8 +1,10 @@
 """`expertpack verify OUT`: proves a pack is whole. Checks the manifest against its own fingerprint,
-the layout contract (alignment, strides, non-overlap), the pack's size and header, the trunk's
-fingerprint key and tensor hashes, and re-hashes every expert block in parallel (sha256, and the
-crc32 expertd checks on every read where the pack has them, format 1.1). Reports every problem it
-finds, each damaged block by (layer, expert); it never modifies the pack."""
+the layout contract (alignment, strides, non-overlap, each layer once), the pack's size and header,
+the trunk's fingerprint key and tensor hashes, and re-hashes every expert block in parallel (sha256,
+and the crc32 expertd checks on every read where the pack has them, format 1.1). A manifest whose
+layout or model counts break the contract cannot say which bytes to read: that is reported and no
+block is read (its blocks could repeat, overlap or lie anywhere). Reports every problem it finds,
+each damaged block by (layer, expert); it never modifies the pack."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from .errors import ManifestError
 from .hashing import hash_range, read_range
 from .layout import (
     DATA_START, PACK_FILE, TRUNK_FINGERPRINT_KEY, BlockDigest, ExpertKey, Manifest, PackHeader, format_crc32,
-    manifest_problems,
+    layout_problems, manifest_problems, model_problems,
 )
 
 
@@ -55,6 +57,11 @@ def verify_pack(pack_dir: Path, threads: int | None = None, progress: bool = Tru
         report.problems.append(f"{pack_path} is {size} bytes, the manifest says {manifest.pack_size_bytes}")
     report.problems.extend(_header_problems(pack_path, manifest))
     report.problems.extend(_trunk_problems(pack_dir, manifest))
+    if model_problems(manifest.model) or layout_problems(manifest):
+        report.problems.append(f"expert blocks not hashed: the layout of {pack_dir / 'manifest.json'} breaks the "
+                               "contract (above), so it cannot say which bytes to read; restore the manifest or "
+                               "rebuild the pack")
+        return report
     _check_blocks(pack_path, manifest, report, threads or os.cpu_count() or 2, progress)
     return report
 

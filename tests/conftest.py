@@ -194,7 +194,9 @@ def tiny_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def daemon(tiny_pack: Path, tmp_path: Path):
-    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "48", "--client-slots", "8")
+    # The test process plays several clients at once: no per-process cap below the whole staging
+    # (tests/daemon/test_fairness.py tests the cap).
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "48", "--client-slots", "8", "--max-client-slots", "48")
     d.wait_for("READY=1")
     yield d
     code, err = d.stop()

@@ -19,6 +19,7 @@ EXAMPLES: list[p.Message] = [
     p.Ready(7, ExpertKey(1, 2), 5, 110592),
     p.Fail(7, ExpertKey(3, 4), p.FailCode.IO_ERROR, "short read"),
     p.Fail(7, ExpertKey(3, 4), p.FailCode.CORRUPT, "crc32 mismatch"),
+    p.Fail(7, ExpertKey(3, 4), p.FailCode.TRUNCATED, "experts.pack is 4096 bytes now"),
     p.Release((5, 6)),
     p.Cancel(7),
     p.Stats(),
@@ -85,7 +86,6 @@ def test_version_5_adds_promote() -> None:
 
 def test_version_6_adds_the_ram_hold_share_to_welcome() -> None:
     """v6: WELCOME's ram_holds, the RAM tier blocks the client may hold; absent (no tier), 0."""
-    assert p.PROTOCOL_VERSION == 6
     welcome = p.Welcome(6, FP, {}, "s", 8192, 4096, (0,), 1, 1, 1000, 10_000, 256)
     wire = msgpack.unpackb(p.encode(welcome))
     assert wire["ram_holds"] == 256
@@ -94,6 +94,16 @@ def test_version_6_adds_the_ram_hold_share_to_welcome() -> None:
     assert isinstance(old, p.Welcome) and old.ram_holds == 0
     with pytest.raises(p.ProtocolError, match="ram_holds"):
         p.decode(msgpack.packb({**wire, "ram_holds": -1}))
+
+
+def test_version_7_adds_fail_truncated() -> None:
+    """v7's one change: FAIL code TRUNCATED (5), the pack shorter than its manifest (issue 37: it was
+    an IO_ERROR, which a worker retries as if the daemon were away)."""
+    assert p.PROTOCOL_VERSION == 7
+    assert p.encode(p.Fail(7, ExpertKey(3, 4), p.FailCode.TRUNCATED, "t")).hex() == (
+        "85" "a26f70" "05" "a26964" "07" "a36b6579" "920304" "a4636f6465" "05" "a76d657373616765" "a174")
+    assert p.decode(bytes.fromhex("85a26f7005a2696407a36b6579920304a4636f646505a76d657373616765a174")) == \
+        p.Fail(7, ExpertKey(3, 4), p.FailCode.TRUNCATED, "t")
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

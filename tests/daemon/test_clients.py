@@ -73,7 +73,8 @@ def test_a_flooding_client_does_not_starve_another(tiny_pack: Path, tmp_path: Pa
     after it)."""
     m = Manifest.load(tiny_pack)
     flood = (all_keys(m) * 16)[:1024]
-    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "4", "--client-slots", "2", "--read-threads", "1")
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "4", "--client-slots", "2", "--read-threads", "1",
+                     "--max-client-slots", "4")  # two clients of this one process
     d.wait_for("READY=1")
     try:
         with ExpertClient(d.endpoint, name="flooder") as flooder, ExpertClient(d.endpoint, name="modest") as modest:
@@ -116,7 +117,8 @@ def test_two_busy_clients_share_the_reads(tiny_pack: Path, tmp_path: Path) -> No
     most its two slots' reads queued, so the reader alternates between them)."""
     m = Manifest.load(tiny_pack)
     keys = (all_keys(m) * 8)[:512]
-    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "4", "--client-slots", "2", "--read-threads", "1")
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "4", "--client-slots", "2", "--read-threads", "1",
+                     "--max-client-slots", "4")  # two clients of this one process
     d.wait_for("READY=1")
     try:
         with ExpertClient(d.endpoint, name="one") as one, ExpertClient(d.endpoint, name="two") as two:

@@ -1,10 +1,12 @@
-"""Fair slots against a real expertd: a client is leased at most max_client_slots whatever its HELLO
-asks, so another client still gets slots; a HELLO with a bad field gets ERROR naming the field and
-changes nothing; settings that would make the cap meaningless are refused at start."""
+"""Fair slots against a real expertd: a client process (a CURVE key over tcp) is leased at most
+max_client_slots whatever its HELLOs ask, over all its connections, so another client still gets
+slots; a HELLO with a bad field gets ERROR naming the field and changes nothing; settings that would
+make the cap meaningless are refused at start."""
 
 from __future__ import annotations
 
 import subprocess
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ from expertpack.client import ExpertClient
 from expertpack.client import protocol as p
 from expertpack.packtools.layout import ExpertKey
 
-from ..conftest import BIN, Daemon, start_daemon
+from ..conftest import BIN, Daemon, free_port, start_daemon
+from ..helpers.expertd import hello_elsewhere
 
 
 @pytest.fixture
@@ -81,25 +84,89 @@ def test_a_client_asking_for_every_slot_gets_the_cap(small_daemon: Daemon) -> No
         greedy = ask(dealer(stack, small_daemon.endpoint), {"client": "greedy", "slots": 8})
         assert isinstance(greedy, p.Welcome), greedy
         assert len(greedy.slots) == 4  # asked for all 8
-        other = ask(dealer(stack, small_daemon.endpoint), {"client": "other", "slots": 100})
+        other = stack.enter_context(hello_elsewhere(small_daemon.endpoint, "other", 100))
         assert isinstance(other, p.Welcome), other
         assert len(other.slots) == 4 and not set(other.slots) & set(greedy.slots)
-        late = ask(dealer(stack, small_daemon.endpoint), {"client": "late"})
+        late = stack.enter_context(hello_elsewhere(small_daemon.endpoint, "late"))
         assert isinstance(late, p.Error) and late.code is p.ErrorCode.NO_SLOTS, late
         assert "2 slots asked, 0 of 8" in late.message
-    assert "asked, at most 4 a client" in small_daemon.log
+    assert "asked, at most 4 a client process" in small_daemon.log
 
 
 def test_the_default_cap_is_half_the_staging_and_others_still_get_slots(small_daemon: Daemon) -> None:
     with ExitStack() as stack:
-        greedy = ask(dealer(stack, small_daemon.endpoint), {"client": "greedy", "slots": 1 << 20})
+        greedy = stack.enter_context(hello_elsewhere(small_daemon.endpoint, "greedy", 1 << 20))
         assert isinstance(greedy, p.Welcome) and len(greedy.slots) == 4, greedy
-        modest = ask(dealer(stack, small_daemon.endpoint), {"client": "modest", "slots": 1})
+        modest = stack.enter_context(hello_elsewhere(small_daemon.endpoint, "modest", 1))
         assert isinstance(modest, p.Welcome) and len(modest.slots) == 1, modest
         with ExpertClient(small_daemon.endpoint, name="worker") as client:
             assert len(client.slots) == 2  # no number asked: client_slots
             assert sorted(fetched(client, [ExpertKey(0, 0), ExpertKey(1, 3)])) == [ExpertKey(0, 0), ExpertKey(1, 3)]
             assert unleased(small_daemon) == 8 - 4 - 1 - 2
+
+
+def test_the_connections_of_one_process_share_its_cap(small_daemon: Daemon) -> None:
+    """Issue 37: the cap was per connection, so one process with two sockets asking for every slot
+    leased all 8 and an honest client got NO_SLOTS. Now they share the process's cap (4), the
+    second gets what the first left (nothing), and another process still gets its slots."""
+    with ExitStack() as stack:
+        first = ask(dealer(stack, small_daemon.endpoint), {"client": "greedy1", "slots": 1 << 20})
+        assert isinstance(first, p.Welcome) and len(first.slots) == 4, first
+        second_sock = dealer(stack, small_daemon.endpoint)
+        second = ask(second_sock, {"client": "greedy2", "slots": 1 << 20})
+        assert isinstance(second, p.Error) and second.code is p.ErrorCode.NO_SLOTS, second
+        assert "this client process" in second.message and "4 slots over 1 session" in second.message, second
+        with hello_elsewhere(small_daemon.endpoint, "honest", 2) as honest:
+            assert isinstance(honest, p.Welcome) and len(honest.slots) == 2, honest
+        second_sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "greedy2", slots=1)))
+        assert second_sock.poll(10000)
+        welcome = p.decode(second_sock.recv())
+        assert isinstance(welcome, p.Error) and welcome.code is p.ErrorCode.NO_SLOTS, welcome
+        stack.close()  # the process's sessions end with their connections: its share is free again
+        with ExitStack() as again:
+            third = ask(dealer(again, small_daemon.endpoint), {"client": "greedy3", "slots": 1 << 20})
+            deadline = time.monotonic() + 10
+            while isinstance(third, p.Error) and time.monotonic() < deadline:  # until the closes are seen
+                time.sleep(0.05)
+                third = ask(dealer(again, small_daemon.endpoint), {"client": "greedy3", "slots": 1 << 20})
+            assert isinstance(third, p.Welcome) and len(third.slots) == 4, third
+
+
+def test_the_connections_of_one_curve_key_share_a_cap(tiny_pack: Path, tmp_path: Path) -> None:
+    """Over tcp a client is its CurveZMQ key: two connections with one key share a cap of 4 (of 8),
+    a connection with another key gets slots of its own."""
+    import zmq.auth
+
+    _, secret_file = zmq.auth.create_certificates(str(tmp_path), "expertd")
+    server_public, _ = zmq.auth.load_certificate(secret_file)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "8", "--client-slots", "2", "--endpoint", endpoint,
+                     "--curve-secret-key-file", secret_file)
+    d.wait_for("READY=1")
+    try:
+        with ExitStack() as stack:
+            ctx = stack.enter_context(zmq.Context())
+
+            def curve_dealer(keypair: tuple[bytes, bytes]) -> zmq.Socket:
+                sock = stack.enter_context(ctx.socket(zmq.DEALER))
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, keypair[0])
+                sock.setsockopt(zmq.CURVE_SECRETKEY, keypair[1])
+                sock.connect(endpoint)
+                return sock
+
+            mine, other = zmq.curve_keypair(), zmq.curve_keypair()
+            first = ask(curve_dealer(mine), {"client": "greedy1", "slots": 1 << 20})
+            assert isinstance(first, p.Welcome) and len(first.slots) == 4, first
+            second = ask(curve_dealer(mine), {"client": "greedy2", "slots": 1 << 20})
+            assert isinstance(second, p.Error) and second.code is p.ErrorCode.NO_SLOTS, second
+            assert "this client's CurveZMQ key" in second.message, second
+            honest = ask(curve_dealer(other), {"client": "honest", "slots": 2})
+            assert isinstance(honest, p.Welcome) and len(honest.slots) == 2, honest
+    finally:
+        code, log = d.stop()
+    assert code == 0, log
 
 
 BAD_HELLOS = [

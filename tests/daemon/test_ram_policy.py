@@ -1,6 +1,6 @@
 """The RAM tier's bookkeeping without a daemon: fading LFU with LRU among equals, admission only over
-a victim asked for no more often, held and READING blocks never evicted, checked slot moves, and
-the budget's sizing."""
+a victim asked for no more often, held, READING and checked blocks never evicted, a condemned block
+out of the index at once and empty with its last hold, checked slot moves, and the budget's sizing."""
 
 from __future__ import annotations
 
@@ -72,6 +72,31 @@ def test_a_failed_read_leaves_nothing_behind() -> None:
     assert tier.lookup(A) is None and claim.slot.state is RamState.EMPTY and tier.resident_bytes == 0
     fill(tier, B)
     assert tier.resident_bytes == 100
+
+
+def test_a_block_under_check_is_not_evicted_and_a_condemned_one_empties_with_its_last_hold() -> None:
+    tier = RamTier(first_slot=0, n_slots=2)
+    fill(tier, A, B)
+    tier.lookup(A).checking = True
+    tier.lookup(B).checking = True
+    for _ in range(10):
+        tier.touch([C])
+    assert tier.claim(C, 100) is None  # both are being checked
+    slot_a, slot_b = tier.lookup(A), tier.lookup(B)
+    slot_a.checking = slot_b.checking = False
+    tier.hold(slot_a)
+    tier.condemn(slot_a)  # held: out of the index, its slot not free yet
+    tier.condemn(slot_b)  # not held: empty at once
+    assert tier.lookup(A) is None and slot_a.state is RamState.CONDEMNED and tier.resident_bytes == 0
+    assert tier.lookup(B) is None and slot_b.state is RamState.EMPTY
+    with pytest.raises(IllegalTransition, match="only a RESIDENT block may be held"):
+        tier.hold(slot_a)
+    fill(tier, A)  # read again, into the empty slot
+    assert tier.lookup(A) is slot_b
+    tier.unhold(slot_a)
+    assert slot_a.state is RamState.EMPTY and slot_a.key is None
+    fill(tier, C)
+    assert tier.lookup(C) is slot_a
 
 
 def test_slot_moves_are_checked() -> None:

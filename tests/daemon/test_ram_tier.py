@@ -2,7 +2,7 @@
 keys is answered from RAM without a read and byte-exact, by slot references into the segment the
 client maps; a small budget evicts (and keeps the hot block through a scan of cold ones); a block
 a client holds is never overwritten until it is released; a corrupt block is never made resident;
-a tier of 0 serves from staging as before; a client's RAM hold share is apart from its staging
+a tier of 0 serves from staging as before; a block altered in memory is never served; clients that release and vanish leave no hold behind; a client's RAM hold share is apart from its staging
 (v6), and its prefetches take half of it, of its reads and of its staging, its demand the rest; a bad ram_cache_gib in the file is one line and exit 2
 (bad flags: tests/reliability/test_bad_input_table.py); STATS,
 `expertctl stats` and the mlock state say what the tier does."""
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
 import resource
 import shutil
 import subprocess
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 from expertpack.client import ExpertClient, FetchFailed
 from expertpack.client import protocol as p
@@ -363,7 +366,8 @@ def test_clients_racing_over_a_small_tier_get_exact_bytes_and_leave_it_clean(tin
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
-    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", gib_for(6, tiny_pack), "--read-splits", "2") as d:
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", gib_for(6, tiny_pack), "--read-splits", "2",
+                    "--max-client-slots", "32") as d:  # four clients of this one process
         threads = [threading.Thread(target=client_loop, args=(s, d.endpoint)) for s in range(4)]
         for t in threads:
             t.start()
@@ -472,3 +476,84 @@ def test_the_hold_share_defaults_to_256_at_most_half_the_tier_at_least_the_stagi
     assert config.ram_hold_share(16, 100) == 50
     assert config.ram_hold_share(16, 10) == 16
     assert config.ram_hold_share(16, 0) == 0  # no tier
+
+
+def test_clients_that_release_and_vanish_leave_no_holds_behind(tiny_pack: Path, tmp_path: Path) -> None:
+    """Issue 37: a client holds its share of a resident tier with more RAM hits queued, RELEASEs
+    them all and closes its socket at once. Answering its next hit finds it unreachable and ends
+    its session; no hold may be added for that session after that (they pinned the whole tier with
+    nobody connected). Once the clients are gone the tier holds nothing and serves a new one from RAM."""
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    keys = tuple(all_keys(m))
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d:
+        with ExpertClient(d.endpoint, name="warm") as client:
+            fetch_all(client, list(keys), m, packed)  # every block resident
+        with zmq.Context() as ctx:
+            deadline = time.monotonic() + 6
+            rounds = 0
+            while time.monotonic() < deadline and rounds < 100:
+                with ctx.socket(zmq.DEALER) as sock:
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(d.endpoint)
+                    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "vanisher", slots=1)))
+                    welcome = recv(sock)
+                    if isinstance(welcome, p.Error) and welcome.code is p.ErrorCode.NO_SLOTS:
+                        time.sleep(0.01)  # closed sockets whose disconnect expertd has not seen yet
+                        continue
+                    assert isinstance(welcome, p.Welcome) and welcome.ram_holds < len(keys), welcome
+                    sock.send(p.encode(p.Fetch(1, keys)))  # its share answered, the rest queued behind it
+                    ready = [recv(sock) for _ in range(welcome.ram_holds)]
+                    sock.send(p.encode(p.Release(tuple(r.slot for r in ready))))
+                rounds += 1
+        with ExpertClient(d.endpoint, name="after") as client:
+            stats = client.stats()
+            for _ in range(100):
+                if not stats["ram"]["held"] and len(stats["clients"]) == 1:
+                    break
+                time.sleep(0.05)
+                stats = client.stats()
+            assert stats["ram"]["held"] == 0, f"{stats['ram']['held']} tier blocks held after {rounds} rounds"
+            before = stats["counters"]
+            fetch_all(client, list(keys), m, packed)
+            after = client.stats()["counters"]
+    assert after["pack_read_bytes"] == before["pack_read_bytes"]  # all from RAM: nothing was pinned away
+    assert after["ram_hits"] - before["ram_hits"] == len(keys)
+
+
+def test_a_tier_block_altered_in_memory_is_never_served_and_is_read_again(tiny_pack: Path, tmp_path: Path) -> None:
+    """Issue 37: the client library maps the segment read-only, but a process of expertd's own user
+    can still open it writable and alter a resident block. Every RAM hit is checked against the
+    block's crc32 before READY names it: the altered block is counted in corrupt_blocks, leaves the
+    tier (at once, or when the client that holds it releases it) and is read again from the pack,
+    so every client gets the pack's bytes."""
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    key, held_key = ExpertKey(2, 7), ExpertKey(3, 1)
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d, \
+            ExpertClient(d.endpoint, name="victim") as victim, ExpertClient(d.endpoint, name="holder") as holder:
+        (slot,) = fetch_all(victim, [key], m, packed)
+        held = next(holder.fetch([held_key]))  # held across the damage
+        w = victim.welcome
+        fd = os.open(Path("/dev/shm") / w.shm, os.O_RDWR)  # as expertd's user may
+        try:
+            with mmap.mmap(fd, w.shm_bytes) as writable:
+                for index, k in ((slot, key), (held.slot, held_key)):
+                    at = index * w.slot_bytes + m.layer(k.layer).payload_bytes // 2
+                    writable[at] ^= 0x10
+        finally:
+            os.close(fd)
+        before = victim.stats()["counters"]
+        fetch_all(victim, [key, held_key], m, packed)  # the pack's bytes, read again
+        stats = victim.stats()
+        assert stats["counters"]["corrupt_blocks"] - before["corrupt_blocks"] == 2
+        assert stats["counters"]["pack_read_bytes"] - before["pack_read_bytes"] == 2 * m.max_stride
+        assert stats["ram"]["condemned"] == 1  # the altered block the holder still holds: never named again
+        held.release()
+        holder.ping()
+        fetch_all(victim, [key, held_key], m, packed)  # resident again, intact: from RAM
+        stats = victim.stats()
+    c = stats["counters"]
+    assert c["corrupt_blocks"] == 2 and c["pack_read_bytes"] - before["pack_read_bytes"] == 2 * m.max_stride
+    assert stats["ram"]["condemned"] == 0 and stats["ram"]["held"] == 0
+    assert c["ram_checks"] >= 4  # every hit was checked

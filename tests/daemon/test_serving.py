@@ -1,6 +1,7 @@
 """The real daemon serves the real client: every byte delivered equals the pack's bytes and the
 manifest's sha256, in any key order, to several clients at once; demand overtakes prefetch; CANCEL
-answers every key exactly once; one greedy client cannot starve another."""
+answers every key exactly once; one greedy client cannot starve another; clients map the staging
+read-only."""
 
 from __future__ import annotations
 
@@ -85,10 +86,25 @@ def test_several_clients_at_once(daemon: Daemon, tiny_pack: Path) -> None:
 
 
 def test_staging_and_socket_are_group_shared(daemon: Daemon) -> None:
+    """The group may use the socket, and read the staging but not write it (what expertd owns,
+    only expertd writes: issue 37)."""
     assert stat.S_IMODE(daemon.socket_path.stat().st_mode) == 0o660
     with ExpertClient(daemon.endpoint) as client:
         shm = Path("/dev/shm") / client.welcome.shm
-        assert stat.S_IMODE(shm.stat().st_mode) == 0o660
+        assert stat.S_IMODE(shm.stat().st_mode) == 0o640
+
+
+def test_a_client_maps_the_staging_read_only(daemon: Daemon) -> None:
+    """Issue 37: a client that wrote into a RAM tier block handed its bytes to every other client.
+    The client library maps the segment read-only: an expert's bytes and the segment refuse writes."""
+    with ExpertClient(daemon.endpoint) as client:
+        expert = next(client.fetch([(0, 1)]))
+        assert expert.data.readonly
+        with pytest.raises(TypeError):
+            expert.data[0] = 0
+        with pytest.raises(TypeError):
+            client.staging[expert.slot * client.welcome.slot_bytes] = 0
+        expert.release()
 
 
 def test_demand_overtakes_prefetch(tiny_pack: Path, tmp_path: Path) -> None:

@@ -1,8 +1,11 @@
 """Speaking to a real expertd the way the daemon, client and reliability tests do: its keys, a raw
-protocol session, its STATS awaited, a block damaged on disk, a daemon with a RAM tier."""
+protocol session, a HELLO from another process, its STATS awaited, a block damaged on disk, a
+daemon with a RAM tier."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +35,31 @@ def raw_session(endpoint: str) -> Iterator[tuple[zmq.Socket, p.Welcome]]:
         welcome = p.decode(sock.recv())
         assert isinstance(welcome, p.Welcome)
         yield sock, welcome
+
+
+HELLO_SCRIPT = """
+import sys, zmq
+from expertpack.client import protocol as p
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(sys.argv[1])
+sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, sys.argv[2], slots=int(sys.argv[3]))))
+print(sock.recv().hex(), flush=True)
+sys.stdin.read()  # the session lasts until the test closes stdin
+"""
+
+
+@contextmanager
+def hello_elsewhere(endpoint: str, name: str, slots: int = 0) -> Iterator[p.Message]:
+    """HELLO from a process of its own (expertd caps staging slots per client process), connected
+    until the block ends; yields expertd's answer."""
+    proc = subprocess.Popen([sys.executable, "-c", HELLO_SCRIPT, endpoint, name, str(slots)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        yield p.decode(bytes.fromhex(proc.stdout.readline().strip()))
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
 
 
 def recv(sock: zmq.Socket) -> p.Message:

@@ -1,5 +1,6 @@
 """verify finds damage and names it: one flipped byte in one expert block names exactly that
-(layer, expert); a damaged trunk tensor, an edited manifest, a truncated pack are each reported."""
+(layer, expert); a damaged trunk tensor, an edited manifest, a truncated pack are each reported; a
+manifest whose layout breaks the contract is reported without reading a block."""
 
 from __future__ import annotations
 
@@ -109,6 +110,39 @@ def test_a_read_error_names_the_block_instead_of_crashing(pack_copy: Path, monke
     report = verify_pack(pack_copy, progress=False)
     assert [d.key for d in report.damaged] == [ExpertKey(m.layers[1].layer, 3)]
     assert "read error" in report.damaged[0].found
+
+
+def test_a_manifest_whose_layers_repeat_is_reported_without_reading_a_block(pack_copy: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a manifest listing its layers 1,000 times (its fingerprint made to match) had verify
+    read a 7 MB pack 1,000 times, 6.59 GB. The layout is checked before any block is read: it is
+    reported, once per layer listed twice, and no block is hashed (50 times here)."""
+    from expertpack.packtools import hashing
+
+    path = pack_copy / "manifest.json"
+    data = json.loads(path.read_text())
+    n_layers = len(data["layers"])
+    data["layers"] = data["layers"] * 50
+    data["model"]["moe_layers"] = data["model"]["moe_layers"] * 50
+    data["fingerprint"] = fingerprint_of(data)
+    path.write_text(json.dumps(data))
+    read: list[int] = []
+    real = hashing.os.pread
+
+    def counted_pread(fd: int, n: int, offset: int) -> bytes:
+        data = real(fd, n, offset)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(hashing.os, "pread", counted_pread)
+    report = verify_pack(pack_copy, progress=False)
+    assert report.blocks_checked == 0 and report.bytes_checked == 0 and not report.damaged
+    assert not report.ok and any("listed 50 times" in p for p in report.problems), report.problems
+    assert any("expert blocks not hashed" in p for p in report.problems), report.problems
+    assert len(report.problems) <= n_layers + 4, report.problems  # not one line per repetition
+    assert sum(read) <= (pack_copy / "trunk.gguf").stat().st_size  # the trunk's tensors, no expert block
+    proc = run_cli("verify", pack_copy, "-q")
+    assert proc.returncode == 1 and "expert blocks not hashed" in proc.stdout, proc.stdout
 
 
 def test_a_key_added_to_the_manifest_is_detected(pack_copy: Path) -> None:

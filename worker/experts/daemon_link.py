@@ -9,8 +9,9 @@ fails the request DaemonLost `down_timeout_s` after it was found gone (its HELLO
 one that hangs with its connection open is found gone after `timeout_s` without an answer. A block
 expertd read but found corrupt (FAIL CORRUPT) fails the request with CorruptExpert, naming the expert
 and the pack: nothing is computed with it, and no retry can help. It also
-exposes the shared staging segment as a tensor, registered with CUDA (cudaHostRegister) when the
-worker runs on a GPU, so copies out of it are true async DMA.
+exposes the shared staging segment as a tensor, registered with CUDA (cudaHostRegister, read-only:
+the client maps it read-only, as only expertd writes it) when the worker runs on a GPU, so copies
+out of it are true async DMA.
 
 A ZeroMQ socket belongs to one thread at a time: every use of the client holds the link's lock.
 stats() (for /health and /metrics, from any thread) asks the daemon now, on a socket of its own
@@ -23,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -38,6 +40,8 @@ log = logging.getLogger("expert-worker")
 
 PROBE_TIMEOUT_S = 2.0  # how long /health and /metrics wait for the daemon's STATS
 CUDA_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every CUDA context
+# cudaHostRegisterReadOnly: the device only reads the range; needed to pin a read-only mapping
+CUDA_HOST_REGISTER_READ_ONLY = 0x08
 RETRY_PAUSE_S = 0.05  # between a failed session and the next HELLO (which itself waits for a daemon)
 
 
@@ -90,7 +94,9 @@ class DaemonLink:
                               expect_fingerprint=self.fingerprint)
         client.timeout_s = self.timeout_s
         self.client = client
-        self.staging = torch.frombuffer(self.client.staging, dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only by design: nothing here writes into it
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.staging = torch.frombuffer(self.client.staging, dtype=torch.uint8)
         self.pinned = False
         if self.pin_for[0].type == "cuda":
             self._register()
@@ -101,7 +107,7 @@ class DaemonLink:
         registered once only)."""
         assert self.staging is not None
         ptr, size = self.staging.data_ptr(), self.staging.numel()
-        flags = CUDA_HOST_REGISTER_PORTABLE if len(self.pin_for) > 1 else 0
+        flags = CUDA_HOST_REGISTER_READ_ONLY | (CUDA_HOST_REGISTER_PORTABLE if len(self.pin_for) > 1 else 0)
         with torch.cuda.device(self.pin_for[0]):
             err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)
         if int(err) != 0:
