@@ -21,11 +21,13 @@ from expertpack.worker.engine.sampling import Sampler
 from expertpack.worker.experts.cache_policy import CacheTooSmall
 from expertpack.worker.experts.daemon_link import DaemonLost
 from expertpack.worker.experts.routing_trace import start_trace, stop_trace
-from expertpack.worker.serve.main import SettingsError, pick_device
+from expertpack.worker.serve.main import SettingsError, pick_device, trace_problem
 from expertpack.worker.serve.tokenizer import load_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace is not None and (problem := trace_problem(args.trace, args.model, args.trace_overwrite)):
+        _fail(f"--trace {args.trace}: {problem}")
     try:
         args.device = pick_device(args.device)
     except SettingsError as exc:
