@@ -274,12 +274,13 @@ def test_a_port_already_taken_is_refused_before_loading(served, tmp_path: Path) 
 def test_health_tells_the_daemon_as_it_is_now(fixture_packs, tmp_path: Path) -> None:
     """expertd killed while a generation waits for it: /health says unreachable within seconds (it
     used to answer from memory while the fetch held the link); back when a daemon is; degraded
-    when the pack is truncated under the daemon."""
+    when the pack is truncated under the daemon; 503 naming both packs when a daemon restarted on
+    the endpoint serves another pack (every request then fails: it used to say 200)."""
     import shutil
 
     pack = tmp_path / "pack"
     shutil.copytree(fixture_packs[PACK][1], pack)
-    for sub in ("a", "b"):
+    for sub in ("a", "b", "c"):
         (tmp_path / sub).mkdir()
     first = start_daemon(pack, tmp_path / "a")
     first.wait_for("READY=1")
@@ -306,6 +307,18 @@ def test_health_tells_the_daemon_as_it_is_now(fixture_packs, tmp_path: Path) -> 
             f.truncate(f.seek(0, 2) // 2)
         status, body = worker.get("/health")
         assert status == 503 and json.loads(body)["daemon"] == "degraded" and "truncated" in body, body
+
+        other = fixture_packs["mixtral-a.Q4_K_M"][1]
+        assert later.pop().stop()[0] == 0
+        later.append(start_daemon(other, tmp_path / "c", "--endpoint", first.endpoint))
+        later[-1].wait_for("READY=1")
+        status, body = worker.get("/health")
+        mine, theirs = Manifest.load(pack).fingerprint, Manifest.load(other).fingerprint
+        assert status == 503 and json.loads(body)["daemon"] == "wrong_pack", body
+        assert mine[:16] in body and theirs[:16] in body, body
+        status, answer = worker.post("/v1/completions", json.dumps(
+            {"model": "fixture", "prompt": "hello", "max_tokens": 2}).encode())
+        assert status == 503 and answer["error"]["code"] == "daemon_wrong_pack", answer
     finally:
         assert worker.stop() == 0, worker.log
         first.notify.close()

@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from expertpack.client import ClientError
+from expertpack.client import ClientError, FingerprintMismatch
 from expertpack.client.expertctl import health as daemon_health
 
 from ..engine.sampling import Sampler
@@ -356,6 +356,8 @@ def create_app(service: WorkerService) -> FastAPI:
         stats = await asyncio.to_thread(service.daemon_stats)  # asked now, beside any generation
         if stats is None:
             return JSONResponse({"status": "degraded", "daemon": "unreachable"}, status_code=503)
+        if wrong := cache.link.other_pack(stats):  # every request fails: the daemon refuses our sessions
+            return JSONResponse({"status": "degraded", "daemon": "wrong_pack", "detail": wrong}, status_code=503)
         code, detail = daemon_health(stats)
         if code:
             return JSONResponse({"status": "degraded", "daemon": "degraded", "detail": detail}, status_code=503)
@@ -431,10 +433,13 @@ def _usage_fields(completions: list[Completion]) -> dict[str, Any]:
 
 def _storage_error(exc: Exception) -> "ApiError":
     """A failure of expert storage: a block corrupt on disk is the pack's fault (500, expert_corrupt:
-    retrying will not help, `expertpack verify` names the damage); anything else, the daemon's
-    absence (503, daemon_unavailable: retry later)."""
+    retrying will not help, `expertpack verify` names the damage); a daemon serving another pack
+    refuses every session until one of them is restarted on the other's pack (503,
+    daemon_wrong_pack); anything else, the daemon's absence (503, daemon_unavailable: retry later)."""
     if isinstance(exc, CorruptExpert):
         return ApiError(500, str(exc), kind="server_error", code="expert_corrupt")
+    if isinstance(exc, FingerprintMismatch):
+        return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_wrong_pack")
     return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_unavailable")
 
 
