@@ -22,7 +22,7 @@ import torch
 
 from expertpack.worker.serve.chat_template import ChatTemplate
 
-from ..helpers.worker import CHAT, Worker
+from ..helpers.worker import CHAT, Worker, served_context
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +243,27 @@ def test_message_fields_the_template_never_sees_are_refused(worker: Worker) -> N
     status, body = worker.post("/v1/chat/completions", json.dumps(
         {"model": "fixture", "messages": echoed, "max_tokens": 2}).encode())
     assert status == 200, body
+
+
+def test_a_chat_is_bounded_before_its_template_renders_it(worker: Worker) -> None:
+    """55,000 empty messages (1.8 MB: within the body limit, no characters of content) rendered to
+    275,005 tokens before the context refused them, each message validated on the event loop:
+    refused now before any is, as more than OpenAI takes. Fewer messages whose rendering (the
+    template's own text around each) passes --max-prompt-chars stop rendering there."""
+    empty = {"role": "user", "content": ""}
+    start = time.monotonic()
+    status, body = worker.post("/v1/chat/completions", json.dumps(
+        {"model": "fixture", "max_tokens": 1, "messages": [empty] * 55_000}).encode())
+    assert status == 400 and body["error"]["param"] == "messages", body
+    assert "55,000 messages; at most 2,048" in body["error"]["message"], body
+    assert time.monotonic() - start < 1.0
+    max_chars = served_context(worker) * 32
+    content = "x" * (max_chars // 2048 - 1)  # their content fits the bound; with the template's text, not
+    status, body = worker.post("/v1/chat/completions", json.dumps(
+        {"model": "fixture", "max_tokens": 1, "messages": [{"role": "user", "content": content}] * 2048}).encode())
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert f"render to more than {max_chars:,} characters" in body["error"]["message"], body
+    assert worker.client().chat.completions.create(model="fixture", messages=CHAT, max_tokens=1).choices
 
 
 def test_a_non_streamed_client_that_leaves_is_logged_once_and_its_generation_stops(worker: Worker) -> None:

@@ -33,7 +33,7 @@ from expertpack.worker.experts.expert_cache import slot_bytes
 from expertpack.worker.serve.chat_template import ChatTemplate
 
 from ..conftest import BIN, Daemon, free_port, run_cli, start_daemon
-from ..helpers.worker import CHAT, PACK, Worker, local_greedy, metric_values, start_worker
+from ..helpers.worker import CHAT, PACK, Worker, local_greedy, metric_values, served_context, start_worker
 
 
 def local_chat_ids(local, messages) -> list[int]:
@@ -324,10 +324,6 @@ def test_health_tells_the_daemon_as_it_is_now(fixture_packs, tmp_path: Path) -> 
         first.notify.close()
         for d in later:
             d.stop()
-
-
-def served_context(worker: Worker) -> int:
-    return int(worker.log.split(", context ")[1].split(";")[0])
 
 
 def raw_http(worker: Worker, head: str, chunks=(), timeout: float = 10) -> tuple[int, dict]:

@@ -39,7 +39,7 @@ from expertpack.client.expertctl import health as daemon_health
 
 from ..engine.sampling import Sampler
 from ..experts.daemon_link import CorruptExpert, DaemonLost
-from .chat_template import ChatTemplate, ChatTemplateError
+from .chat_template import ChatTemplate, ChatTemplateError, RenderedTooLong
 from .generation import Completion, ContextExceeded, Generator, Request as GenRequest, TokenLogprob, Usage
 from .metrics import ServeCounters, render
 from .requests import (MAX_CHARS_PER_TOKEN, MAX_LOGIT_BIAS, ApiError, BodyLimit, BodyTooLarge, ChatBody, CommonBody,
@@ -121,12 +121,14 @@ def create_app(service: WorkerService) -> FastAPI:
     texts = TokenTexts(tokenizer)
     max_chars = service.limits.max_prompt_chars
 
+    def too_long(what: str, param: str) -> ApiError:
+        return ApiError(400, f"{what}; this worker takes at most {max_chars:,} (--max-prompt-chars; by default "
+                             f"{MAX_CHARS_PER_TOKEN} per token of the {service.generator.n_ctx}-token context)",
+                        param=param, code="context_length_exceeded")
+
     def check_chars(n_chars: int, param: str) -> None:
         if n_chars > max_chars:
-            raise ApiError(400, f"the prompt has {n_chars:,} characters; this worker takes at most {max_chars:,} "
-                                f"(--max-prompt-chars; by default {MAX_CHARS_PER_TOKEN} per token of the "
-                                f"{service.generator.n_ctx}-token context)", param=param,
-                           code="context_length_exceeded")
+            raise too_long(f"the prompt has {n_chars:,} characters", param)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -223,7 +225,9 @@ def create_app(service: WorkerService) -> FastAPI:
 
         def render_and_encode() -> list[int]:
             try:
-                text = template.render(messages)
+                text = template.render(messages, max_chars=max_chars)
+            except RenderedTooLong as exc:
+                raise too_long(f"{exc} (the chat template's text included)", "messages") from None
             except ChatTemplateError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
             starts_with_bos = bool(template.bos_token) and text.startswith(template.bos_token)
