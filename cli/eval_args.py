@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu), or a list of GPUs "
                                                    "(cuda:0,cuda:1) over which the layers are split")
     p.add_argument("--tokenizer", type=Path, metavar="DIR", help="an HF tokenizer directory overriding the GGUF's")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy, as is any below 1e-5")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

@@ -233,6 +233,7 @@ def test_health_and_metrics_answer_during_a_generation_and_a_dropped_stream_stop
     (("--device", "cpu,cuda:0"), "--device 'cpu,cuda:0': mixes cpu and cuda"),
     (("--device", "cuda:0,cuda:0"), "--device cuda:0,cuda:0"),
     (("--device", "cuda:0,,cuda:1"), "expected cpu, cuda or cuda:N"),
+    (("--device", "cuda:999999999999999999999"), "--device 'cuda:999999999999999999999': no such device"),
     (("--daemon-timeout-s", "inf"), "daemon_timeout_s: must lie in"),
     (("--daemon-down-timeout-s", "nan"), "daemon_down_timeout_s: must lie in"),
     (("--cache-vram-mib", "-5"), "cache_vram_mib: must lie in"),

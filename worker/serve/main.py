@@ -188,10 +188,15 @@ def pick_device(requested: str | None) -> str:
 
     if requested is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
+    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
-        return device_spec(parse_devices(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0))
+        return device_spec(parse_devices(requested, n_cuda))
     except DeviceSpecError as exc:
         raise SettingsError(str(exc)) from None
+    except ValueError:  # an index too long for int() or for torch's int64: cuda:999999999999999999999
+        shown = requested if len(requested) <= 64 else requested[:60] + "..."
+        raise SettingsError(f"--device {shown!r}: no such device; this process sees {n_cuda} CUDA devices"
+                            + (f" (cuda:0..cuda:{n_cuda - 1})" if n_cuda else "")) from None
 
 
 def client_name(model: str, device: str, pid: int) -> str:
@@ -241,7 +246,6 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 
 def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logger) -> int:
-    import torch  # after argument parsing: --help stays instant
     import uvicorn
 
     from expertpack.client import ClientError
