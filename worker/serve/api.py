@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import random
+import sys
 import threading
 import time
 import uuid
@@ -33,6 +34,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from expertpack.client import ClientError, FingerprintMismatch
 from expertpack.client.expertctl import health as daemon_health
@@ -40,13 +42,15 @@ from expertpack.client.expertctl import health as daemon_health
 from ..engine.sampling import Sampler
 from ..experts.daemon_link import CorruptExpert, DaemonLost
 from .chat_template import ChatTemplate, ChatTemplateError, RenderedTooLong
-from .generation import Completion, ContextExceeded, Generator, Request as GenRequest, TokenLogprob, Usage
+from .generation import (Completion, ContextExceeded, Generator, Request as GenRequest, TokenLogprob, Usage,
+                         sampling_temperature)
 from .metrics import ServeCounters, render
 from .requests import (MAX_CHARS_PER_TOKEN, MAX_LOGIT_BIAS, ApiError, BodyLimit, BodyTooLarge, ChatBody, CommonBody,
                        CompletionBody, Limits, check_fields)
 from .tokenizer import TokenTexts
 
 log = logging.getLogger("expert-worker")
+MAX_ID_DIGITS = 20  # a token id's, in logit_bias keys: leading zeros allowed, int()'s limit far off
 
 
 
@@ -139,6 +143,16 @@ def create_app(service: WorkerService) -> FastAPI:
     async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
         return await api_error(request, ApiError(413, exc.detail, code="request_too_large"))
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's and FastAPI's own refusals (an unknown path, a method, a body no JSON reader
+        # takes) in OpenAI's shape, like ours.
+        if exc.__cause__ is not None and exc.status_code == 400:
+            message = f"the request body cannot be read as JSON: {_json_failure(exc.__cause__)}"
+        else:
+            message = f"{exc.detail} ({request.method} {request.url.path})"
+        return await api_error(request, ApiError(exc.status_code, message))
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not the client's doing: still an OpenAI-style body (starlette logs the traceback).
@@ -176,7 +190,8 @@ def create_app(service: WorkerService) -> FastAPI:
         except ContextExceeded as exc:
             raise ApiError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
         seed = body.seed if body.seed is not None else random.getrandbits(63)  # unseeded: different each time
-        sampler = Sampler(body.temperature, body.top_k, body.top_p, seed, body.presence_penalty,
+        temperature = sampling_temperature(body.temperature, body.top_p, tokenizer.vocab_size)  # 1e-320: greedy
+        sampler = Sampler(temperature, body.top_k, body.top_p, seed, body.presence_penalty,
                           body.frequency_penalty, logit_bias(body.logit_bias))
         return GenRequest(prompt_ids, max_tokens, sampler, stop, body.ignore_eos, body.top_logprobs_asked())
 
@@ -187,8 +202,10 @@ def create_app(service: WorkerService) -> FastAPI:
             raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(biases)}", param="logit_bias")
         out = {}
         for key, bias in biases.items():
-            if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < tokenizer.vocab_size:  # "²".isdigit()
-                raise ApiError(400, f"logit_bias: keys are token ids in 0..{tokenizer.vocab_size - 1}, got {key!r}",
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_ID_DIGITS) \
+                    or not 0 <= int(key) < tokenizer.vocab_size:  # "²".isdigit(); int() reads 4300 digits at most
+                shown = key if len(key) <= MAX_ID_DIGITS else f"{key[:MAX_ID_DIGITS]}... ({len(key):,} characters)"
+                raise ApiError(400, f"logit_bias: keys are token ids in 0..{tokenizer.vocab_size - 1}, got {shown!r}",
                                param="logit_bias")
             out[int(key)] = bias
         return out
@@ -445,6 +462,16 @@ def _storage_error(exc: Exception) -> "ApiError":
     if isinstance(exc, FingerprintMismatch):
         return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_wrong_pack")
     return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_unavailable")
+
+
+def _json_failure(exc: BaseException) -> str:
+    """Why Python's JSON reader refused a body, for the client (not its advice to the server's
+    programmer: "use sys.set_int_max_str_digits()")."""
+    if isinstance(exc, RecursionError):
+        return "arrays or objects nested too deeply"
+    if isinstance(exc, ValueError) and "integer string conversion" in str(exc):  # CPython says no more
+        return f"a number has more than {sys.get_int_max_str_digits():,} digits"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _sse(obj: dict) -> str:
