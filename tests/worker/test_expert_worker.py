@@ -130,17 +130,37 @@ def test_metrics_parse_and_count(served) -> None:
 
 
 def test_daemon_killed_during_a_generation(fixture_packs, local, tmp_path: Path) -> None:
+    """The request in flight waits for a daemon (up to --daemon-down-timeout-s, 60 s by default)
+    and gives the text of a clean run once one is back; a request that comes while the daemon is
+    gone is answered 503 at once (it used to wait those 60 s too), as /health says."""
     pack = fixture_packs[PACK][1]
-    for sub in ("a", "b", "c"):
+    for sub in ("a", "b", "c", "d"):
         (tmp_path / sub).mkdir()
     first = start_daemon(pack, tmp_path / "a")
     first.wait_for("READY=1")
-    worker = start_worker(pack, first.endpoint, tmp_path / "a", "--daemon-timeout-s", "1",
-                          "--daemon-down-timeout-s", "4")
+    worker = start_worker(pack, first.endpoint, tmp_path / "a", "--daemon-timeout-s", "1")
     client = worker.client()
     prompt = "A long story begins"
     want = local_greedy(local, local[1].encode(prompt), 48)
     later: list[Daemon] = []
+
+    def kill(daemon: Daemon) -> None:
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait()
+        for left in Path("/dev/shm").glob(f"expertpack-{daemon.proc.pid}-*"):  # what SIGKILL leaves
+            left.unlink()
+
+    def restart(sub: str) -> None:
+        later.append(start_daemon(pack, tmp_path / sub, "--endpoint", first.endpoint))
+
+    def refused_at_once() -> None:
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError, match="expert storage unavailable") as err:
+            client.completions.create(model="fixture", prompt="a new request", max_tokens=8, temperature=0)
+        assert err.value.status_code == 503 and err.value.body["code"] == "daemon_unavailable", err.value.body
+        assert time.monotonic() - start < 10, "a new request waited for the daemon"
+        assert worker.get("/health")[0] == 503 and worker.proc.poll() is None
+
     try:
         # Restarted soon after: the worker reconnects and the text is the text.
         pieces = []
@@ -148,32 +168,39 @@ def test_daemon_killed_during_a_generation(fixture_packs, local, tmp_path: Path)
         for i, chunk in enumerate(stream):
             pieces.append(chunk.choices[0].text)
             if i == 0:
-                first.proc.send_signal(signal.SIGKILL)
-                first.proc.wait()
-                threading.Timer(0.5, lambda: later.append(
-                    start_daemon(pack, tmp_path / "b", "--endpoint", first.endpoint))).start()
+                kill(first)
+                threading.Timer(0.5, restart, ("b",)).start()
         assert "".join(pieces) == want
         assert "reconnected to expertd" in worker.log
 
-        # Gone for good: a clear 503, and the worker stays up.
+        # Gone: a new request is refused at once, and the worker stays up.
         later[0].wait_for("READY=1")
-        later[0].proc.send_signal(signal.SIGKILL)
-        later[0].proc.wait()
-        with pytest.raises(openai.APIStatusError, match="expert storage unavailable") as err:
-            client.completions.create(model="fixture", prompt=prompt, max_tokens=8, temperature=0)
-        assert err.value.status_code == 503
-        assert worker.get("/health")[0] == 503 and worker.proc.poll() is None
+        kill(later[0])
+        refused_at_once()
 
-        back = start_daemon(pack, tmp_path / "c", "--endpoint", first.endpoint)
-        later.append(back)
-        back.wait_for("READY=1")
+        # Gone while a request is in flight: it waits and completes once a daemon is back; a new
+        # request meanwhile is refused at once.
+        restart("c")
+        later[-1].wait_for("READY=1")
+        stream = client.completions.create(model="fixture", prompt=prompt, max_tokens=48, temperature=0, stream=True)
+        chunks = iter(stream)
+        pieces = [next(chunks).choices[0].text]
+        kill(later[-1])
+        refused_at_once()
+        restart("d")
+        pieces += [chunk.choices[0].text for chunk in chunks]
+        assert "".join(pieces) == want
+        assert worker.log.count("reconnected to expertd") == 3  # to b, to c, and the stream waited for d
         again = client.completions.create(model="fixture", prompt=prompt, max_tokens=48, temperature=0)
         assert again.choices[0].text == want
     finally:
         assert worker.stop() == 0, worker.log
         first.notify.close()
         for d in later:
-            d.stop()
+            if d.proc.poll() is None:
+                d.stop()
+            else:
+                d.notify.close()
 
 
 def test_bench_serve_replays_the_protocol(served, tmp_path: Path) -> None:

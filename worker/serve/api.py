@@ -4,10 +4,12 @@
 One generation runs at a time, on the service's own one-thread executor so the event loop (and
 /health, /metrics) keeps answering; others wait their turn, nothing is dropped. A request whose
 client went away stops at its next token (or never starts); at shutdown every generation stops.
-Bad requests get OpenAI-style errors (400 invalid_request_error, 404 for an unknown model); a
-daemon that stays away fails the request with 503 and the server keeps serving. Request bodies and
-prompts are bounded (sized from the context) before anything is parsed or tokenized, and templates
-and tokenizing run off the event loop. Beside the standard `usage`, responses carry llama-server's
+Bad requests get OpenAI-style errors (400 invalid_request_error, 404 for an unknown model). A
+daemon that stays away fails the request waiting for it with 503 after --daemon-down-timeout-s,
+and the server keeps serving; a request that comes while expertd does not answer or serves
+another pack (what /health reports) gets 503 at once, never queued behind that wait. Request
+bodies and prompts are bounded (sized from the context) before anything is parsed or tokenized,
+and templates and tokenizing run off the event loop. Beside the standard `usage`, responses carry llama-server's
 `timings` (so one benchmark client reads both) and an `expertpack` object: unique-key hit rate and
 SSD bytes read.
 
@@ -110,6 +112,24 @@ class WorkerService:
     def daemon_stats(self) -> dict | None:
         cache = self.generator.engine.expert_cache
         return None if cache is None else cache.link.stats()
+
+    def storage_refusal(self) -> ApiError | None:
+        """Why a new request cannot be served now, asked of expertd now (STATS on the link's probe
+        socket, beside any generation, as /health asks): it does not answer, or serves another
+        pack. The request in flight waits for a daemon up to --daemon-down-timeout-s; one that
+        comes meanwhile is answered at once instead of queued behind that wait."""
+        cache = self.generator.engine.expert_cache
+        if cache is None:
+            return None
+        link = cache.link
+        stats = link.stats()
+        if stats is None:
+            return ApiError(503, f"expert storage unavailable: expertd at {link.endpoint} does not answer; requests "
+                                 "are refused until it does (start it: systemctl start expertd)",
+                            kind="server_error", code="daemon_unavailable")
+        if wrong := link.other_pack(stats):
+            return ApiError(503, f"expert storage unavailable: {wrong}", kind="server_error", code="daemon_wrong_pack")
+        return None
 
     def daemon_client(self) -> dict | None:
         """expertd's counters for this worker's own session (several workers may share the daemon)."""
@@ -255,6 +275,8 @@ def create_app(service: WorkerService) -> FastAPI:
         return await respond(request, body, req, "chat.completion", "chatcmpl")
 
     async def respond(request: Request, body: CommonBody, req: GenRequest, kind: str, prefix: str) -> Response:
+        if (refused := await asyncio.to_thread(service.storage_refusal)) is not None:
+            raise refused
         rid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
         head = {"id": rid, "created": created, "model": service.model_name}
         shape = _Shape(kind == "chat.completion", req.logprobs is not None, texts)
