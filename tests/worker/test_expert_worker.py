@@ -335,6 +335,11 @@ def test_health_tells_the_daemon_as_it_is_now(fixture_packs, tmp_path: Path) -> 
             f.truncate(f.seek(0, 2) // 2)
         status, body = worker.get("/health")
         assert status == 503 and json.loads(body)["daemon"] == "degraded" and "truncated" in body, body
+        status, answer = worker.post("/v1/completions", json.dumps(  # its experts: some lie past the end now
+            {"model": "fixture", "prompt": "hello", "max_tokens": 16, "ignore_eos": True}).encode())
+        error = answer["error"]
+        assert status == 500 and error["code"] == "expert_unreadable", answer  # not daemon_unavailable: no retry helps
+        assert "could not be read" in error["message"] and "expertpack verify" in error["message"], error
 
         other = fixture_packs["mixtral-a.Q4_K_M"][1]
         assert later.pop().stop()[0] == 0

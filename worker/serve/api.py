@@ -38,8 +38,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from expertpack.client import ClientError, FingerprintMismatch
+from expertpack.client import ClientError, FetchFailed, FingerprintMismatch
 from expertpack.client.expertctl import health as daemon_health
+from expertpack.client.protocol import FailCode
 
 from ..engine.sampling import Sampler
 from ..experts.daemon_link import CorruptExpert, DaemonLost
@@ -130,6 +131,10 @@ class WorkerService:
         if wrong := link.other_pack(stats):
             return ApiError(503, f"expert storage unavailable: {wrong}", kind="server_error", code="daemon_wrong_pack")
         return None
+
+    def daemon_endpoint(self) -> str:
+        cache = self.generator.engine.expert_cache
+        return "?" if cache is None else cache.link.endpoint
 
     def daemon_client(self) -> dict | None:
         """expertd's counters for this worker's own session (several workers may share the daemon)."""
@@ -295,7 +300,7 @@ def create_app(service: WorkerService) -> FastAPI:
         try:
             completions = await service.generate(req, n, gone=gone)
         except (DaemonLost, ClientError) as exc:
-            raise _storage_error(exc) from None
+            raise _storage_error(exc, service.daemon_endpoint()) from None
         except Exception as exc:
             log.exception("generation failed")
             raise ApiError(500, f"generation failed: {exc}", kind="server_error") from None
@@ -350,7 +355,7 @@ def create_app(service: WorkerService) -> FastAPI:
             completions = await work
         except Exception as exc:
             if isinstance(exc, (DaemonLost, ClientError)):
-                error = _storage_error(exc)
+                error = _storage_error(exc, service.daemon_endpoint())
             else:
                 log.exception("generation failed")
                 error = ApiError(500, f"generation failed: {exc}", kind="server_error")
@@ -474,13 +479,20 @@ def _usage_fields(completions: list[Completion]) -> dict[str, Any]:
     }
 
 
-def _storage_error(exc: Exception) -> "ApiError":
-    """A failure of expert storage: a block corrupt on disk is the pack's fault (500, expert_corrupt:
-    retrying will not help, `expertpack verify` names the damage); a daemon serving another pack
-    refuses every session until one of them is restarted on the other's pack (503,
-    daemon_wrong_pack); anything else, the daemon's absence (503, daemon_unavailable: retry later)."""
+def _storage_error(exc: Exception, endpoint: str) -> "ApiError":
+    """A failure of expert storage. The pack's fault, where retrying will not help and `expertpack
+    verify` names the damage (500): a block corrupt on disk (expert_corrupt), or one expertd could
+    not read (expert_unreadable: an I/O error, a pack truncated under it, or whatever FAIL code a
+    newer daemon has for it). A daemon serving another pack refuses every session until one of
+    them is restarted on the other's pack (503, daemon_wrong_pack); anything else is the daemon's
+    absence (503, daemon_unavailable: retry later)."""
     if isinstance(exc, CorruptExpert):
         return ApiError(500, str(exc), kind="server_error", code="expert_corrupt")
+    if isinstance(exc, FetchFailed) and exc.code not in (FailCode.SHUTDOWN, FailCode.CANCELLED):
+        return ApiError(500, f"expert (layer {exc.key.layer}, expert {exc.key.expert}) could not be read from the pack "
+                             f"by expertd at {endpoint}: {exc.code.name}: {exc.message}; the request fails and "
+                             "retrying will not help: check the disk and run expertpack verify on the pack expertd "
+                             "serves (rebuild or restore it if damaged)", kind="server_error", code="expert_unreadable")
     if isinstance(exc, FingerprintMismatch):
         return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_wrong_pack")
     return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_unavailable")
