@@ -21,11 +21,17 @@ from expertpack.worker.engine.sampling import Sampler
 from expertpack.worker.experts.cache_policy import CacheTooSmall
 from expertpack.worker.experts.daemon_link import DaemonLost
 from expertpack.worker.experts.routing_trace import start_trace, stop_trace
-from expertpack.worker.serve.main import SettingsError, pick_device
+from expertpack.worker.serve.generation import sampling_temperature
+from expertpack.worker.serve.main import SettingsError, pick_device, trace_problem
 from expertpack.worker.serve.tokenizer import load_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.top_p > 0:
+        _fail(f"--top-p must lie above 0 (the share of probability whose most likely tokens are sampled; 1 "
+              f"keeps all), got {args.top_p!r}")
+    if args.trace is not None and (problem := trace_problem(args.trace, args.model, args.trace_overwrite)):
+        _fail(f"--trace {args.trace}: {problem}")
     try:
         args.device = pick_device(args.device)
     except SettingsError as exc:
@@ -64,7 +70,7 @@ def _run(args: argparse.Namespace, engine: Engine) -> int:
     bad = [t for t in prompt if not 0 <= t < vocab]
     if not prompt or bad:
         _fail(f"prompt must be non-empty token ids in 0..{vocab - 1}; bad: {bad[:5]}")
-    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    sampler = Sampler(sampling_temperature(args.temperature, args.top_p, vocab), args.top_k, args.top_p, args.seed)
     start = time.perf_counter()
     if args.stepwise:
         tokens, logits = _stepwise(engine, prompt, args.greedy, sampler)

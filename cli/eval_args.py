@@ -30,11 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a routing trace of a given text as decode sees it; logits agree within rounding)")
     p.add_argument("--trace", type=Path, metavar="FILE",
                    help="record the experts every token (prompt and continuation) selects in every MoE layer: a "
-                        "routing trace for `expertpack bench cache` (JSON lines; worker/experts/routing_trace.py)")
+                        "routing trace for `expertpack bench cache` (JSON lines; worker/experts/routing_trace.py); "
+                        "an existing FILE is refused unless --trace-overwrite")
+    p.add_argument("--trace-overwrite", action="store_true",
+                   help="let --trace replace an existing FILE (never one of MODEL's own files)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu), or a list of GPUs "
                                                    "(cuda:0,cuda:1) over which the layers are split")
     p.add_argument("--tokenizer", type=Path, metavar="DIR", help="an HF tokenizer directory overriding the GGUF's")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy, as is any below 1e-5")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

@@ -43,3 +43,17 @@ def test_a_bad_command_line_is_one_line_and_status_2(capsys: pytest.CaptureFixtu
     assert code == 2 and err == "expertpack eval: --top-p must lie in 0..1, got nan\n"
     code, _, err = run(capsys, "bench", "nope")
     assert code == 2 and "invalid choice: 'nope'" in err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (("--top-p", "0"), "--top-p must lie above 0"),
+    (("--device", "cuda:999999999999999999999"), "--device 'cuda:999999999999999999999': no such device"),
+    (("--device", "cuda:1" + "0" * 5000), "no such device"),
+])
+def test_eval_refuses_what_it_cannot_sample_with_or_run_on_in_one_line(capsys: pytest.CaptureFixture[str],
+                                                                       flags: tuple[str, ...], needle: str) -> None:
+    """They were tracebacks (the sampler's ValueError, torch's overflow of a device index), raised
+    before the model loads: model.gguf need not exist."""
+    code, _, err = run(capsys, "eval", "model.gguf", "--text", "hi", *flags)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("expertpack eval: "), err
+    assert needle in err and len(err) < 300, err

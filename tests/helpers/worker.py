@@ -82,6 +82,11 @@ def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str, ready: str =
         time.sleep(0.2)
 
 
+def served_context(worker: Worker) -> int:
+    """The context the worker serves, from its "serving ..." log line."""
+    return int(worker.log.split(", context ")[1].split(";")[0])
+
+
 def metric_values(worker: Worker) -> dict[str, float]:
     status, text = worker.get("/metrics")
     assert status == 200

@@ -22,7 +22,7 @@ import torch
 
 from expertpack.worker.serve.chat_template import ChatTemplate
 
-from ..helpers.worker import CHAT, Worker
+from ..helpers.worker import CHAT, Worker, served_context
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +210,7 @@ def test_penalties_follow_openais_formula_and_logprobs_stay_the_models(worker: W
     ("/v1/completions", "logit_bias", {"not-a-token": 5}),
     ("/v1/completions", "logit_bias", {"5": 101}),
     ("/v1/completions", "logit_bias", {"\u00b2": 5}),  # a digit to str.isdigit, not to int()
+    ("/v1/completions", "logit_bias", {"1" * 5000: 5}),  # more digits than int() reads
     ("/v1/completions", "seed", 2**64),
     ("/v1/completions", "messages", CHAT),
 ])
@@ -243,6 +244,53 @@ def test_message_fields_the_template_never_sees_are_refused(worker: Worker) -> N
     status, body = worker.post("/v1/chat/completions", json.dumps(
         {"model": "fixture", "messages": echoed, "max_tokens": 2}).encode())
     assert status == 200, body
+
+
+def test_a_vanishing_temperature_or_top_p_samples_greedily(worker: Worker) -> None:
+    """temperature 1e-320 and top_p 5e-324 are what greedy chooses (they were 500: "probability
+    tensor contains either inf, nan"): the limit of sampling as they go to 0 (generation.py)."""
+    def text(**sampling) -> str:
+        status, body = worker.post("/v1/completions", json.dumps({"model": "fixture", "prompt": "Once", "max_tokens": 6,
+                                                                 "ignore_eos": True, **sampling}).encode())
+        assert status == 200, (sampling, body)
+        return body["choices"][0]["text"]
+
+    greedy = text(temperature=0)
+    assert text(temperature=1e-320) == text(temperature=1, top_p=5e-324) == greedy
+
+
+def test_what_no_json_reader_takes_gets_an_openai_error(worker: Worker) -> None:
+    """A body Python's JSON reader refuses (a 5,000-digit number, arrays nested 100,000 deep) and
+    an unknown path were FastAPI's {"detail": ...}; they are OpenAI's error shape like any other."""
+    head = b'{"model": "fixture", "prompt": "hi", "max_tokens": 2, '
+    for body, needle in ((head + b'"seed": ' + b"7" * 5000 + b"}", "more than 4,300 digits"),
+                         (head + b'"user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply")):
+        status, answer = worker.post("/v1/completions", body)
+        assert status == 400 and set(answer) == {"error"}, answer
+        assert answer["error"]["type"] == "invalid_request_error" and needle in answer["error"]["message"], answer
+    status, text = worker.get("/v1/nowhere")
+    assert status == 404 and json.loads(text)["error"]["type"] == "invalid_request_error", text
+
+
+def test_a_chat_is_bounded_before_its_template_renders_it(worker: Worker) -> None:
+    """55,000 empty messages (1.8 MB: within the body limit, no characters of content) rendered to
+    275,005 tokens before the context refused them, each message validated on the event loop:
+    refused now before any is, as more than OpenAI takes. Fewer messages whose rendering (the
+    template's own text around each) passes --max-prompt-chars stop rendering there."""
+    empty = {"role": "user", "content": ""}
+    start = time.monotonic()
+    status, body = worker.post("/v1/chat/completions", json.dumps(
+        {"model": "fixture", "max_tokens": 1, "messages": [empty] * 55_000}).encode())
+    assert status == 400 and body["error"]["param"] == "messages", body
+    assert "55,000 messages; at most 2,048" in body["error"]["message"], body
+    assert time.monotonic() - start < 1.0
+    max_chars = served_context(worker) * 32
+    content = "x" * (max_chars // 2048 - 1)  # their content fits the bound; with the template's text, not
+    status, body = worker.post("/v1/chat/completions", json.dumps(
+        {"model": "fixture", "max_tokens": 1, "messages": [{"role": "user", "content": content}] * 2048}).encode())
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert f"render to more than {max_chars:,} characters" in body["error"]["message"], body
+    assert worker.client().chat.completions.create(model="fixture", messages=CHAT, max_tokens=1).choices
 
 
 def test_a_non_streamed_client_that_leaves_is_logged_once_and_its_generation_stops(worker: Worker) -> None:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ..conftest import FIXTURES, Daemon, run_cli
 from ..helpers.engine import assert_every_key_accounted
@@ -34,6 +35,21 @@ def test_eval_on_a_pack_with_text(fixture_packs: dict[str, tuple[Path, Path]]) -
     proc = run_cli("eval", pack, "--text", "Hello world, this is", "--greedy", "5")
     assert proc.returncode == 0, proc.stderr
     assert "continuation (5 tokens)" in proc.stdout and "prompt (" in proc.stdout
+
+
+def test_eval_samples_a_vanishing_temperature_or_top_p_greedily(capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature 1e-300 (and a top-p below 1/vocab) sample exactly what greedy chooses; they
+    were a traceback ("probability tensor contains either inf, nan"). In this process: no torch to
+    start for each run."""
+    from expertpack.cli.main import main
+
+    model = FIXTURES / "gguf" / "qwen3moe-a" / "qwen3moe-a.Q2_K.gguf"
+    runs = {}
+    for name, flags in {"greedy": (), "tiny temperature": ("--temperature", "1e-300"),
+                        "tiny top-p": ("--temperature", "1", "--top-p", "5e-324")}.items():
+        assert main(["eval", str(model), "--tokens", "1,2,3", "--greedy", "4", "--json", *flags]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["continuation"]
+    assert runs["tiny temperature"] == runs["tiny top-p"] == runs["greedy"], runs
 
 
 def test_eval_refuses_bad_tokens() -> None:

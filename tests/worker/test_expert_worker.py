@@ -33,7 +33,7 @@ from expertpack.worker.experts.expert_cache import slot_bytes
 from expertpack.worker.serve.chat_template import ChatTemplate
 
 from ..conftest import BIN, Daemon, free_port, run_cli, start_daemon
-from ..helpers.worker import CHAT, PACK, Worker, local_greedy, metric_values, start_worker
+from ..helpers.worker import CHAT, PACK, Worker, local_greedy, metric_values, served_context, start_worker
 
 
 def local_chat_ids(local, messages) -> list[int]:
@@ -130,17 +130,37 @@ def test_metrics_parse_and_count(served) -> None:
 
 
 def test_daemon_killed_during_a_generation(fixture_packs, local, tmp_path: Path) -> None:
+    """The request in flight waits for a daemon (up to --daemon-down-timeout-s, 60 s by default)
+    and gives the text of a clean run once one is back; a request that comes while the daemon is
+    gone is answered 503 at once (it used to wait those 60 s too), as /health says."""
     pack = fixture_packs[PACK][1]
-    for sub in ("a", "b", "c"):
+    for sub in ("a", "b", "c", "d"):
         (tmp_path / sub).mkdir()
     first = start_daemon(pack, tmp_path / "a")
     first.wait_for("READY=1")
-    worker = start_worker(pack, first.endpoint, tmp_path / "a", "--daemon-timeout-s", "1",
-                          "--daemon-down-timeout-s", "4")
+    worker = start_worker(pack, first.endpoint, tmp_path / "a", "--daemon-timeout-s", "1")
     client = worker.client()
     prompt = "A long story begins"
     want = local_greedy(local, local[1].encode(prompt), 48)
     later: list[Daemon] = []
+
+    def kill(daemon: Daemon) -> None:
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait()
+        for left in Path("/dev/shm").glob(f"expertpack-{daemon.proc.pid}-*"):  # what SIGKILL leaves
+            left.unlink()
+
+    def restart(sub: str) -> None:
+        later.append(start_daemon(pack, tmp_path / sub, "--endpoint", first.endpoint))
+
+    def refused_at_once() -> None:
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError, match="expert storage unavailable") as err:
+            client.completions.create(model="fixture", prompt="a new request", max_tokens=8, temperature=0)
+        assert err.value.status_code == 503 and err.value.body["code"] == "daemon_unavailable", err.value.body
+        assert time.monotonic() - start < 10, "a new request waited for the daemon"
+        assert worker.get("/health")[0] == 503 and worker.proc.poll() is None
+
     try:
         # Restarted soon after: the worker reconnects and the text is the text.
         pieces = []
@@ -148,32 +168,39 @@ def test_daemon_killed_during_a_generation(fixture_packs, local, tmp_path: Path)
         for i, chunk in enumerate(stream):
             pieces.append(chunk.choices[0].text)
             if i == 0:
-                first.proc.send_signal(signal.SIGKILL)
-                first.proc.wait()
-                threading.Timer(0.5, lambda: later.append(
-                    start_daemon(pack, tmp_path / "b", "--endpoint", first.endpoint))).start()
+                kill(first)
+                threading.Timer(0.5, restart, ("b",)).start()
         assert "".join(pieces) == want
         assert "reconnected to expertd" in worker.log
 
-        # Gone for good: a clear 503, and the worker stays up.
+        # Gone: a new request is refused at once, and the worker stays up.
         later[0].wait_for("READY=1")
-        later[0].proc.send_signal(signal.SIGKILL)
-        later[0].proc.wait()
-        with pytest.raises(openai.APIStatusError, match="expert storage unavailable") as err:
-            client.completions.create(model="fixture", prompt=prompt, max_tokens=8, temperature=0)
-        assert err.value.status_code == 503
-        assert worker.get("/health")[0] == 503 and worker.proc.poll() is None
+        kill(later[0])
+        refused_at_once()
 
-        back = start_daemon(pack, tmp_path / "c", "--endpoint", first.endpoint)
-        later.append(back)
-        back.wait_for("READY=1")
+        # Gone while a request is in flight: it waits and completes once a daemon is back; a new
+        # request meanwhile is refused at once.
+        restart("c")
+        later[-1].wait_for("READY=1")
+        stream = client.completions.create(model="fixture", prompt=prompt, max_tokens=48, temperature=0, stream=True)
+        chunks = iter(stream)
+        pieces = [next(chunks).choices[0].text]
+        kill(later[-1])
+        refused_at_once()
+        restart("d")
+        pieces += [chunk.choices[0].text for chunk in chunks]
+        assert "".join(pieces) == want
+        assert worker.log.count("reconnected to expertd") == 3  # to b, to c, and the stream waited for d
         again = client.completions.create(model="fixture", prompt=prompt, max_tokens=48, temperature=0)
         assert again.choices[0].text == want
     finally:
         assert worker.stop() == 0, worker.log
         first.notify.close()
         for d in later:
-            d.stop()
+            if d.proc.poll() is None:
+                d.stop()
+            else:
+                d.notify.close()
 
 
 def test_bench_serve_replays_the_protocol(served, tmp_path: Path) -> None:
@@ -233,6 +260,7 @@ def test_health_and_metrics_answer_during_a_generation_and_a_dropped_stream_stop
     (("--device", "cpu,cuda:0"), "--device 'cpu,cuda:0': mixes cpu and cuda"),
     (("--device", "cuda:0,cuda:0"), "--device cuda:0,cuda:0"),
     (("--device", "cuda:0,,cuda:1"), "expected cpu, cuda or cuda:N"),
+    (("--device", "cuda:999999999999999999999"), "--device 'cuda:999999999999999999999': no such device"),
     (("--daemon-timeout-s", "inf"), "daemon_timeout_s: must lie in"),
     (("--daemon-down-timeout-s", "nan"), "daemon_down_timeout_s: must lie in"),
     (("--cache-vram-mib", "-5"), "cache_vram_mib: must lie in"),
@@ -274,12 +302,13 @@ def test_a_port_already_taken_is_refused_before_loading(served, tmp_path: Path) 
 def test_health_tells_the_daemon_as_it_is_now(fixture_packs, tmp_path: Path) -> None:
     """expertd killed while a generation waits for it: /health says unreachable within seconds (it
     used to answer from memory while the fetch held the link); back when a daemon is; degraded
-    when the pack is truncated under the daemon."""
+    when the pack is truncated under the daemon; 503 naming both packs when a daemon restarted on
+    the endpoint serves another pack (every request then fails: it used to say 200)."""
     import shutil
 
     pack = tmp_path / "pack"
     shutil.copytree(fixture_packs[PACK][1], pack)
-    for sub in ("a", "b"):
+    for sub in ("a", "b", "c"):
         (tmp_path / sub).mkdir()
     first = start_daemon(pack, tmp_path / "a")
     first.wait_for("READY=1")
@@ -306,15 +335,28 @@ def test_health_tells_the_daemon_as_it_is_now(fixture_packs, tmp_path: Path) -> 
             f.truncate(f.seek(0, 2) // 2)
         status, body = worker.get("/health")
         assert status == 503 and json.loads(body)["daemon"] == "degraded" and "truncated" in body, body
+        status, answer = worker.post("/v1/completions", json.dumps(  # its experts: some lie past the end now
+            {"model": "fixture", "prompt": "hello", "max_tokens": 16, "ignore_eos": True}).encode())
+        error = answer["error"]
+        assert status == 500 and error["code"] == "expert_unreadable", answer  # not daemon_unavailable: no retry helps
+        assert "could not be read" in error["message"] and "expertpack verify" in error["message"], error
+
+        other = fixture_packs["mixtral-a.Q4_K_M"][1]
+        assert later.pop().stop()[0] == 0
+        later.append(start_daemon(other, tmp_path / "c", "--endpoint", first.endpoint))
+        later[-1].wait_for("READY=1")
+        status, body = worker.get("/health")
+        mine, theirs = Manifest.load(pack).fingerprint, Manifest.load(other).fingerprint
+        assert status == 503 and json.loads(body)["daemon"] == "wrong_pack", body
+        assert mine[:16] in body and theirs[:16] in body, body
+        status, answer = worker.post("/v1/completions", json.dumps(
+            {"model": "fixture", "prompt": "hello", "max_tokens": 2}).encode())
+        assert status == 503 and answer["error"]["code"] == "daemon_wrong_pack", answer
     finally:
         assert worker.stop() == 0, worker.log
         first.notify.close()
         for d in later:
             d.stop()
-
-
-def served_context(worker: Worker) -> int:
-    return int(worker.log.split(", context ")[1].split(";")[0])
 
 
 def raw_http(worker: Worker, head: str, chunks=(), timeout: float = 10) -> tuple[int, dict]:

@@ -135,6 +135,52 @@ def test_a_trace_file_in_a_missing_directory_is_refused_up_front(tmp_path: Path)
     assert proc.returncode == 2 and "trace" in proc.stderr and "does not exist" in proc.stderr
 
 
+def test_a_trace_replaces_no_file_unless_told_and_never_the_models_own(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`--trace FILE` (expert-worker and expertpack eval) refuses a FILE that exists unless
+    --trace-overwrite says so, and the served model's own files even then, by whatever path they
+    are named: one line, exit 2, the file untouched. Both refuse before loading anything, so the
+    pack here is three placeholder files (and eval is called in this process)."""
+    import subprocess
+
+    from expertpack.cli.main import main as expertpack
+    from expertpack.worker.serve.main import settings
+
+    from ..conftest import BIN
+
+    pack, gguf = tmp_path / "pack", tmp_path / "model.gguf"
+    pack.mkdir()
+    precious = {pack / name: f"the pack's {name}" for name in ("experts.pack", "manifest.json", "trunk.gguf")}
+    precious[gguf] = "a model"
+    precious[tmp_path / "old.jsonl"] = "an earlier trace"
+    for path, text in precious.items():
+        path.write_text(text)
+    (tmp_path / "link").symlink_to(pack / "experts.pack")
+    cases = [  # (model, trace, forced, what the line says)
+        (pack, pack / "experts.pack", False, "is experts.pack of the model ("),
+        (pack, pack / "manifest.json", True, "is manifest.json of the model ("),
+        (pack, tmp_path / "link", True, "is experts.pack of the model ("),
+        (pack, pack / ".." / "pack" / "trunk.gguf", True, "is trunk.gguf of the model ("),
+        (gguf, gguf, True, "is model.gguf of the model ("),
+        (pack, tmp_path / "old.jsonl", False, "exists; --trace-overwrite replaces it"),
+    ]
+    for model, trace, forced, needle in cases:
+        force = ["--trace-overwrite"] if forced else []
+        if model.is_dir():
+            proc = subprocess.run([str(BIN / "expert-worker"), "--pack", str(model), "--trace", str(trace), *force],
+                                  capture_output=True, text=True, timeout=60)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], (trace, proc.stderr)
+        try:
+            code = expertpack(["eval", str(model), "--tokens", "1", "--trace", str(trace), *force])
+        except SystemExit as exc:
+            code = exc.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (trace, lines)
+    assert {path: path.read_text() for path in precious} == precious
+    assert settings(["--pack", str(pack), "--trace", str(tmp_path / "old.jsonl"), "--trace-overwrite"]).trace_overwrite
+
+
 def test_eval_stepwise_traces_the_prompt_one_token_per_pass(tiny_gguf: Path, tmp_path: Path) -> None:
     """`expertpack eval --stepwise --trace`: the prompt fed as decoding feeds it, one token per
     pass, gives the same continuation and prompt logits within rounding as one pass."""

@@ -194,6 +194,17 @@ class DaemonLink:
         finally:
             self._probe_lock.release()
 
+    def other_pack(self, stats: dict) -> str | None:
+        """What is wrong when expertd (its STATS reply) serves another pack than this worker's
+        trunk was built with, or None: a daemon restarted on the endpoint with another pack
+        answers every probe but refuses every session (HELLO: ERROR FINGERPRINT)."""
+        theirs = stats.get("fingerprint")
+        if self.fingerprint is None or theirs == self.fingerprint:
+            return None
+        return (f"expertd at {self.endpoint} serves pack {str(theirs)[:16]} ({stats.get('arch', '?')}), not pack "
+                f"{self.fingerprint[:16]} this worker's trunk.gguf was built with; restart expertd on this worker's "
+                "pack, or the worker on expertd's")
+
     def own_client(self, stats: dict | None) -> dict | None:
         """This worker's own line of a STATS reply's `clients` (its session's counters), found by
         its name and, where expertd knows it, its pid: None when the daemon did not answer or this

@@ -4,10 +4,12 @@
 One generation runs at a time, on the service's own one-thread executor so the event loop (and
 /health, /metrics) keeps answering; others wait their turn, nothing is dropped. A request whose
 client went away stops at its next token (or never starts); at shutdown every generation stops.
-Bad requests get OpenAI-style errors (400 invalid_request_error, 404 for an unknown model); a
-daemon that stays away fails the request with 503 and the server keeps serving. Request bodies and
-prompts are bounded (sized from the context) before anything is parsed or tokenized, and templates
-and tokenizing run off the event loop. Beside the standard `usage`, responses carry llama-server's
+Bad requests get OpenAI-style errors (400 invalid_request_error, 404 for an unknown model). A
+daemon that stays away fails the request waiting for it with 503 after --daemon-down-timeout-s,
+and the server keeps serving; a request that comes while expertd does not answer or serves
+another pack (what /health reports) gets 503 at once, never queued behind that wait. Request
+bodies and prompts are bounded (sized from the context) before anything is parsed or tokenized,
+and templates and tokenizing run off the event loop. Beside the standard `usage`, responses carry llama-server's
 `timings` (so one benchmark client reads both) and an `expertpack` object: unique-key hit rate and
 SSD bytes read.
 
@@ -22,6 +24,7 @@ import asyncio
 import json
 import logging
 import random
+import sys
 import threading
 import time
 import uuid
@@ -33,20 +36,24 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from expertpack.client import ClientError
+from expertpack.client import ClientError, FetchFailed, FingerprintMismatch
 from expertpack.client.expertctl import health as daemon_health
+from expertpack.client.protocol import FailCode
 
 from ..engine.sampling import Sampler
 from ..experts.daemon_link import CorruptExpert, DaemonLost
-from .chat_template import ChatTemplate, ChatTemplateError
-from .generation import Completion, ContextExceeded, Generator, Request as GenRequest, TokenLogprob, Usage
+from .chat_template import ChatTemplate, ChatTemplateError, RenderedTooLong
+from .generation import (Completion, ContextExceeded, Generator, Request as GenRequest, TokenLogprob, Usage,
+                         sampling_temperature)
 from .metrics import ServeCounters, render
 from .requests import (MAX_CHARS_PER_TOKEN, MAX_LOGIT_BIAS, ApiError, BodyLimit, BodyTooLarge, ChatBody, CommonBody,
                        CompletionBody, Limits, check_fields)
 from .tokenizer import TokenTexts
 
 log = logging.getLogger("expert-worker")
+MAX_ID_DIGITS = 20  # a token id's, in logit_bias keys: leading zeros allowed, int()'s limit far off
 
 
 
@@ -107,6 +114,28 @@ class WorkerService:
         cache = self.generator.engine.expert_cache
         return None if cache is None else cache.link.stats()
 
+    def storage_refusal(self) -> ApiError | None:
+        """Why a new request cannot be served now, asked of expertd now (STATS on the link's probe
+        socket, beside any generation, as /health asks): it does not answer, or serves another
+        pack. The request in flight waits for a daemon up to --daemon-down-timeout-s; one that
+        comes meanwhile is answered at once instead of queued behind that wait."""
+        cache = self.generator.engine.expert_cache
+        if cache is None:
+            return None
+        link = cache.link
+        stats = link.stats()
+        if stats is None:
+            return ApiError(503, f"expert storage unavailable: expertd at {link.endpoint} does not answer; requests "
+                                 "are refused until it does (start it: systemctl start expertd)",
+                            kind="server_error", code="daemon_unavailable")
+        if wrong := link.other_pack(stats):
+            return ApiError(503, f"expert storage unavailable: {wrong}", kind="server_error", code="daemon_wrong_pack")
+        return None
+
+    def daemon_endpoint(self) -> str:
+        cache = self.generator.engine.expert_cache
+        return "?" if cache is None else cache.link.endpoint
+
     def daemon_client(self) -> dict | None:
         """expertd's counters for this worker's own session (several workers may share the daemon)."""
         cache = self.generator.engine.expert_cache
@@ -121,12 +150,14 @@ def create_app(service: WorkerService) -> FastAPI:
     texts = TokenTexts(tokenizer)
     max_chars = service.limits.max_prompt_chars
 
+    def too_long(what: str, param: str) -> ApiError:
+        return ApiError(400, f"{what}; this worker takes at most {max_chars:,} (--max-prompt-chars; by default "
+                             f"{MAX_CHARS_PER_TOKEN} per token of the {service.generator.n_ctx}-token context)",
+                        param=param, code="context_length_exceeded")
+
     def check_chars(n_chars: int, param: str) -> None:
         if n_chars > max_chars:
-            raise ApiError(400, f"the prompt has {n_chars:,} characters; this worker takes at most {max_chars:,} "
-                                f"(--max-prompt-chars; by default {MAX_CHARS_PER_TOKEN} per token of the "
-                                f"{service.generator.n_ctx}-token context)", param=param,
-                           code="context_length_exceeded")
+            raise too_long(f"the prompt has {n_chars:,} characters", param)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -136,6 +167,16 @@ def create_app(service: WorkerService) -> FastAPI:
     @app.exception_handler(BodyTooLarge)
     async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
         return await api_error(request, ApiError(413, exc.detail, code="request_too_large"))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's and FastAPI's own refusals (an unknown path, a method, a body no JSON reader
+        # takes) in OpenAI's shape, like ours.
+        if exc.__cause__ is not None and exc.status_code == 400:
+            message = f"the request body cannot be read as JSON: {_json_failure(exc.__cause__)}"
+        else:
+            message = f"{exc.detail} ({request.method} {request.url.path})"
+        return await api_error(request, ApiError(exc.status_code, message))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -174,7 +215,8 @@ def create_app(service: WorkerService) -> FastAPI:
         except ContextExceeded as exc:
             raise ApiError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
         seed = body.seed if body.seed is not None else random.getrandbits(63)  # unseeded: different each time
-        sampler = Sampler(body.temperature, body.top_k, body.top_p, seed, body.presence_penalty,
+        temperature = sampling_temperature(body.temperature, body.top_p, tokenizer.vocab_size)  # 1e-320: greedy
+        sampler = Sampler(temperature, body.top_k, body.top_p, seed, body.presence_penalty,
                           body.frequency_penalty, logit_bias(body.logit_bias))
         return GenRequest(prompt_ids, max_tokens, sampler, stop, body.ignore_eos, body.top_logprobs_asked())
 
@@ -185,8 +227,10 @@ def create_app(service: WorkerService) -> FastAPI:
             raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(biases)}", param="logit_bias")
         out = {}
         for key, bias in biases.items():
-            if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < tokenizer.vocab_size:  # "²".isdigit()
-                raise ApiError(400, f"logit_bias: keys are token ids in 0..{tokenizer.vocab_size - 1}, got {key!r}",
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_ID_DIGITS) \
+                    or not 0 <= int(key) < tokenizer.vocab_size:  # "²".isdigit(); int() reads 4300 digits at most
+                shown = key if len(key) <= MAX_ID_DIGITS else f"{key[:MAX_ID_DIGITS]}... ({len(key):,} characters)"
+                raise ApiError(400, f"logit_bias: keys are token ids in 0..{tokenizer.vocab_size - 1}, got {shown!r}",
                                param="logit_bias")
             out[int(key)] = bias
         return out
@@ -223,7 +267,9 @@ def create_app(service: WorkerService) -> FastAPI:
 
         def render_and_encode() -> list[int]:
             try:
-                text = template.render(messages)
+                text = template.render(messages, max_chars=max_chars)
+            except RenderedTooLong as exc:
+                raise too_long(f"{exc} (the chat template's text included)", "messages") from None
             except ChatTemplateError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
             starts_with_bos = bool(template.bos_token) and text.startswith(template.bos_token)
@@ -234,6 +280,8 @@ def create_app(service: WorkerService) -> FastAPI:
         return await respond(request, body, req, "chat.completion", "chatcmpl")
 
     async def respond(request: Request, body: CommonBody, req: GenRequest, kind: str, prefix: str) -> Response:
+        if (refused := await asyncio.to_thread(service.storage_refusal)) is not None:
+            raise refused
         rid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
         head = {"id": rid, "created": created, "model": service.model_name}
         shape = _Shape(kind == "chat.completion", req.logprobs is not None, texts)
@@ -252,7 +300,7 @@ def create_app(service: WorkerService) -> FastAPI:
         try:
             completions = await service.generate(req, n, gone=gone)
         except (DaemonLost, ClientError) as exc:
-            raise _storage_error(exc) from None
+            raise _storage_error(exc, service.daemon_endpoint()) from None
         except Exception as exc:
             log.exception("generation failed")
             raise ApiError(500, f"generation failed: {exc}", kind="server_error") from None
@@ -307,7 +355,7 @@ def create_app(service: WorkerService) -> FastAPI:
             completions = await work
         except Exception as exc:
             if isinstance(exc, (DaemonLost, ClientError)):
-                error = _storage_error(exc)
+                error = _storage_error(exc, service.daemon_endpoint())
             else:
                 log.exception("generation failed")
                 error = ApiError(500, f"generation failed: {exc}", kind="server_error")
@@ -356,6 +404,8 @@ def create_app(service: WorkerService) -> FastAPI:
         stats = await asyncio.to_thread(service.daemon_stats)  # asked now, beside any generation
         if stats is None:
             return JSONResponse({"status": "degraded", "daemon": "unreachable"}, status_code=503)
+        if wrong := cache.link.other_pack(stats):  # every request fails: the daemon refuses our sessions
+            return JSONResponse({"status": "degraded", "daemon": "wrong_pack", "detail": wrong}, status_code=503)
         code, detail = daemon_health(stats)
         if code:
             return JSONResponse({"status": "degraded", "daemon": "degraded", "detail": detail}, status_code=503)
@@ -429,13 +479,33 @@ def _usage_fields(completions: list[Completion]) -> dict[str, Any]:
     }
 
 
-def _storage_error(exc: Exception) -> "ApiError":
-    """A failure of expert storage: a block corrupt on disk is the pack's fault (500, expert_corrupt:
-    retrying will not help, `expertpack verify` names the damage); anything else, the daemon's
+def _storage_error(exc: Exception, endpoint: str) -> "ApiError":
+    """A failure of expert storage. The pack's fault, where retrying will not help and `expertpack
+    verify` names the damage (500): a block corrupt on disk (expert_corrupt), or one expertd could
+    not read (expert_unreadable: an I/O error, a pack truncated under it, or whatever FAIL code a
+    newer daemon has for it). A daemon serving another pack refuses every session until one of
+    them is restarted on the other's pack (503, daemon_wrong_pack); anything else is the daemon's
     absence (503, daemon_unavailable: retry later)."""
     if isinstance(exc, CorruptExpert):
         return ApiError(500, str(exc), kind="server_error", code="expert_corrupt")
+    if isinstance(exc, FetchFailed) and exc.code not in (FailCode.SHUTDOWN, FailCode.CANCELLED):
+        return ApiError(500, f"expert (layer {exc.key.layer}, expert {exc.key.expert}) could not be read from the pack "
+                             f"by expertd at {endpoint}: {exc.code.name}: {exc.message}; the request fails and "
+                             "retrying will not help: check the disk and run expertpack verify on the pack expertd "
+                             "serves (rebuild or restore it if damaged)", kind="server_error", code="expert_unreadable")
+    if isinstance(exc, FingerprintMismatch):
+        return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_wrong_pack")
     return ApiError(503, f"expert storage unavailable: {exc}", kind="server_error", code="daemon_unavailable")
+
+
+def _json_failure(exc: BaseException) -> str:
+    """Why Python's JSON reader refused a body, for the client (not its advice to the server's
+    programmer: "use sys.set_int_max_str_digits()")."""
+    if isinstance(exc, RecursionError):
+        return "arrays or objects nested too deeply"
+    if isinstance(exc, ValueError) and "integer string conversion" in str(exc):  # CPython says no more
+        return f"a number has more than {sys.get_int_max_str_digits():,} digits"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _sse(obj: dict) -> str:

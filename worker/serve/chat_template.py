@@ -19,6 +19,14 @@ class ChatTemplateError(ValueError):
     """The template is missing, broken, or refused these messages (its raise_exception)."""
 
 
+class RenderedTooLong(ChatTemplateError):
+    """The rendered text grew past the caller's bound; rendering stopped there."""
+
+    def __init__(self, max_chars: int) -> None:
+        super().__init__(f"the messages render to more than {max_chars:,} characters")
+        self.max_chars = max_chars
+
+
 def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
@@ -53,10 +61,19 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not parse: {exc}") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               max_chars: int | None = None) -> str:
+        """The template's text for `messages`; past `max_chars` characters it stops rendering and
+        raises RenderedTooLong (a template may add far more text than the messages hold)."""
+        pieces, n_chars = [], 0
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+            for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=self.bos_token, eos_token=self.eos_token):
+                n_chars += len(piece)
+                if max_chars is not None and n_chars > max_chars:
+                    raise RenderedTooLong(max_chars)
+                pieces.append(piece)
+            return "".join(pieces)
         except ChatTemplateError:
             raise
         except TemplateError as exc:

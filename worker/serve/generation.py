@@ -23,6 +23,21 @@ from ..engine.sampling import Sampler
 from .tokenizer import GGUFTokenizer
 
 
+# Below this temperature sampling is greedy, as in vLLM (its _SAMPLING_EPS); llama-server reads the
+# temperature as a float32, in which 1e-300 is 0, greedy. Greedy is the limit of sampling as the
+# temperature goes to 0, and the only way to compute it: logits divided by 1e-300 overflow float32,
+# and the softmax of inf - inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def sampling_temperature(temperature: float, top_p: float, n_vocab: int) -> float:
+    """The temperature to sample at: 0 (greedy) when sampling can only choose the most likely
+    token, either below GREEDY_TEMPERATURE or with a top_p below 1/n_vocab: the most likely
+    token's probability is at least that, so the nucleus holds it alone (and a top_p of 5e-324
+    is 0 in float32, which keeps nothing)."""
+    return 0.0 if temperature < GREEDY_TEMPERATURE or top_p < 1 / n_vocab else temperature
+
+
 class ContextExceeded(ValueError):
     """The prompt and the requested completion do not fit the model's context."""
 

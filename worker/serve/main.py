@@ -8,6 +8,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -15,6 +16,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from expertpack.packtools.layout import MANIFEST_FILE, PACK_FILE, TRUNK_FILE
 from expertpack.packtools.units import plain_number
 
 DESCRIPTION = """\
@@ -28,7 +30,7 @@ DEFAULTS = {
     "pack": None, "daemon": "ipc:///run/expertpack/expertd.sock", "device": None, "cache_vram_mib": 4096,
     "cache_reserve_mib": 1024, "host": "127.0.0.1", "port": 8000, "tokenizer": None, "model_name": None,
     "daemon_timeout_s": 30.0, "daemon_down_timeout_s": 60.0, "max_body_mib": 0, "max_prompt_chars": 0,
-    "log_level": "info", "trace": None, "prefetch": True,
+    "log_level": "info", "trace": None, "trace_overwrite": False, "prefetch": True,
 }
 
 
@@ -86,7 +88,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, metavar="FILE",
                    help="record the experts every token selects in every MoE layer (prompts and decoding) into "
                         "FILE, a routing trace for `expertpack bench cache` (format: worker/experts/routing_trace.py); "
-                        "costs one host copy of the routing ids per layer call")
+                        "costs one host copy of the routing ids per layer call; an existing FILE is refused "
+                        "unless --trace-overwrite")
+    p.add_argument("--trace-overwrite", action="store_true", default=None,
+                   help="let --trace replace an existing FILE (never one of the pack's own files)")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="while a layer runs, fetch the experts the next layers will likely miss (the next layer's "
                         "router on the current state; DeepSeek-V4's hash layers exactly), so their reads overlap "
@@ -124,15 +129,53 @@ def settings(argv: list[str] | None) -> argparse.Namespace:
     for name in ("pack", "daemon", "device", "host", "tokenizer", "model_name", "log_level", "trace"):
         if merged[name] is not None and not isinstance(merged[name], (str, Path)):
             problems.append(f"{name}: expected a string, got {merged[name]!r}")
-    if not isinstance(merged["prefetch"], bool):
-        problems.append(f"prefetch: expected true or false, got {merged['prefetch']!r}")
+    for name in ("prefetch", "trace_overwrite"):
+        if not isinstance(merged[name], bool):
+            problems.append(f"{name}: expected true or false, got {merged[name]!r}")
     if str(merged["log_level"]).lower() not in LOG_LEVELS:
         problems.append(f"log_level: one of {', '.join(LOG_LEVELS)}, got {merged['log_level']!r}")
-    if isinstance(merged["trace"], (str, Path)) and not Path(merged["trace"]).parent.is_dir():
-        problems.append(f"trace: {merged['trace']}: its directory does not exist")
+    if isinstance(merged["trace"], (str, Path)) and isinstance(merged["pack"], (str, Path)):
+        problem = trace_problem(Path(merged["trace"]), Path(merged["pack"]), merged["trace_overwrite"] is True)
+        if problem:
+            problems.append(f"trace: {merged['trace']}: {problem}")
     if problems:
         raise SettingsError("; ".join(problems))
     return argparse.Namespace(**merged)
+
+
+# llama.cpp's split naming (llama_split_path): <prefix>-00001-of-00003.gguf
+_SHARD = re.compile(r"^(?P<prefix>.+)-\d{5}-of-(?P<count>\d{5})\.gguf$")
+
+
+def model_files(model: Path) -> list[Path]:
+    """The files a model is made of: a pack directory's experts.pack, manifest.json and trunk.gguf,
+    or a GGUF and, of a split set, every shard."""
+    if model.is_dir():
+        return [model / name for name in (PACK_FILE, MANIFEST_FILE, TRUNK_FILE)]
+    m = _SHARD.match(model.name)
+    if m is None:
+        return [model]
+    count = int(m["count"])
+    return [model.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def trace_problem(trace: Path, model: Path, overwrite: bool) -> str | None:
+    """Why --trace may not write `trace` (it opens it for writing, truncating), or None. A file
+    that exists is replaced only when `overwrite` says so, and the model's own files never, by
+    whatever path they are named (a link, `..`, a hard link): a trace written over experts.pack
+    destroys the pack."""
+    if not trace.parent.is_dir():
+        return "its directory does not exist"
+    if trace.is_dir():
+        return "is a directory"
+    for own in model_files(model):
+        same = own.exists() and trace.exists() and os.path.samefile(own, trace)
+        if same or own.resolve() == trace.resolve():
+            return (f"is {own.name} of the model ({model}); a routing trace never replaces a model's own files, "
+                    "--trace-overwrite or not")
+    if trace.exists() and not overwrite:
+        return "exists; --trace-overwrite replaces it"
+    return None
 
 
 def pick_device(requested: str | None) -> str:
@@ -145,10 +188,15 @@ def pick_device(requested: str | None) -> str:
 
     if requested is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
+    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
-        return device_spec(parse_devices(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0))
+        return device_spec(parse_devices(requested, n_cuda))
     except DeviceSpecError as exc:
         raise SettingsError(str(exc)) from None
+    except ValueError:  # an index too long for int() or for torch's int64: cuda:999999999999999999999
+        shown = requested if len(requested) <= 64 else requested[:60] + "..."
+        raise SettingsError(f"--device {shown!r}: no such device; this process sees {n_cuda} CUDA devices"
+                            + (f" (cuda:0..cuda:{n_cuda - 1})" if n_cuda else "")) from None
 
 
 def client_name(model: str, device: str, pid: int) -> str:
@@ -198,7 +246,6 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 
 def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logger) -> int:
-    import torch  # after argument parsing: --help stays instant
     import uvicorn
 
     from expertpack.client import ClientError

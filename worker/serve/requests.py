@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 
 from ..engine.sampling import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS_VALUE, MAX_PENALTY
@@ -86,6 +87,10 @@ class BodyLimit:
 
 
 MAX_N = 16  # choices per request; they run one after another
+# Messages per chat (OpenAI's bound, 2048): counted before any is validated or rendered. However
+# little each says, the template wraps each in text of its own, which no bound on the content's
+# characters sees: empty messages by the ten thousand render to more tokens than a context holds.
+MAX_MESSAGES = 2048
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs (its completions allow 5; this worker 20 too)
 MAX_LOGIT_BIAS = 1024  # entries
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch's generator takes
@@ -176,6 +181,15 @@ class ChatBody(CommonBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_enough(cls, value: Any) -> Any:
+        """Before the messages are validated one by one (on the event loop)."""
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise PydanticCustomError("too_long", "{n} messages; at most {most} are taken",
+                                      {"n": f"{len(value):,}", "most": f"{MAX_MESSAGES:,}"})
+        return value
 
     def top_logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
