@@ -116,7 +116,8 @@ def main() -> int:
                                  name="profile-streaming", prefetch=prefetch)
             decode(engine, feed, args.device)  # reads every key the measured pass needs into the RAM tier
             rows[name], tokens[name], stats[name] = measured(engine, feed, args.device, args.tokens)
-            kinds[name] = type(engine._graph).__name__ if engine._graph is not None else "eager"
+            graph = next(iter(engine._graphs.values()), None)  # the one slot's (one sequence at a time)
+            kinds[name] = type(graph).__name__ if graph is not None else "eager"
             if args.device.startswith("cuda"):  # the same, launched eagerly, for the ratio within this run
                 engine.graphs = False
                 eager = f"{name}, eager"
