@@ -60,7 +60,7 @@ class RamSlot:
     key: ExpertKey | None = None
     nbytes: int = 0  # the payload resident (or being read)
     holds: int = 0  # READYs naming this slot not yet released, over all clients
-    checking: bool = False  # a check of its bytes (a hit's) is in flight: it is not evicted meanwhile
+    checking: bool = False  # the scrub is checking its bytes: it is not evicted meanwhile
 
     def move(self, new: RamState) -> None:
         if new not in TRANSITIONS[self.state]:

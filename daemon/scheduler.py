@@ -1,15 +1,10 @@
 """The key path of expertd: each session's queued keys, demand before prefetch, to reads and to
 their one answer (READY or FAIL), and the RAM tier (ram_tier.py, protocol v3) in front of the reads.
 
-A key resident in the tier is answered with READY naming its RAM slot (a hold, ended by RELEASE
-like a lease) once the block's bytes were checked against its crc32 again: the segment is shared,
-and a block altered in memory since it was read (by a process that maps the segment writable, or a
-memory fault) is counted in corrupt_blocks, condemned (ram_tier.py) and read again from the pack
-for the keys that waited on the check. The check runs on the reader threads, its pieces in
-parallel, and hits on a block under check join it. A key being read into the tier waits for that
-read; a miss the policy admits is read into a RAM slot instead of the client's staging slot, and
-is resident for everyone once its crc32 check passed; any other miss gets one of the client's
-leased staging slots. A client holds at
+A key resident in the tier is answered at once with READY naming its RAM slot (a hold, ended by
+RELEASE like a lease); a key being read into the tier waits for that read; a miss the policy admits
+is read into a RAM slot instead of the client's staging slot, and is resident for everyone once its
+crc32 check passed; any other miss gets one of the client's leased staging slots. A client holds at
 most its RAM hold share of blocks and has at most as many reads into the tier in flight as it
 leases staging slots, so one client cannot pin the tier nor take every reader. Its PREFETCH keys
 take at most the protocol's prefetch budget of each (holds, reads, staging slots), whatever the
@@ -21,6 +16,13 @@ does READY name the slot: a block that fails the check is FAILed CORRUPT to ever
 on it, counted and logged once by (layer, expert), and every other key is served on. A read that
 comes back short because the pack was truncated under expertd is FAILed TRUNCATED (protocol v7),
 naming the pack's size now and its manifest's.
+Resident blocks are scrubbed: while no read is in flight, one at a time and at most SCRUB_BYTES_PER_S,
+a block's bytes are checked against its crc32 again on a reader thread. Only expertd writes the
+segment (clients map it read-only), so a block that fails this was written by a process of
+expertd's own user or hit by a memory fault: it is counted in corrupt_blocks, condemned
+(ram_tier.py) and read again from the pack for its next hit. Hits are not held for the scrub: a
+check on every hit cost 30% of streaming decode (BENCHMARKS.md), and a GPU that reads tier blocks
+in place reads them past any check expertd could make as they leave.
 Runs on the main loop's thread, but for `_on_read_done` (a reader thread's hand-over through an
 eventfd); it never reads a socket, and sends only answers, through `send`."""
 
@@ -48,15 +50,17 @@ from .stats import Counters, Histogram
 log = logging.getLogger("expertd")
 
 
+SCRUB_BYTES_PER_S = 32 << 20  # a 4 GiB tier in ~2 minutes, ~3% of a core at zlib's crc32 speed
+SCRUB_MIN_INTERVAL_S = 0.02  # tiny blocks: at most 50 checks a second
+SCRUB_PRIO = int(p.Priority.PREFETCH) + 1  # behind every read
+
+
 @dataclass(eq=False)
 class RamCheck:
-    """A check of one resident RAM block's bytes against its crc32, on the reader threads, and the
-    hits answered when it is done."""
+    """A scrub's check of one resident RAM block's bytes against its crc32, on the reader threads."""
 
     slot: RamSlot
     key: ExpertKey
-    prio: int
-    waiting: list[Work] = field(default_factory=list)
     pieces_left: int = 0
     piece_crc32s: list[int | None] = field(default_factory=list)
     error: BaseException | None = None
@@ -93,7 +97,10 @@ class Scheduler:
                            for l in layers.values()} if self.check_crc32 else {}
         self._crc_joiner = CrcJoiner(n for lengths in self._crc_bytes.values() for n in lengths if n)
         self._waiting: dict[int, list[Work]] = {}  # RAM slot being read -> the keys answered when it is in
-        self._checks: dict[int, RamCheck] = {}  # RAM slot whose bytes are being checked -> its check
+        self._reading = 0  # blocks being read (staging or tier): the scrub waits for none
+        self._scrub: RamCheck | None = None  # the resident block whose bytes are being checked
+        self._scrub_next = 0.0  # time.monotonic() at which the next scrub may start
+        self._scrub_cursor = 0  # the RAM slot the scrub looks at next
         self._completions: queue.SimpleQueue[tuple[ReadJob, BaseException | None, int]] = queue.SimpleQueue()
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # the main loop polls it
         try:
@@ -138,12 +145,6 @@ class Scheduler:
             work.prio = p.Priority.DEMAND
             if work.slot is None:
                 continue  # still queued: moved below
-            check = self._checks.get(work.slot) if work.ram else None
-            if check is not None:  # a hit waiting on its block's check
-                if check.prio > p.Priority.DEMAND:
-                    check.prio = int(p.Priority.DEMAND)
-                    self.readers.promote(check, check.prio)
-                continue
             reader = self._waiting.get(work.slot, [work])[0] if work.ram else work  # whose read fills the slot
             reader.prio = p.Priority.DEMAND
             self.readers.promote(reader, int(p.Priority.DEMAND))
@@ -169,8 +170,7 @@ class Scheduler:
             queue_.popleft()
 
     def _start(self, session: Session, work: Work) -> bool:
-        """A RAM hit is answered once its block is checked (now, for a pack without crc32s); a key
-        being read into the RAM tier waits for that read; a
+        """A RAM hit is answered now; a key being read into the RAM tier waits for that read; a
         miss is read into a RAM slot if the policy admits it, else into a free staging slot of the
         client. False when none of these can happen yet: the client holds its share of the tier
         (it must RELEASE), has its share of reads into it in flight, or has no staging slot free; a
@@ -185,14 +185,10 @@ class Scheduler:
                 return False
             work.slot, work.ram = resident.index, True
             session.ram_taken += 1
-            if resident.state is RamState.RESIDENT:
-                if self.check_crc32:
-                    self._check_resident(work, resident)
-                else:
-                    self._hit(session)
-                    self._ready_ram(work, resident)
-                return True
             self._hit(session)
+            if resident.state is RamState.RESIDENT:
+                self._ready_ram(work, resident)
+                return True
             waiting = self._waiting[resident.index]
             reader = waiting[0]  # the key whose read fills the slot
             if work.prio < reader.prio:  # demand joins a prefetch's read: it goes at demand priority now
@@ -229,25 +225,43 @@ class Scheduler:
         self.counters.ram_hits += 1
         session.counters.ram_hits += 1
 
-    # ---- checks of resident blocks -------------------------------------------------------------
-    def _check_resident(self, work: Work, slot: RamSlot) -> None:
-        """The hit `work` waits for a check of `slot`'s bytes: the one in flight, or a new one on
-        the reader threads (a demand hit moves a prefetch's check up the queue)."""
-        check = self._checks.get(slot.index)
-        if check is None:
-            check = self._checks[slot.index] = RamCheck(slot, work.key, int(work.prio))
-            slot.checking = True
-            layer = self.layers[work.key.layer]
-            pieces = [(start, n) for (start, _), n in zip(self.pack.splits[layer.layer], self._crc_bytes[layer.layer])
-                      if n]
-            check.pieces_left = len(pieces)
-            check.piece_crc32s = [None] * len(pieces)
-            for i, (start, n) in enumerate(pieces):
-                self.readers.submit_check(check.prio, self.staging.view(slot.index, start, start + n), check, piece=i)
-        elif work.prio < check.prio:
-            check.prio = int(work.prio)
-            self.readers.promote(check, check.prio)
-        check.waiting.append(work)
+    # ---- the scrub of resident blocks ----------------------------------------------------------
+    def scrub_wait_s(self, now: float) -> float | None:
+        """Seconds until the scrub may check another block (the main loop wakes then), None while
+        it has nothing to do: no crc32s, or nothing resident."""
+        if not self.check_crc32 or not self.ram.resident_bytes:
+            return None
+        return max(0.0, self._scrub_next - now)
+
+    def scrub(self, now: float) -> None:
+        """Starts the check of the next resident block, when one is due, none is in flight and no
+        read is: the scrub never competes with a read for a reader thread or the disk's time."""
+        if (not self.check_crc32 or self._scrub is not None or self._reading or now < self._scrub_next
+                or not self.ram.resident_bytes):
+            return
+        slot = self._next_resident()
+        if slot is None:
+            return
+        assert slot.key is not None
+        check = self._scrub = RamCheck(slot, slot.key)
+        slot.checking = True
+        layer = self.layers[slot.key.layer]
+        pieces = [(start, n) for (start, _), n in zip(self.pack.splits[layer.layer], self._crc_bytes[layer.layer]) if n]
+        check.pieces_left = len(pieces)
+        check.piece_crc32s = [None] * len(pieces)
+        for i, (start, n) in enumerate(pieces):
+            self.readers.submit_check(SCRUB_PRIO, self.staging.view(slot.index, start, start + n), check, piece=i)
+        self._scrub_next = now + max(SCRUB_MIN_INTERVAL_S, layer.payload_bytes / SCRUB_BYTES_PER_S)
+
+    def _next_resident(self) -> RamSlot | None:
+        """The next RESIDENT slot from the scrub's cursor on, round the tier."""
+        slots = self.ram.slots
+        for _ in range(len(slots)):
+            slot = slots[self._scrub_cursor]
+            self._scrub_cursor = (self._scrub_cursor + 1) % len(slots)
+            if slot.state is RamState.RESIDENT:
+                return slot
+        return None
 
     def _check_piece_done(self, job: ReadJob, error: BaseException | None) -> None:
         check: RamCheck = job.token
@@ -259,11 +273,10 @@ class Scheduler:
             self._check_complete(check)
 
     def _check_complete(self, check: RamCheck) -> None:
-        """A resident block's check is in: intact, its hits are answered from the tier; altered, it
-        is counted and condemned, and its hits go back to the front of their clients' queues, to
-        be read from the pack like any miss."""
+        """A scrubbed block's check is in: altered, it is counted, logged and condemned, and its
+        next hit reads it again from the pack."""
+        self._scrub = None
         slot = check.slot
-        del self._checks[slot.index]
         slot.checking = False
         assert slot.state is RamState.RESIDENT and slot.key == check.key
         layer = self.layers[check.key.layer]
@@ -271,35 +284,16 @@ class Scheduler:
         expected = layer.crc32[check.key.expert]
         self.counters.ram_checks += 1
         self.counters.ram_checked_bytes += layer.payload_bytes
-        intact = check.error is None and found == expected
-        if not intact:
-            self.counters.corrupt_blocks += 1
-            why = (f"it cannot be checked ({check.error})" if check.error is not None else
-                   f"its crc32 is {format_crc32(found)}, the manifest says {format_crc32(expected)}")
-            log.error("RAM tier block of layer %d expert %d (slot %d) altered in memory since it was read: %s. "
-                      "Some process maps expertd's segment writable (only expertd should: /dev/shm/%s), or the "
-                      "memory is failing; the block leaves the tier and is read again from the pack",
-                      check.key.layer, check.key.expert, slot.index, why, self.staging.name)
-            self.ram.condemn(slot)
-        sessions: list[Session] = []
-        for w in reversed(check.waiting):  # reversed: back to the queues' fronts in their order
-            if w.session.closed or w.done:
-                continue
-            if w.session not in sessions:
-                sessions.append(w.session)
-            if w.cancelled:
-                self.finish(w, p.FailCode.CANCELLED, "cancelled")
-            elif not intact:
-                w.slot, w.ram = None, False
-                w.session.ram_taken -= 1
-                w.session.pending[w.prio].appendleft(w)
-        if intact:
-            for w in check.waiting:
-                if not w.session.closed and not w.done:
-                    self._hit(w.session)
-                    self._ready_ram(w, slot)
-        for session in sessions:
-            self.dispatch(session)
+        if check.error is None and found == expected:
+            return
+        self.counters.corrupt_blocks += 1
+        why = (f"it cannot be checked ({check.error})" if check.error is not None else
+               f"its crc32 is {format_crc32(found)}, the manifest says {format_crc32(expected)}")
+        log.error("RAM tier block of layer %d expert %d (slot %d) was altered in memory since it was read: %s. "
+                  "A process of expertd's user wrote /dev/shm/%s (only expertd should), or the memory is failing; "
+                  "hits since its last check got the altered bytes. It leaves the tier and is read again from "
+                  "the pack", check.key.layer, check.key.expert, slot.index, why, self.staging.name)
+        self.ram.condemn(slot)
 
     # ---- reads -------------------------------------------------------------------------------
     def _read(self, work: Work) -> None:
@@ -310,6 +304,7 @@ class Scheduler:
         pieces = self.pack.splits[layer.layer]
         work.pieces_left = len(pieces)
         work.piece_crc32s = [None] * len(pieces)
+        self._reading += 1
         crc_bytes = self._crc_bytes.get(layer.layer) or (0,) * len(pieces)
         for i, (start, length) in enumerate(pieces):
             self.readers.submit(int(work.prio), block + start, self.staging.view(work.slot, start, start + length), work,
@@ -354,7 +349,7 @@ class Scheduler:
 
     def in_flight(self) -> bool:
         return (any(s.state is SlotState.READING for s in self.staging.pool.slots)
-                or any(s.state is RamState.READING for s in self.ram.slots) or bool(self._checks))
+                or any(s.state is RamState.READING for s in self.ram.slots) or self._scrub is not None)
 
     def _check(self, work: Work) -> None:
         """Compares the crc32 of the block just read (joined from its pieces') with the manifest's;
@@ -391,6 +386,7 @@ class Scheduler:
         return p.FailCode.IO_ERROR, f"read failed: {work.error}"
 
     def _read_complete(self, work: Work) -> None:
+        self._reading -= 1
         if work.ram:
             self._ram_read_complete(work)
             return

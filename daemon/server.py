@@ -119,7 +119,10 @@ class ExpertDaemon:
         try:
             while not caught:
                 wait_s = min(1.0, self.config.heartbeat_interval_s, watchdog or 1.0)
-                events = dict(poller.poll(max(1, int(wait_s * 1000))))
+                scrub_s = self.scheduler.scrub_wait_s(time.monotonic())
+                if scrub_s is not None:
+                    wait_s = min(wait_s, scrub_s)
+                events = dict(poller.poll(max(1, round(wait_s * 1000))))
                 if self.scheduler.wake in events:
                     self.scheduler.drain_completions()
                 if self.monitor in events:
@@ -127,6 +130,7 @@ class ExpertDaemon:
                 if self.router in events:
                     self._drain_router()
                 self._end_silent_sessions()
+                self.scheduler.scrub(time.monotonic())
                 if sig_r in events:
                     while True:
                         try:

@@ -60,7 +60,7 @@ class Counters:
     ram_hits: int = 0
     ram_misses: int = 0
     ram_evictions: int = 0
-    ram_checks: int = 0  # checks of a resident block's crc32 before its hits were answered (one per hit or hits joined)
+    ram_checks: int = 0  # the scrub's checks of a resident block's crc32 (scheduler.py)
     ram_checked_bytes: int = 0
     protocol_errors: int = 0  # ERROR replies
     clients_total: int = 0
