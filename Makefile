@@ -9,13 +9,26 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: venv system-tools test test-fast demo bench clean
 
-# Debian tools the tests call: systemd-analyze/sysusers/tmpfiles (unit checks), unshare (util-linux),
-# fio (bench io), strace (stretches expertd's mlock so a test can SIGTERM inside it; skipped without).
-SYSTEM_TOOLS := systemd-analyze systemd-sysusers systemd-tmpfiles unshare fio strace
+# Debian tools the tests call, as TOOL:PACKAGE: systemd-analyze/sysusers/tmpfiles (unit checks),
+# unshare (a private mount namespace), fio (bench io), strace (stretches expertd's mlock so a test
+# can SIGTERM inside it; skipped without). Only the packages of missing tools are installed, and
+# --no-upgrade leaves an installed package as it is.
+SYSTEM_TOOLS := systemd-analyze:systemd systemd-sysusers:systemd systemd-tmpfiles:systemd unshare:util-linux \
+                fio:fio strace:strace
 
 system-tools:
-	@for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing=1; done; \
-	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq systemd util-linux fio strace; fi
+	@missing=; for tp in $(SYSTEM_TOOLS); do \
+	    command -v "$${tp%%:*}" >/dev/null && continue; \
+	    case " $$missing " in *" $${tp#*:} "*) ;; *) missing="$$missing $${tp#*:}";; esac; \
+	done; \
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$$(id -u)" != 0 ]; then \
+	    echo "make: the tests need Debian packages that are not installed:$$missing" >&2; \
+	    echo "make: installing them needs root: sudo apt-get install --no-upgrade$$missing (or sudo make system-tools)" >&2; \
+	    exit 1; \
+	fi; \
+	echo "make: installing$$missing with apt-get (missing tools only; nothing installed is upgraded)"; \
+	apt-get update -qq && apt-get install -y -qq --no-upgrade$$missing
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,11 +40,11 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 # On every core (pytest-xdist), a test module's tests on one worker, so that its fixtures (models,
-# packs, daemons) are built once: 19 minutes on 2 cores, where one process took 36.
-test: $(STAMP) system-tools
+# packs, daemons) are built once: about 15 minutes on 2 cores (BENCHMARKS.md, "CPU tests").
+test: system-tools $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadscope tests
 
-test-fast: $(STAMP) system-tools
+test-fast: system-tools $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadscope -m "not slow" tests
 
 # The main job end to end on a tiny built-in model, on the CPU: synth, pack, expertd, expert-worker,

@@ -238,16 +238,24 @@ def _mean(results: list[PathResult]) -> PathResult:
 
 
 # ---- driver -----------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="expertpack bench io", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pack", type=Path, help="a pack directory on the disk to measure")
+    p.add_argument("--gb", type=float, default=2.5, help="bytes of random experts per run (default 2.5 GB)")
+    p.add_argument("--read-threads", type=int, default=8, metavar="N",
+                   help="daemon reader threads = fio jobs = buffered threads (default 8)")
+    p.add_argument("--read-splits", type=int, default=4, metavar="N",
+                   help="pieces per expert block, fio's block size the block over N (default 4)")
+    p.add_argument("--latency-requests", type=int, default=30, metavar="N",
+                   help="top-k requests timed one at a time (default 30)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the random choice of experts each run reads (default 0)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="expertpack bench io", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pack", type=Path, help="a pack directory on the disk to measure")
-    parser.add_argument("--gb", type=float, default=2.5, help="bytes of random experts per run (default 2.5 GB)")
-    parser.add_argument("--read-threads", type=int, default=8, help="daemon reader threads = fio jobs = buffered threads")
-    parser.add_argument("--read-splits", type=int, default=4, help="pieces per expert block (fio's block size)")
-    parser.add_argument("--latency-requests", type=int, default=30, help="top-k requests timed one at a time")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         check_ranges(args, RANGES)
         opened = open_pack(args.pack, direct_io=True, read_splits=args.read_splits)  # what expertd checks at start

@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,8 +217,9 @@ def parent(args: argparse.Namespace) -> int:
     stem, args.pack = prepare_pack(args.preset, args.layers, args.dir)
     m = Manifest.load(args.pack)
     expert_bytes = sum(l.payload_bytes * m.model.n_expert for l in m.layers)
+    # In the system temp directory: expertd's socket path there stays under the 107-byte limit.
     workdir = Path(tempfile.mkdtemp(prefix="decode-workers-"))
-    print(f"logs in {workdir}", file=sys.stderr)
+    print(f"logs in {workdir} (removed after a run whose argmax matched, unless --keep-logs)", file=sys.stderr)
     streams = list(range(args.workers)) if args.distinct else [0] * args.workers
     alone = [one_run(args, devices[:1], [s], workdir, f"alone{s}")[0] for s in sorted(set(streams))]
     together = one_run(args, devices, streams, workdir, "together")
@@ -261,6 +263,8 @@ def parent(args: argparse.Namespace) -> int:
         "decode": args.decode, "alone": alone, "together": together,
         "aggregate_decode_tokens_per_s": round(total_tps, 3), "alone_decode_tokens_per_s": round(alone_tps, 3),
         "speedup": round(total_tps / alone_tps, 3), "argmax_identical": same}))
+    if same and not args.keep_logs:
+        shutil.rmtree(workdir)
     return 0 if same else 1
 
 
@@ -282,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=32, help="tokens decoded one at a time")
     p.add_argument("--distinct", action="store_true",
                    help="each worker decodes its own prompt and token stream (the alone run then runs each)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the workers' and expertd's logs after a run whose argmax matched (default: removed; "
+                        "a run that failed keeps them)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stream", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)

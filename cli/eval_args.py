@@ -21,10 +21,12 @@ RANGES: dict[str, tuple[float, float]] = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", type=Path, metavar="MODEL", help="a pack directory or a source GGUF (first shard)")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--tokens", help="prompt token ids, comma separated: 1,2,3")
-    what.add_argument("--text", help="prompt text, tokenized with the model's tokenizer")
-    p.add_argument("--greedy", type=int, default=0, metavar="N", help="generate N tokens after the prompt")
-    p.add_argument("--save-logits", type=Path, metavar="F.npy", help="float32 [n_prompt, n_vocab] prompt logits")
+    what.add_argument("--tokens", metavar="IDS", help="prompt token ids, comma separated: 1,2,3 (this or --text)")
+    what.add_argument("--text", help="prompt text, tokenized with the model's tokenizer (this or --tokens)")
+    p.add_argument("--greedy", type=int, default=0, metavar="N",
+                   help="generate N tokens after the prompt (default 0: the prompt's logits only)")
+    p.add_argument("--save-logits", type=Path, metavar="F.npy",
+                   help="save the float32 [n_prompt, n_vocab] prompt logits there (default: not saved)")
     p.add_argument("--stepwise", action="store_true",
                    help="run the prompt one token per forward pass, as decoding runs, instead of in one pass "
                         "(a routing trace of a given text as decode sees it; logits agree within rounding)")
@@ -36,11 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="let --trace replace an existing FILE (never one of MODEL's own files)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu), or a list of GPUs "
                                                    "(cuda:0,cuda:1) over which the layers are split")
-    p.add_argument("--tokenizer", type=Path, metavar="DIR", help="an HF tokenizer directory overriding the GGUF's")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy, as is any below 1e-5")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", type=Path, metavar="DIR",
+                   help="an HF tokenizer directory overriding the GGUF's (default: the GGUF's own)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature (default 0: greedy, the likeliest token each step; so is any below 1e-5)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample among the K likeliest tokens only (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample among the likeliest tokens that together hold probability P (default 1: all)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the sampler (default 0); the same seed samples the same tokens")
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p.add_argument("--daemon", metavar="ENDPOINT",
                    help="take the experts from expertd at ENDPOINT (e.g. ipc:///run/expertpack/expertd.sock) "

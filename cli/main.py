@@ -57,9 +57,10 @@ def parser() -> argparse.ArgumentParser:
     offline.add_commands(sub)
 
     e = sub.add_parser("eval", help="run a model in this process: continuation and prompt logits",
-                       description="Run MODEL (a pack or a source GGUF) in this process, no daemon: print the greedy "
-                                   "(or sampled) continuation of the prompt and save the float32 logits of every "
-                                   "prompt position. For checking a model against another implementation.")
+                       description="Run MODEL (a pack or a source GGUF) in this process, reading its experts itself "
+                                   "(or, with --daemon, from expertd): print the greedy (or sampled) continuation of "
+                                   "the prompt and save the float32 logits of every prompt position. For checking a "
+                                   "model against another implementation.")
     eval_args.add_arguments(e)  # the flags only: importing them does not import torch
     e.set_defaults(run=_eval)
 

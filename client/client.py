@@ -215,6 +215,9 @@ class ExpertClient:
                     raise FingerprintMismatch(str(exc)) from None
                 raise
             self.welcome = welcome
+            # The daemon heard HELLO just now, however long it waited in ZeroMQ's queue for a daemon
+            # to come: the session's silence starts here, not when HELLO was queued.
+            self._last_sent = time.monotonic()
             self._map = map_staging(welcome.shm, welcome.shm_bytes)
             if welcome.heartbeat_interval_ms:
                 self._beat_s = welcome.heartbeat_interval_ms / 1000

@@ -22,6 +22,10 @@ from .ipc import ipc_problem
 EXIT_OK, EXIT_DEGRADED, EXIT_DOWN = 0, 1, 2
 
 
+class Unreachable(Exception):
+    """Nobody answers at the endpoint: no socket file, a socket nobody accepts on, or no reply in time."""
+
+
 class Probe:
     """A session-less DEALER for STATS and PING."""
 
@@ -44,12 +48,19 @@ class Probe:
             self.sock.close(0)
             raise ValueError(f"cannot use endpoint {endpoint!r}: {exc} (expected ipc://PATH or tcp://HOST:PORT)") from None
 
+    def check(self) -> None:
+        """Unreachable at once when an ipc:// socket file is missing or nobody accepts on it: ZeroMQ
+        would wait the whole timeout for a daemon that is not there."""
+        why = ipc_problem(self.endpoint)
+        if why is not None:
+            raise Unreachable(f"cannot reach expertd at {self.endpoint}: {why}")
+
     def ask(self, msg: p.Message, reply: type[p.Message]) -> Any:
         self.sock.send(p.encode(msg))
         if not self.sock.poll(self.timeout_ms):
             why = ipc_problem(self.endpoint)
-            raise TimeoutError(f"no answer from expertd at {self.endpoint} within {self.timeout_ms / 1000:g} s"
-                               + (f"; {why}" if why else ""))
+            raise Unreachable(f"no answer from expertd at {self.endpoint} within {self.timeout_ms / 1000:g} s"
+                              + (f"; {why}" if why else ""))
         answer = p.decode(self.sock.recv())
         if isinstance(answer, p.Error):
             raise ValueError(f"expertd refused {msg.op.name}: {answer.code.name}: {answer.message}")
@@ -66,8 +77,9 @@ def render(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: f
     lines = [
         f"expertd pid {stats['pid']}  up {stats['uptime_s']:.0f} s  {stats['arch']}  pack {stats['fingerprint'][:16]}  "
         f"{'O_DIRECT' if stats['direct_io'] else 'BUFFERED (fallback)'}",
-        f"fetches {c['fetches']:,}  keys {c['keys']:,}  ready {c['ready']:,}  failed {c['failed']:,}  "
-        f"cancelled {c['cancelled']:,}",
+        # expertd's `failed` counts every FAIL, a cancel's included: each answer is shown once here
+        f"fetches {c['fetches']:,}  keys {c['keys']:,}  ready {c['ready']:,}  cancelled {c['cancelled']:,}  "
+        f"failed {c['failed'] - c['cancelled']:,}",
         f"read {c['pack_read_bytes'] / 1e9:,.2f} GB in {c['read_ops']:,} ops  io_errors {c['io_errors']}  "
         f"corrupt_blocks {c.get('corrupt_blocks', 0)}  fallback_count {c['fallback_count']}  "
         f"protocol_errors {c['protocol_errors']}",
@@ -122,7 +134,7 @@ def client_lines(clients: list[dict[str, Any]], previous: list[dict[str, Any]] |
         old = before.get((cl["name"], pid))
         if old is not None and interval_s:
             rate = f"  now {(cl['ready'] - old['ready']) / interval_s:,.0f} experts/s"
-        out.append(f"  {'':<{width}} keys {cl['keys']:,}  ready {cl['ready']:,}  failed {cl['failed']:,}  "
+        out.append(f"  {'':<{width}} keys {cl['keys']:,}  ready {cl['ready']:,}  failed or cancelled {cl['failed']:,}  "
                    f"served {size(cl['served_bytes'])}  read {size(cl['read_bytes'])}  "
                    f"ram hits {cl['ram_hits']:,} ({cl['ram_hits'] / asked if asked else 0:.1%})  "
                    f"demand p50 <= {lat['p50']:,.0f} us  p99 <= {lat['p99']:,.0f} us{rate}")
@@ -155,17 +167,41 @@ def health(stats: dict[str, Any]) -> tuple[int, str]:
     return EXIT_OK, f"ok: serving {stats['arch']} pack {stats['fingerprint'][:16]}, {len(stats['clients'])} clients"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="expertctl", description="Query a running expertd.")
-    parser.add_argument("command", choices=("stats", "ping", "health"),
-                        help="stats: counters and latencies; ping: round trip; health: exit 0 ok, 1 degraded, 2 down")
-    parser.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help=f"expertd's endpoint (default {DEFAULT_ENDPOINT})")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--watch", type=float, metavar="N", help="repeat every N seconds (stats), with rates")
-    parser.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for an answer (default 5)")
-    parser.add_argument("--curve-server-key", type=Path, metavar="FILE",
+COMMANDS = {
+    "stats": ("counters, latencies, slots, the RAM tier and every client",
+              "Print expertd's counters since it started: keys asked, read and answered, read and fetch latency "
+              "percentiles, errors, its staging slots, its RAM tier, and one entry per client (name, pid, slots, "
+              "queue, hits). --watch N repeats every N seconds with the rates in between."),
+    "ping": ("the round trip to expertd", "Send PING and print how long the PONG took."),
+    "health": ("exit 0 ok, 1 degraded, 2 down",
+               "Exit 0 when expertd answers and is healthy, 1 when it answers but is degraded (I/O errors, corrupt "
+               "blocks, a replaced or truncated pack, reads through the page cache), 2 when it does not answer; "
+               "one line says which."),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    """One subcommand each, with its own --help; their shared flags come after the subcommand."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help=f"expertd's endpoint (default {DEFAULT_ENDPOINT})")
+    common.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    common.add_argument("--timeout-s", type=float, default=5.0, metavar="S",
+                        help="how long to wait for an answer (default 5); a missing socket is reported at once")
+    common.add_argument("--curve-server-key", type=Path, metavar="FILE",
                         help="expertd's CurveZMQ public key file (zmq certificate), for tcp:// endpoints")
-    args = parser.parse_args(argv)
+    top = argparse.ArgumentParser(prog="expertctl", description="Query a running expertd. Never leases slots: "
+                                  "safe against a busy daemon.")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (summary, description) in COMMANDS.items():
+        cmd = sub.add_parser(name, parents=[common], help=summary, description=description)
+        if name == "stats":
+            cmd.add_argument("--watch", type=float, metavar="N", help="repeat every N seconds, with rates (default: once)")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    args.watch = getattr(args, "watch", None)
     for flag, value, low, high in (("--timeout-s", args.timeout_s, 0.01, 3600.0), ("--watch", args.watch, 0.01, 86400.0)):
         if value is not None and not (math.isfinite(value) and low <= value <= high):
             print(f"expertctl: {flag} must lie in {low:g}..{high:g}, got {value!r}", file=sys.stderr)
@@ -182,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expertctl: {exc}", file=sys.stderr)
         return EXIT_DOWN
     try:
+        probe.check()
         if args.command == "ping":
             start = time.perf_counter()
             probe.ask(p.Ping(), p.Pong)
@@ -205,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.watch)
             if not args.json:
                 print()
-    except TimeoutError as exc:
+    except Unreachable as exc:
         if args.json and args.command == "health":
             print(json.dumps({"status": "down", "detail": str(exc)}))
         else:

@@ -77,9 +77,7 @@ class Endpoint:
                 sock.setsockopt(zmq.CURVE_SERVER, 1)
                 sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             else:
-                if not self._path.parent.is_dir():
-                    raise ValueError(f"{self.address}: directory {self._path.parent} does not exist "
-                                     "(systemd creates it with RuntimeDirectory=expertpack)")
+                _make_directory(self._path.parent)
                 self._lock_fd, self._lock_made = _lock_endpoint(self._path)
                 _remove_stale_socket(self._path)
             sock.bind(self.address)
@@ -112,6 +110,20 @@ class Endpoint:
                 _lock_path(self._path).unlink(missing_ok=True)  # still held: see _lock_endpoint
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _make_directory(directory: Path) -> None:
+    """The socket's directory, made (with its parents) when missing, as `mkdir -p` would: systemd
+    makes /run/expertpack (RuntimeDirectory=), a user's $XDG_RUNTIME_DIR/expertpack is made here.
+    Group-readable like the socket (0660), so that workers in expertd's group reach it."""
+    if directory.is_dir():
+        return
+    try:
+        directory.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create {directory}, the directory of the endpoint's socket ({exc.strerror}); "
+                         "create it, or choose another --endpoint") from None
+    log.info("created %s for the endpoint's socket", directory)
 
 
 def _inode(path: Path) -> tuple[int, int] | None:

@@ -69,8 +69,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("inspect", help="sizes for planning: bytes per expert, per token, cache fit",
                        description="Describe a pack, or a source GGUF before building it: architecture, expert "
                                    "roles and types, bytes per expert, pack and trunk sizes, routed bytes a token "
-                                   "reads at 0%% cache hit, and how many experts fit in a VRAM budget.")
-    i.add_argument("target", type=Path, metavar="OUT|SRC.gguf")
+                                   "reads at 0% cache hit, and how many experts fit in a VRAM budget.")
+    i.add_argument("target", type=Path, metavar="OUT|SRC.gguf",
+                   help="a pack directory written by `expertpack build`, or a source GGUF (the first shard of a "
+                        "split set): nothing is built")
     i.add_argument("--vram-gib", type=float, action="append", metavar="G",
                    help="VRAM budget to size the expert cache for (repeatable; default 8 16 24 32 80)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -80,18 +82,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        description="Write a GGUF with random (valid, finite) weights in the layout llama.cpp's "
                                    "converter uses for the preset's architecture, with a small trained tokenizer "
                                    "in its metadata. For benchmarks and the demo; streams at disk speed.")
-    s.add_argument("--preset", help="model shape to imitate (see --list)")
-    s.add_argument("-o", "--out", type=Path, help="output .gguf path (a split set when --shards > 1)")
-    s.add_argument("--layers", type=int, metavar="N", help="keep only the first N layers (fits real shapes on a small disk)")
+    s.add_argument("--preset", help="model shape to imitate (see --list); required")
+    s.add_argument("-o", "--out", type=Path, help="output .gguf path (a split set when --shards > 1); required")
+    s.add_argument("--layers", type=int, metavar="N",
+                   help="keep only the first N layers (fits real shapes on a small disk; default: all of the preset's)")
     s.add_argument("--type", dest="expert_type", metavar="T", help="ggml type of the routed experts (default: preset's)")
     s.add_argument("--trunk-type", metavar="T", help="ggml type of the other matrices (default: preset's)")
-    s.add_argument("--shards", type=int, default=1, metavar="N", help="write a llama.cpp split set of N shards")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="write a llama.cpp split set of N shards (default 1: one file)")
+    s.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the random weights (default 0); the same seed writes the same bytes")
     s.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
                    help="Zipf-like expert popularity: in each layer the router row of the expert of (randomly "
                         "permuted) rank r is scaled by (r+1)**-S, so some experts are chosen far more often than "
                         "others (1 is strong); 0 (default) routes uniformly and writes the same bytes as before")
-    s.add_argument("--force", action="store_true", help="overwrite existing output files")
+    s.add_argument("--force", action="store_true", help="overwrite existing output files (default: refuse)")
     s.add_argument("--list", action="store_true", help="list presets with their sizes and exit")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(run=_synth)

@@ -54,8 +54,10 @@ class PackSummary:
             "routed_bytes_per_token": per_token_read,
             "routed_payload_bytes_per_token": per_token_payload,
             "min_cache_bytes": self.n_expert_used * self.max_stride,
+            # a slot holds one expert block, sized for the largest; more slots than experts hold them all
             "cache_fit": [
                 {"vram_gib": g, "slots": int(g * GIB) // self.max_stride,
+                 "experts": min(n_total, int(g * GIB) // self.max_stride),
                  "fraction_of_experts": min(1.0, (int(g * GIB) // self.max_stride) / n_total)}
                 for g in vram_gib
             ],
@@ -99,11 +101,12 @@ def render_text(d: dict[str, Any]) -> str:
         f"{human_bytes(d['routed_bytes_per_token'])} read from the SSD "
         f"({d['routed_bytes_per_token']:,} B; {d['routed_payload_bytes_per_token']:,} B of payload)",
         f"smallest cache    {d['n_expert_used']} slots = {human_bytes(d['min_cache_bytes'])} (one layer's selection)",
-        "expert cache fit:",
+        f"expert cache fit (slots of {human_bytes(blk['max'])}, one expert block each):",
     ]
     for row in d["cache_fit"]:
-        lines.append(f"  {row['vram_gib']:>7g} GiB  {row['slots']:>9,} slots  "
-                     f"{100 * row['fraction_of_experts']:6.2f}% of all experts")
+        held = (f"all {d['n_experts_total']:,} experts" if row["experts"] == d["n_experts_total"] else
+                f"{row['experts']:,} of the {d['n_experts_total']:,} experts ({100 * row['fraction_of_experts']:.2f}%)")
+        lines.append(f"  {row['vram_gib']:>7g} GiB  {row['slots']:>9,} slots: {held}")
     return "\n".join(lines)
 
 

@@ -397,33 +397,67 @@ def _rate(tok_s: float | None) -> str:
     return f"{tok_s:.2f} tok/s" if tok_s is not None else "-"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="expertpack plan", description=__doc__,
+DESCRIPTION = """\
+Before you run a pack on a machine: how large the worker's expert cache in GPU memory and
+expertd's RAM tier can be there, how often they will hold the experts a token needs, and the
+decode and prefill speed that follows, with what limits it: the disk, the PCIe link, or compute.
+
+Give the machine's GPU memory (read from its GPU when there is one) and, to get speeds rather than
+limits, how fast the model runs on that GPU with every expert in memory (--compute-tok-s). The
+disk is measured on the pack unless --disk-gbps says. Hit rates come from uniform routing, or from
+prompts you recorded with `expert-worker --trace FILE` (--trace: closer to real use). Every input
+is printed with where it came from, so the arithmetic can be checked by hand."""
+
+EXAMPLES = """\
+examples:
+  expertpack plan model.pack --vram-gib 24 --compute-tok-s 60
+  expertpack plan model.pack --trace chats.jsonl --write /etc/expertpack   # and write the two configs
+  expertpack plan cut.pack --layers 48 --vram-gib 80    # cut.pack: `expertpack synth --layers 4` of a
+                                                        # 48-layer model, predicted for all 48"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="expertpack plan", description=DESCRIPTION, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("pack", type=Path, help="a built pack directory")
-    p.add_argument("--vram-gib", type=float, help="GPU memory (default: the first CUDA GPU's)")
-    p.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
-                   help=f"VRAM kept out of the expert cache (default {DEFAULT_RESERVE_GIB})")
-    p.add_argument("--ram-gib", type=float,
-                   help="expertd's RAM tier (default: what expertd takes on this host, from its available memory)")
-    p.add_argument("--disk-gbps", type=float, help="the disk's read speed (default: measured on the pack, O_DIRECT)")
-    p.add_argument("--pcie-gbps", type=float, help=f"host-to-GPU copy speed (default {DEFAULT_PCIE_GBPS})")
-    p.add_argument("--compute-tok-s", type=float,
-                   help="resident decode speed on this GPU (bench/peer_llamacpp.py or decode_streaming.py)")
+    p.add_argument("pack", type=Path, help="a pack directory written by `expertpack build`")
+    p.add_argument("--vram-gib", type=float, metavar="G",
+                   help="the GPU's memory in GiB (default: read from the first CUDA GPU; needed without one)")
+    p.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB, metavar="G",
+                   help=f"GPU memory kept for the KV cache and activations, out of the expert cache (default "
+                        f"{DEFAULT_RESERVE_GIB})")
+    p.add_argument("--ram-gib", type=float, metavar="G",
+                   help="expertd's RAM tier in GiB (default: what expertd would take on this machine: half the "
+                        "available memory, at most the pack)")
+    p.add_argument("--disk-gbps", type=float, metavar="B",
+                   help="the disk's read speed in GB/s (default: measured on the pack for 2 s, as expertd reads)")
+    p.add_argument("--pcie-gbps", type=float, metavar="B",
+                   help=f"host-to-GPU copy speed in GB/s (default {DEFAULT_PCIE_GBPS}, PCIe 4.0 x16)")
+    p.add_argument("--compute-tok-s", type=float, metavar="C",
+                   help="decode tokens/s of this model on this GPU with every expert in GPU memory (default: not "
+                        "known, so only the I/O limits are predicted)")
     p.add_argument("--miss-host-ms", type=float, metavar="MS",
-                   help=f"the worker's host time per VRAM cache miss (default {DEFAULT_MISS_HOST_MS}, measured on the "
-                        "H200 machine by bench/profile_streaming.py)")
+                   help=f"the worker's CPU time for each expert its GPU cache misses (default {DEFAULT_MISS_HOST_MS}, "
+                        "measured on an H200 machine)")
     p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, metavar="P",
-                   help=f"the prompt whose prefill is predicted, in tokens (default {DEFAULT_PROMPT_TOKENS})")
-    p.add_argument("--prefill-tok-s", type=float,
-                   help="resident prefill speed of a --prompt-tokens prompt on this GPU (decode_streaming.py --prompt P)")
+                   help=f"the length of the prompt whose prefill is predicted, in tokens (default "
+                        f"{DEFAULT_PROMPT_TOKENS})")
+    p.add_argument("--prefill-tok-s", type=float, metavar="C",
+                   help="prefill tokens/s of a --prompt-tokens prompt on this GPU with every expert in GPU memory "
+                        "(default: not known; as --compute-tok-s)")
     p.add_argument("--layers", type=int, metavar="N",
-                   help="project a truncated pack onto the whole model of N layers (sizes and compute grow with the "
-                        "layers)")
-    p.add_argument("--trace", type=Path, help="a routing trace (expert-worker --trace) for the hit rates")
-    p.add_argument("--write", type=Path, metavar="DIR", help="write worker.toml and expertd.toml there")
+                   help="the pack holds the first layers of a larger model (`expertpack synth --layers`): predict "
+                        "for the whole model of N layers (default: the pack as it is)")
+    p.add_argument("--trace", type=Path, metavar="FILE",
+                   help="a routing trace recorded by `expert-worker --trace FILE`, for hit rates from real prompts "
+                        "(default: uniform routing, simulated)")
+    p.add_argument("--write", type=Path, metavar="DIR",
+                   help="also write the matching worker.toml and expertd.toml into DIR")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -4,6 +4,8 @@ reached, and a bad command line fails with one line and exit status 2."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from expertpack.cli.main import main
@@ -57,3 +59,34 @@ def test_eval_refuses_what_it_cannot_sample_with_or_run_on_in_one_line(capsys: p
     code, _, err = run(capsys, "eval", "model.gguf", "--text", "hi", *flags)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("expertpack eval: "), err
     assert needle in err and len(err) < 300, err
+
+
+def documented_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every verb's parser that a user reads flag by flag: the offline verbs, eval, bench io, plan."""
+    from expertpack.bench import bench_io
+    from expertpack.cli.main import parser
+    from expertpack.planner import plan
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    verbs = {name: p for name, p in sub.choices.items() if name not in ("bench", "plan")}
+    return {**verbs, "bench io": bench_io.parser(), "plan": plan.parser()}
+
+
+@pytest.mark.parametrize("verb", ["build", "verify", "inspect", "synth", "eval", "bench io", "plan"])
+def test_every_flag_says_what_it_does_and_its_default(verb: str) -> None:
+    p = documented_parsers()[verb]
+    for action in p._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[-1] if action.option_strings else action.dest
+        assert action.help, f"expertpack {verb} {name} has no help"
+        if action.default not in (None, False):
+            assert "default" in action.help, f"expertpack {verb} {name}: its default {action.default!r} is not said"
+    text = p.format_help()
+    assert "%%" not in text and "%(" not in text, text
+
+
+def test_plan_help_speaks_of_what_the_user_gives_and_gets() -> None:
+    text = documented_parsers()["plan"].format_help()
+    assert ".py" not in text and "issue" not in text, text  # no source files, no project history
+    assert "examples:" in text and "expertpack plan model.pack" in text

@@ -4,10 +4,16 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
+import time
 from pathlib import Path
 
+import pytest
+
 from expertpack.client import ExpertClient
+from expertpack.client.expertctl import main as expertctl_main
+from expertpack.client.expertctl import render
 
 from ..conftest import BIN
 from ..conftest import Daemon, start_daemon
@@ -60,7 +66,45 @@ def test_health_of_a_degraded_daemon(tiny_pack: Path, tmp_path: Path) -> None:
 
 def test_health_of_nothing(tmp_path: Path) -> None:
     health = expertctl("health", "--endpoint", f"ipc://{tmp_path}/nobody.sock", "--timeout-s", "0.5")
-    assert health.returncode == 2 and "no answer" in health.stderr
+    assert health.returncode == 2 and "cannot reach expertd" in health.stderr
+
+
+def test_no_socket_or_a_dead_one_is_answered_at_once(tmp_path: Path) -> None:
+    """ZeroMQ would wait the whole --timeout-s for a daemon that is not there."""
+    dead = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(dead))  # closed unlistened: the file stays and refuses connections, as a killed expertd's
+    for path, why in ((tmp_path / "none.sock", "there is no socket at"), (dead, "refuses connections")):
+        start = time.monotonic()
+        ping = expertctl("ping", "--endpoint", f"ipc://{path}", "--timeout-s", "60")
+        assert ping.returncode == 2 and why in ping.stderr, ping
+        assert time.monotonic() - start < 10
+        health = expertctl("health", "--endpoint", f"ipc://{path}", "--timeout-s", "60", "--json")
+        assert health.returncode == 2 and json.loads(health.stdout)["status"] == "down", health
+
+
+def test_each_command_has_its_own_help(capsys: pytest.CaptureFixture) -> None:
+    helps = {}
+    for command in ("stats", "ping", "health"):
+        with pytest.raises(SystemExit) as done:
+            expertctl_main([command, "--help"])
+        assert done.value.code == 0
+        helps[command] = capsys.readouterr().out
+        assert helps[command].startswith(f"usage: expertctl {command}") and "--endpoint" in helps[command]
+    assert "--watch" in helps["stats"] and "--watch" not in helps["ping"] + helps["health"]
+    assert "Exit 0 when" in helps["health"] and "PONG" in helps["ping"]
+
+
+def test_a_cancelled_prefetch_is_counted_once(daemon: Daemon) -> None:
+    """expertd's `failed` counts every FAIL, the FAIL CANCELLED of a cancel included: the table
+    shows that answer as cancelled, not also as failed."""
+    with ExpertClient(daemon.endpoint, name="cancels") as client:
+        stats = client.stats()
+    stats["counters"].update(fetches=1, keys=1, ready=0, failed=1, cancelled=1)
+    stats["clients"][0].update(keys=1, ready=0, failed=1)
+    table = render(stats, None, None)
+    assert "ready 0  cancelled 1  failed 0" in table, table
+    assert "failed or cancelled 1" in table, table
 
 
 AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]

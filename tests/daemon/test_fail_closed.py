@@ -229,3 +229,25 @@ def test_a_socket_that_cannot_be_bound_leaves_no_staging(tiny_pack: Path, tmp_pa
     assert created, f"the start failed before the staging was made: {proc.stderr}"
     assert not [path for path in created if Path(path).exists()], "the staging segment outlived the failed start"
     assert set(tmp_path.rglob("*")) == before, "a socket or lock file was left behind"
+
+
+def test_the_endpoint_directory_is_made_when_missing(tiny_pack: Path, tmp_path: Path) -> None:
+    """A user's $XDG_RUNTIME_DIR/expertpack, which no systemd unit made: expertd makes it (0750,
+    like `mkdir -p` with its parents) and serves there."""
+    run = tmp_path / "run" / "expertpack"
+    d = start_daemon(tiny_pack, tmp_path, "--endpoint", f"ipc://{run}/expertd.sock")
+    try:
+        d.wait_for("READY=1")
+        assert (run / "expertd.sock").is_socket() and (run.stat().st_mode & 0o777) == 0o750
+        with ExpertClient(f"ipc://{run}/expertd.sock") as client:
+            assert client.ping() > 0
+    finally:
+        assert d.stop()[0] == 0
+    assert not (run / "expertd.sock").exists()
+
+
+def test_an_endpoint_directory_that_cannot_be_made_is_named(tiny_pack: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    proc = run_expertd("--pack", str(tiny_pack), "--endpoint", f"ipc://{tmp_path}/file/run/expertd.sock")
+    assert_refused(proc, f"cannot create {tmp_path}/file/run, the directory of the endpoint's socket")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

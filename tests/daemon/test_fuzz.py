@@ -157,7 +157,7 @@ def test_reconnects_with_a_routing_id_in_use_keep_memory_flat_and_steal_nothing(
         victim = dealer(ctx)
         victim.connect(daemon.endpoint)
         victim.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "victim")))
-        assert victim.poll(10000) and isinstance(welcome := p.decode(victim.recv()), p.Welcome)
+        assert victim.poll(10000) and isinstance(p.decode(victim.recv()), p.Welcome)
         for _ in range(10_000):
             s = dealer(ctx)
             handshake = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import zmq
 
+from expertpack.client import ExpertClient
 from expertpack.client import protocol as p
 
 from ..conftest import start_daemon
@@ -142,5 +144,29 @@ def test_silent_raw_peers_lose_their_sessions_also_after_a_takeover(tiny_pack: P
         assert peers[0].poll(5000) and isinstance(p.decode(peers[0].recv()), p.Welcome)
     finally:
         ctx.destroy(linger=0)
+        code, err = d.stop()
+        assert code == 0, err
+
+
+def test_a_client_whose_hello_waited_for_the_daemon_keeps_its_session(tiny_pack: Path, tmp_path: Path) -> None:
+    """A client made before its daemon starts: its HELLO waits in ZeroMQ's queue, longer here than
+    the daemon's heartbeat timeout. The session begins at WELCOME, so the client is not taken for
+    a stopped process ("was the process stopped?") at its first fetch."""
+    endpoint = f"ipc://{tmp_path}/expertd.sock"
+    made: list = []
+    waiting = threading.Thread(target=lambda: made.append(ExpertClient(endpoint, name="early", timeout_s=60)))
+    waiting.start()
+    time.sleep(1.5)  # three times the heartbeat timeout below
+    d = start_daemon(tiny_pack, tmp_path, "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "0.5")
+    try:
+        d.wait_for("READY=1")
+        waiting.join(timeout=60)
+        client = made[0]
+        try:
+            for expert in client.fetch([(0, 1)]):
+                expert.release()
+        finally:
+            client.close()
+    finally:
         code, err = d.stop()
         assert code == 0, err

@@ -20,6 +20,8 @@ def bench(tmp_path: Path, *flags: str) -> dict:
                            "--dir", str(tmp_path), *flags], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+    logs = next(line.split()[2] for line in proc.stderr.splitlines() if line.startswith("logs in "))
+    assert not Path(logs).exists(), f"a clean run left {logs} behind"
     lines = proc.stdout.splitlines()
     assert "identical to the alone run: True" in proc.stdout and "aggregate decode, 2 workers" in proc.stdout, \
         proc.stdout

@@ -76,3 +76,16 @@ def test_kimi_k3_full_model_from_its_header(tmp_path: Path) -> None:
     assert d["routed_bytes_per_token"] == 1_472 * 11_956_224 == pytest.approx(17.6e9, rel=3e-3)
     assert d["pack_size_bytes"] == pytest.approx(985.57e9, rel=1e-4)
     assert "11,956,224 B per block" in text and "1,472 experts" in text and "17,599,561,728 B" in text
+
+
+def test_the_cache_fit_says_what_its_slots_hold(tiny_pack: Path) -> None:
+    """A slot is one expert block: 1 GiB holds 9,709 slots of the tiny pack's 108 KiB, which means
+    all of its 64 experts, not 9,709 of them."""
+    from expertpack.packtools.inspect_pack import render_text, summarize
+
+    d = summarize(tiny_pack).to_dict([0.001, 1.0])
+    assert [(row["slots"], row["experts"]) for row in d["cache_fit"]] == [(9, 9), (9709, 64)]
+    text = render_text(d)
+    assert "expert cache fit (slots of 108.00 KiB, one expert block each):" in text, text
+    assert "0.001 GiB          9 slots: 9 of the 64 experts (14.06%)" in text, text
+    assert "1 GiB      9,709 slots: all 64 experts" in text, text

@@ -32,6 +32,7 @@ import zmq
 
 from expertpack.client import ClientError, DaemonUnavailable, Expert, ExpertClient, FetchFailed
 from expertpack.client import protocol as p
+from expertpack.client.ipc import ipc_problem, may_connect
 from expertpack.packtools.layout import ExpertKey
 
 from .prefetch import Prefetches
@@ -43,6 +44,7 @@ CUDA_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every
 # cudaHostRegisterReadOnly: the device only reads the range; needed to pin a read-only mapping
 CUDA_HOST_REGISTER_READ_ONLY = 0x08
 RETRY_PAUSE_S = 0.05  # between a failed session and the next HELLO (which itself waits for a daemon)
+START_PAUSE_MAX_S = 1.0  # the longest pause between two looks for a daemon that is not there at start
 
 
 class DaemonLost(RuntimeError):
@@ -86,9 +88,37 @@ class DaemonLink:
         self._probe: zmq.Socket | None = None  # STATS only, no HELLO: never holds slots
         self._probe_lock = threading.Lock()
         self.ahead = Prefetches(self)  # experts fetched ahead of their layer, on this link's session
-        self._connect()
+        deadline = time.monotonic() + timeout_s
+        self._wait_for_socket(deadline)
+        self._connect(timeout_s=max(deadline - time.monotonic(), RETRY_PAUSE_S))
 
     # ---- connection ---------------------------------------------------------------------------
+    def _wait_for_socket(self, deadline: float) -> None:
+        """At start, an ipc:// endpoint where nobody accepts yet (no socket file, or one a daemon
+        that is gone left) is said at once and looked at again, with backoff, until `deadline`;
+        a HELLO would wait there silently. A socket this user may not use is left to the client,
+        which says so at once."""
+        path = self.endpoint.removeprefix("ipc://")
+        if not self.endpoint.startswith("ipc://") or not may_connect(path):
+            return
+        why = ipc_problem(self.endpoint)
+        if why is None:
+            return
+        start = time.monotonic()
+        log.warning("waiting for expertd at %s (%s)", self.endpoint,
+                    "no socket yet" if not os.path.lexists(path) else "its socket refuses connections: the expertd "
+                    "that made it is gone")
+        pause_s = RETRY_PAUSE_S
+        while why is not None:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise DaemonUnavailable(f"no expertd at {self.endpoint} after {time.monotonic() - start:.0f} s of "
+                                        f"waiting (--daemon-timeout-s): {why}")
+            time.sleep(min(pause_s, left_s))
+            pause_s = min(2 * pause_s, START_PAUSE_MAX_S)
+            why = ipc_problem(self.endpoint)
+        log.info("expertd is up at %s after %.1f s", self.endpoint, time.monotonic() - start)
+
     def _connect(self, timeout_s: float | None = None) -> None:
         client = ExpertClient(self.endpoint, name=self.name, timeout_s=timeout_s or self.timeout_s,
                               expect_fingerprint=self.fingerprint)
