@@ -1,5 +1,5 @@
-"""Shared test fixtures: the real llama.cpp GGUFs in ../shared/fixtures (made by others; the outside
-world), packs built from them once per session, a helper to run the installed CLI, and a real
+"""Shared test fixtures: the real llama.cpp GGUFs in tests/fixtures (made by others, the outside world:
+tests/fixtures/README.md says how), packs built from them once per session, a helper to run the installed CLI, and a real
 expertd process on a real pack on the ext4 disk, its readiness learned the way systemd learns it (a
 NOTIFY_SOCKET datagram), stopped with SIGTERM and checked for leftovers."""
 
@@ -21,7 +21,9 @@ from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("EXPERTPACK_FIXTURES", REPO.parent / "shared" / "fixtures"))
+# The files the tests read, carried in the repository; EXPERTPACK_FIXTURES points them at another
+# copy of the same layout (the full set the carried files were cut from, say).
+FIXTURES = Path(os.environ.get("EXPERTPACK_FIXTURES", REPO / "tests" / "fixtures"))
 BIN = Path(sys.executable).parent  # the venv's console scripts; else they are found on PATH
 if not (BIN / "expertd").exists() and shutil.which("expertd"):
     BIN = Path(shutil.which("expertd")).parent
@@ -30,7 +32,7 @@ if not (BIN / "expertd").exists() and shutil.which("expertd"):
 def fixture_ggufs() -> list[Path]:
     """Every fixture model: single files and the first shard of each split set."""
     if not FIXTURES.is_dir():
-        raise RuntimeError(f"shared fixtures not found at {FIXTURES}; set EXPERTPACK_FIXTURES")
+        raise RuntimeError(f"fixtures not found at {FIXTURES} (EXPERTPACK_FIXTURES, or tests/fixtures)")
     paths = sorted(p for p in FIXTURES.rglob("*.gguf") if "-of-" not in p.name or "-00001-of-" in p.name)
     assert len(paths) >= 10, f"expected the shared fixture GGUFs under {FIXTURES}, found {paths}"
     return paths

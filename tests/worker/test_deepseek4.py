@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (`deepseek4`) against references nobody here wrote (../shared/fixtures/flagship):
+"""DeepSeek-V4 (`deepseek4`) against references nobody here wrote (tests/fixtures/flagship):
 
 - the BF16 GGUF (MXFP4 experts, as the converter always writes them) against transformers'
   float32 DeepseekV4ForCausalLM, teacher-forced along its greedy tokens, on both prompts (the long

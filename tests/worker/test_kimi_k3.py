@@ -1,4 +1,4 @@
-"""Kimi-K3 (`kimi-k3`) against the fixture's references (../shared/fixtures/flagship/kimi-k3). No
+"""Kimi-K3 (`kimi-k3`) against the fixture's references (tests/fixtures/flagship/kimi-k3). No
 transformers class exists; the references are llama.cpp's own logits and a float64 forward on each
 GGUF's dequantized weights (written by the fixture's author from llama.cpp's graph), both
 teacher-forced along llama.cpp's greedy tokens of that file:

@@ -1,4 +1,4 @@
-"""The architectures against references nobody here wrote (../shared/fixtures):
+"""The architectures against references nobody here wrote (tests/fixtures):
 
 - full-precision GGUFs (and gpt-oss's MXFP4 file, whose expert values are the checkpoint's) against
   transformers' float32 logits, teacher-forced along its greedy tokens: we compute in float32 on the
