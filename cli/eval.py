@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, engine)
     except DaemonLost as exc:
         _fail(str(exc))
+    except ClientError as exc:  # a block expertd could not read (corrupt, truncated pack), a refused session
+        _fail(f"expert storage failed mid-run: {exc} (run expertpack verify on the pack expertd serves)")
     finally:
         if trace is not None:
             stop_trace(engine, trace)

@@ -5,12 +5,15 @@ from a real expertd through the cache, with the same tokens."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ..conftest import FIXTURES, Daemon, run_cli
+from expertpack.packtools.layout import PACK_FILE, Manifest
+
+from ..conftest import FIXTURES, Daemon, run_cli, start_daemon
 from ..helpers.engine import assert_every_key_accounted
 
 
@@ -77,3 +80,28 @@ def test_eval_through_expertd_gives_the_same_tokens(tiny_pack: Path, daemon: Dae
     too_small = run_cli("eval", tiny_pack, "--tokens", tokens, "--daemon", daemon.endpoint, "--cache-vram-mib", "0")
     assert too_small.returncode != 0 and "one layer can select 4" in too_small.stderr
     assert "Traceback" not in too_small.stderr
+
+
+def test_eval_through_expertd_says_in_one_line_when_a_block_cannot_be_read(tiny_pack: Path, tmp_path: Path) -> None:
+    """Issue 37: a block expertd failed mid-run (here CORRUPT: every block of the last layer damaged
+    on disk, so the first layers ran) was a traceback; it is one line naming the block, exit 2."""
+    pack = tmp_path / "pack"
+    shutil.copytree(tiny_pack, pack)
+    manifest = Manifest.load(pack)
+    layer = manifest.layers[-1]
+    with open(pack / PACK_FILE, "r+b") as f:
+        for e in range(manifest.model.n_expert):
+            f.seek(layer.block_offset(e) + 7)
+            byte = f.read(1)[0]
+            f.seek(layer.block_offset(e) + 7)
+            f.write(bytes([byte ^ 0x10]))
+    daemon = start_daemon(pack, tmp_path)
+    try:
+        daemon.wait_for("READY=1")
+        proc = run_cli("eval", pack, "--tokens", "40,41,42", "--greedy", "2", "--daemon", daemon.endpoint,
+                       "--cache-vram-mib", "1")
+    finally:
+        daemon.stop()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("expertpack eval: expert storage failed mid-run: ") and f"layer {layer.layer}" in last, last
