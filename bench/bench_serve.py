@@ -5,8 +5,8 @@ Ten fixed chat requests, one at a time: five instruction prompts in the Alpaca s
 MMLU-style multiple-choice questions; temperature 0 and exactly --max-tokens completion tokens
 (`ignore_eos`, which llama-server and vLLM also honour). Each request is streamed: prefill and
 decode rates come from the server's `timings` when it reports them (llama-server, expert-worker),
-else from the client's clock (time to first token; the rest). The unique-key hit rate and the SSD
-bytes come from expert-worker's `expertpack` object (n/a elsewhere). Prints a table per set and
+else from the client's clock (time to first token; the rest). The unique-key hit rate and the expert
+bytes fetched (from expertd's RAM tier or pack) come from expert-worker's `expertpack` object (n/a elsewhere). Prints a table per set and
 writes bench-serve.json and bench-serve.png (matplotlib) into --out.
 
 `--compare A.json B.json ...` draws earlier runs side by side instead (expert-worker's,
@@ -68,7 +68,7 @@ class Result:
     decode_tokens_per_s: float
     rates_from: str  # "server" (its timings) or "client" (time to first token, then the rest)
     hit_rate: float | None
-    ssd_bytes: int | None
+    fetched_bytes: int | None
     seconds: float
 
 
@@ -125,7 +125,7 @@ def run_one(base: str, model: str, set_name: str, index: int, prompt: str, max_t
         decode = (n_done - 1) / (seconds - first) if n_done > 1 and seconds > first else 0.0
         source = "client"
     return Result(set_name, index, n_prompt, n_done, prefill, decode, source,
-                  extra and extra.get("hit_rate"), extra and extra.get("ssd_bytes"), seconds)
+                  extra and extra.get("hit_rate"), extra and extra.get("fetched_bytes"), seconds)
 
 
 def summarize(results: list[Result]) -> dict[str, dict]:
@@ -135,11 +135,11 @@ def summarize(results: list[Result]) -> dict[str, dict]:
         if not rs:
             continue
         hits = [r.hit_rate for r in rs if r.hit_rate is not None]
-        ssd = [r.ssd_bytes / r.completion_tokens for r in rs if r.ssd_bytes is not None and r.completion_tokens]
+        fetched = [r.fetched_bytes / r.completion_tokens for r in rs if r.fetched_bytes is not None and r.completion_tokens]
         out[name] = {"requests": len(rs), "prefill_tokens_per_s": mean(r.prefill_tokens_per_s for r in rs),
                      "decode_tokens_per_s": mean(r.decode_tokens_per_s for r in rs),
                      "hit_rate": mean(hits) if hits else None,
-                     "ssd_gb_per_token": mean(ssd) / 1e9 if ssd else None,
+                     "fetched_gb_per_token": mean(fetched) / 1e9 if fetched else None,
                      "completion_tokens": sum(r.completion_tokens for r in rs)}
     return out
 
@@ -179,7 +179,7 @@ def _fmt(v: float | None, pattern: str) -> str:
 def table(runs: list[Run]) -> str:
     width = max([6, *(len(r.label) for r in runs)]) + 2
     lines = [f"{'system':<{width}}{'set':<17}{'requests':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'hit rate':>10}"
-             f"{'SSD GB/token':>14}"]
+             f"{'fetched GB/token':>18}"]
     for name in SETS:
         for run in runs:
             s = run.summary.get(name)
@@ -187,7 +187,7 @@ def table(runs: list[Run]) -> str:
                 continue
             lines.append(f"{run.label:<{width}}{name:<17}{s['requests']:>9}{s['prefill_tokens_per_s']:>15.2f}"
                          f"{s['decode_tokens_per_s']:>14.2f}{_fmt(s['hit_rate'], '{:.1%}'):>10}"
-                         f"{_fmt(s['ssd_gb_per_token'], '{:.3f}'):>14}")
+                         f"{_fmt(s['fetched_gb_per_token'], '{:.3f}'):>18}")
     return "\n".join(lines)
 
 

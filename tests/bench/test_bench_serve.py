@@ -21,7 +21,7 @@ OURS, LLAMA = DATA / "bench-serve-expert-worker.json", DATA / "bench-serve-llama
 def test_the_reports_are_what_each_server_measured() -> None:
     ours, llama = Run.load(OURS), Run.load(LLAMA)
     assert all(0 <= s["hit_rate"] <= 1 for s in ours.summary.values())
-    assert all(s["hit_rate"] is None and s["ssd_gb_per_token"] is None for s in llama.summary.values())
+    assert all(s["hit_rate"] is None and s["fetched_gb_per_token"] is None for s in llama.summary.values())
 
 
 def test_compare_prints_one_table_and_draws_one_chart(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def test_completions_match_the_in_process_engine(served, local) -> None:
     assert got.choices[0].text == want
     assert got.usage.prompt_tokens == len(local[1].encode(prompt)) and got.usage.completion_tokens >= 1
     extra = got.model_extra
-    assert extra["timings"]["prompt_per_second"] > 0 and extra["expertpack"]["ssd_bytes"] > 0
+    assert extra["timings"]["prompt_per_second"] > 0 and extra["expertpack"]["fetched_bytes"] > 0
     assert 0 <= extra["expertpack"]["hit_rate"] <= 1
 
     pieces, finish = [], None
@@ -214,7 +214,7 @@ def test_bench_serve_replays_the_protocol(served, tmp_path: Path) -> None:
     for name in ("instruction", "multiple-choice"):
         s = report["summary"][name]
         assert s["requests"] == 5 and s["decode_tokens_per_s"] > 0 and 0 <= s["hit_rate"] <= 1
-        assert s["ssd_gb_per_token"] is not None
+        assert s["fetched_gb_per_token"] is not None
         assert name in proc.stdout
     assert (tmp_path / "bench-serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -201,7 +201,7 @@ def test_expert_worker_over_cpu_devices_serves_one_devices_answer(split_packs, t
     try:
         got = worker.client().completions.create(model="fixture", prompt=prompt, max_tokens=8, temperature=0)
         assert got.choices[0].text == want
-        assert got.model_extra["expertpack"]["ssd_bytes"] > 0
+        assert got.model_extra["expertpack"]["fetched_bytes"] > 0
         status, metrics = worker.get("/metrics")
         assert status == 200 and "expertpack_cache_misses_total" in metrics
         assert worker.get("/health")[0] == 200

@@ -387,8 +387,8 @@ def create_app(service: WorkerService) -> FastAPI:
         c.prefill_seconds += u.prefill_s
         c.decode_seconds += u.decode_s
         log.info("%s %d: %d prompt + %d completion tokens, prefill %.1f tok/s, decode %.2f tok/s, hit rate %s, "
-                 "%.1f MB read%s", path, status, u.prompt_tokens, u.completion_tokens, u.prefill_tokens_per_s,
-                 u.decode_tokens_per_s, "-" if u.hit_rate is None else f"{u.hit_rate:.1%}", u.ssd_bytes / 1e6,
+                 "%.1f MB of experts fetched%s", path, status, u.prompt_tokens, u.completion_tokens, u.prefill_tokens_per_s,
+                 u.decode_tokens_per_s, "-" if u.hit_rate is None else f"{u.hit_rate:.1%}", u.fetched_bytes / 1e6,
                  f"; {note} after {u.completion_tokens} of the {asked} tokens asked for" if note else "")
 
     @app.get("/v1/models")
@@ -475,7 +475,7 @@ def _usage_fields(completions: list[Completion]) -> dict[str, Any]:
         "timings": {"prompt_n": u.prompt_tokens, "prompt_ms": u.prefill_s * 1e3,
                     "prompt_per_second": u.prefill_tokens_per_s, "predicted_n": u.completion_tokens,
                     "predicted_ms": u.decode_s * 1e3, "predicted_per_second": u.decode_tokens_per_s},
-        "expertpack": {"hit_rate": u.hit_rate, "ssd_bytes": u.ssd_bytes, "cache": u.cache},
+        "expertpack": {"hit_rate": u.hit_rate, "fetched_bytes": u.fetched_bytes, "cache": u.cache},
     }
 
 

@@ -78,7 +78,8 @@ class Usage:
         return self.cache["hits"] / looked if looked else None
 
     @property
-    def ssd_bytes(self) -> int:
+    def fetched_bytes(self) -> int:
+        """Expert bytes copied into the VRAM cache (from the RAM tier or the pack alike)."""
         return int(self.cache.get("h2d_bytes", 0))
 
 
