@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (see ../.library/device) that checks and measures the GPU path:
 # starts the llama.cpp build in the background (bench/peer_on_device.sh), meanwhile runs the kernel
-# and GPU tests (on tests/fixtures, which travel with the tree) and profiles a decode step, then runs
-# the peer comparison once the build is done. About 7 minutes. Prepare here, then carry .whl and .peer:
+# and GPU tests on a fixture subset and profiles a decode step, then runs the peer comparison once
+# the build is done. About 7 minutes. Prepare here, then carry .whl, .peer and .gpufix:
 #   bash ../shared/device/wheels.sh jinja2 markupsafe openai httpx2 httpcore2 truststore distro jiter sniffio certifi idna
 #       # .whl (the machine reaches no registry; openai: tests/worker helpers that tests/kernels import)
 #   .venv/bin/python bench/peer_llamacpp.py fetch --dest .peer/llama.cpp
+#   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 31 MiB) or b (41 MiB)
+# The tree that travels to the machine is at most 64 MiB, so tests/fixtures (105 MB) must not: keep it
+# out of the checkout you run from (git sparse-checkout set --no-cone '/*' '!/tests/fixtures/') and
+# take the set from another copy (EXPERTPACK_FIXTURES=../shared/fixtures).
 # and on the device: COMMIT=<hash> bash bench/device_check.sh run
 # `bash bench/device_check.sh workers [FLAGS]` (needs .whl only) measures N worker processes, one per
 # visible GPU, on one expertd against one worker alone (bench/decode_workers.py FLAGS): the SSD path
 # (no RAM tier), then expertd's default RAM tier; `workers-test` runs tests/gpu/test_two_workers.py
 # (two GPUs, tiny model, argmax and shared reads); each fits one call.
-# `bash bench/device_check.sh streaming` (needs .whl only) runs the expert cache's GPU tests, then
+# `bash bench/device_check.sh streaming` (needs .whl and set a) runs the expert cache's GPU tests, then
 # bench/profile_streaming.py and decode_streaming.py with a RAM tier on the 12-layer Qwen3-30B-A3B.
 # `bash bench/device_check.sh prefill` (needs .whl only) sweeps which kernels a prompt of 32 and of 512
 # tokens takes (attention, trunk matvec rows, expert paths) on the 12-layer Qwen3-30B-A3B.
@@ -25,15 +29,41 @@
 # this machine and onto the reference one (RTX 5090: 32 GiB, PCIe 5 at this machine's 55 GB/s, an
 # SSD at 13 GB/s, 13 GiB of RAM tier; its decode compute the H200's times 1.79/4.8 TB/s of memory
 # bandwidth, decode being bound by it). E.g. deepseek-v4-flash 2 43 1.1 / kimi-k3 2 93 0.25.
-# `bash bench/device_check.sh tests` runs the kernel and GPU tests alone (TEST_TIMEOUT, default 500 s).
+# Set a holds what tests/kernels and most of tests/gpu read; set b the architectures the rest read
+# (mixtral-a, deepseek3-a at BF16, DeepSeek-V4 and Kimi-K3): `tests` with it, carried without .peer.
 # Outputs (profiles, llama-bench JSON, chart) go to $OUT.
 set -uo pipefail
+fixtures=${EXPERTPACK_FIXTURES:-tests/fixtures}  # the copy to take a set from
 install() {  # the project and the carried wheels, on a machine that reaches no registry
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 }
 case "${1:-}" in
+fixtures)
+    set -e
+    rm -rf .gpufix && mkdir -p .gpufix
+    copy() { mkdir -p ".gpufix/$(dirname "$1")" && cp -r "$fixtures/$1" ".gpufix/$1"; }
+    if [ "${2:-a}" = a ]; then
+        for f in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf gguf/qwen3moe-a/qwen3moe-a.BF16.gguf \
+                 gguf/gptoss-a/gptoss-a.MXFP4.gguf gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf \
+                 gguf/deepseek3-a/deepseek3-a.Q2_K.gguf flagship/kimi-k3/k3-tiny.Q2_K.gguf \
+                 flagship/deepseek4/dsv4-tiny.Q2_K.gguf; do copy "$f"; done
+        for m in qwen3moe-a gptoss-a; do
+            for f in hf_logits_f32.npy hf_ref.json prompt_ids.npy; do copy "ref/$m/$f"; done
+        done
+    else
+        for f in gguf/mixtral-a/mixtral-a.F16.gguf gguf/deepseek3-a/deepseek3-a.BF16.gguf \
+                 flagship/deepseek4/dsv4-tiny.BF16.gguf flagship/deepseek4/logits flagship/deepseek4/reference.json \
+                 flagship/kimi-k3/k3-tiny.Q2_K.gguf flagship/kimi-k3/logits flagship/kimi-k3/reference.json; do
+            copy "$f"
+        done
+        for m in mixtral-a deepseek3-a; do
+            for f in hf_logits_f32.npy hf_ref.json prompt_ids.npy; do copy "ref/$m/$f"; done
+        done
+    fi
+    du -sh .gpufix
+    ;;
 workers)
     install
     shift
@@ -66,6 +96,7 @@ flagship)
     ;;
 streaming)  # the streaming path's GPU tests, then its host cost and its speed against the I/O bound
     install
+    export EXPERTPACK_FIXTURES=$PWD/.gpufix
     out=${OUT:-/tmp}
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_expert_cache_cuda.py tests/gpu/test_multi_gpu.py \
         2>&1 | tail -3
@@ -109,7 +140,30 @@ workers-test)
 run | tests)
     [ "$1" = run ] && bash bench/peer_on_device.sh start-build
     install
+    export EXPERTPACK_FIXTURES=$PWD/.gpufix
+    echo "== tests (those whose fixtures are in .gpufix)"
+    have() { [ -e ".gpufix/$1" ]; }
     skip=()
+    for t in "qwen3moe-a:gguf/qwen3moe-a/qwen3moe-a.BF16.gguf" "gptoss-a:gguf/gptoss-a/gptoss-a.MXFP4.gguf" \
+             "mixtral-a:gguf/mixtral-a/mixtral-a.F16.gguf" "deepseek3-a:gguf/deepseek3-a/deepseek3-a.BF16.gguf"; do
+        have "${t#*:}" || skip+=(--deselect "tests/gpu/test_cuda_worker.py::test_architectures_on_cuda_match_transformers[${t%%:*}]")
+    done
+    have flagship/deepseek4/reference.json || skip+=(--deselect tests/gpu/test_cuda_worker.py::test_deepseek4_on_cuda_matches_transformers)
+    have flagship/kimi-k3/reference.json || skip+=(--deselect tests/gpu/test_cuda_worker.py::test_kimi_k3_on_cuda_matches_its_float64_reference)
+    for m in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M gguf/gptoss-a/gptoss-a.MXFP4_MOE gguf/deepseek3-a/deepseek3-a.Q2_K \
+             flagship/kimi-k3/k3-tiny.Q2_K flagship/deepseek4/dsv4-tiny.BF16; do
+        have "$m.gguf" || skip+=(--deselect "tests/gpu/test_decode_graph.py::test_graph_replays_equal_the_eager_static_steps[$m.gguf]")
+    done
+    have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py
+        --deselect tests/gpu/test_cuda_worker.py::test_resident_experts_equal_read_per_use_on_cuda
+        --deselect tests/gpu/test_multi_gpu.py::test_two_gpus_through_expertd_share_one_connection)
+    for m in flagship/kimi-k3/k3-tiny.Q2_K flagship/deepseek4/dsv4-tiny.Q2_K; do
+        have "$m.gguf" || skip+=(--deselect "tests/gpu/test_decode_graph.py::test_a_second_request_with_states_replays_the_graph[$m.gguf]")
+    done
+    for m in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M gguf/gptoss-a/gptoss-a.MXFP4_MOE gguf/deepseek3-a/deepseek3-a.Q2_K \
+             flagship/kimi-k3/k3-tiny.Q2_K flagship/deepseek4/dsv4-tiny.Q2_K; do
+        have "$m.gguf" || { skip+=(--deselect tests/gpu/test_segmented_graphs.py); break; }  # its packs: set a's
+    done
     skip+=(--deselect tests/gpu/test_two_workers.py)  # workers-test runs it (several processes; minutes)
     if [ "$1" = tests ]; then timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -15; exit; fi
     timeout 240 python3 -m pytest -q tests/kernels tests/gpu -p no:cacheprovider "${skip[@]}" 2>&1 | tail -6
