@@ -118,6 +118,8 @@ def main() -> int:
             rows[name], tokens[name], stats[name] = measured(engine, feed, args.device, args.tokens)
             graph = next(iter(engine._graphs.values()), None)  # the one slot's (one sequence at a time)
             kinds[name] = type(graph).__name__ if graph is not None else "eager"
+            if engine._table_graphs:  # steps that found every expert ran from the cache's device table
+                kinds[name] += "+TableDecode"
             if args.device.startswith("cuda"):  # the same, launched eagerly, for the ratio within this run
                 engine.graphs = False
                 eager = f"{name}, eager"

@@ -20,7 +20,10 @@ import pytest
 import torch
 
 from expertpack.packtools.build import BuildOptions, build_pack
+from expertpack.packtools.layout import Manifest
 from expertpack.worker.engine.engine import Engine, SegmentedDecode
+from expertpack.worker.engine.graphs import TableDecode
+from expertpack.worker.experts.expert_cache import slot_bytes
 
 from ..conftest import FIXTURES, Daemon, start_daemon
 from ..helpers.engine import minimal_cache_bytes
@@ -177,3 +180,50 @@ def test_a_failed_capture_steps_eagerly_with_the_same_bits(packs, tmp_path: Path
     finally:
         assert d.stop()[0] == 0
     assert got[1] == want[1] and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("model", ["qwen3moe-a", "gptoss-a", "deepseek3-a"])
+def test_steps_from_the_table_equal_the_eager_streaming_step(model: str, packs, tmp_path: Path) -> None:
+    """A cache that holds every expert: once a step missed nothing, the next runs as one graph over
+    the cache's device table (TableDecode), syncing the host once; the logits, tokens and counters
+    are the eager streaming step's (prefetch off: a table step sends nothing ahead). A minimal
+    cache, every step tried from the table first: no pass that found an expert absent is kept."""
+    pack = packs[model]
+    manifest = Manifest.load(pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest)
+    prompt = random.Random(1).choices(range(100), k=9)
+    d = daemon_on(pack, tmp_path)
+    try:
+        for cache_bytes, always_try in ((every_expert, False), (minimal_cache_bytes(pack), True)):
+            runs, kept = {}, []
+            for graphs in (False, True):
+                engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=cache_bytes, prefetch=False)
+                engine.graphs = graphs
+                real_step = TableDecode.step
+
+                def counted(self: TableDecode, token: int) -> torch.Tensor | None:
+                    logits = real_step(self, token)
+                    kept.append(logits is not None)
+                    return logits
+                try:
+                    with pytest.MonkeyPatch.context() as m:
+                        m.setattr(TableDecode, "step", counted)
+                        if always_try:
+                            m.setattr(Engine, "_found_all", property(lambda self: True, lambda self, v: None))
+                        runs[graphs] = decode(engine, prompt, 10), counters(engine)
+                        if graphs and not always_try:  # the same tokens again: every expert is in the cache
+                            tokens = runs[True][0][1]
+                            sequence = engine.new_sequence()
+                            engine.forward(prompt, sequence, last=True)
+                            engine.forward(tokens[:1], sequence)
+                            syncs = syncs_of(engine, tokens[1], sequence)
+                            assert kept[-2:] == [True, True] and len(syncs) <= 1, (kept, syncs)  # the record's
+                finally:
+                    engine.close()
+            (got, got_counters), (want, want_counters) = runs[True], runs[False]
+            assert got[1] == want[1]
+            assert torch.equal(got[0], want[0]), f"{model}: max |diff| {(got[0] - want[0]).abs().max().item():.2e}"
+            assert got_counters == want_counters
+            assert (any(kept) if not always_try else not all(kept)), kept
+    finally:
+        assert d.stop()[0] == 0

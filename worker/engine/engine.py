@@ -22,7 +22,7 @@ from ..nn.layers import KVCache
 from ..nn.placement import Placement, parse_devices, plan
 from ..weights.model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .arena import KVArena, Sequence
-from .graphs import DecodeGraph, SegmentedDecode
+from .graphs import DecodeGraph, SegmentedDecode, TableDecode
 from .sampling import Sampler
 
 
@@ -46,6 +46,7 @@ class Engine:
     place: Placement
     graphs: bool = True  # capture decode steps as CUDA graphs (split at the MoE layers with the expert cache)
     prompt_graphs: bool = True  # capture short prompts as CUDA graphs (off after a capture failed)
+    table_steps: bool = True  # over the expert cache, a step whose predecessor missed nothing runs as one graph
     arena: KVArena = field(default_factory=KVArena, repr=False)
     # slot -> its decode step's graphs; (slot, prompt length) -> a short prompt's graph. A slot's
     # graphs read its buffers, as they were when _captured_at[slot] was noted.
@@ -53,6 +54,10 @@ class Engine:
     _prompt_graphs: dict[tuple[int, int], DecodeGraph] = field(default_factory=dict, repr=False)
     _prompt_pool: object = field(default=None, repr=False)  # the memory pool the prompt graphs share
     _captured_at: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)  # slot -> _buffers_of
+    # slot -> its decode step as one graph over the expert cache's device table, tried where the
+    # step before found every expert (_found_all); SegmentedDecode runs the token where it did not
+    _table_graphs: dict[int, TableDecode] = field(default_factory=dict, repr=False)
+    _found_all: bool = field(default=False, repr=False)
 
     @classmethod
     def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False,
@@ -161,6 +166,7 @@ class Engine:
         slots = list(self._captured_at) if slot is None else [slot]
         for s in slots:
             self._graphs.pop(s, None)
+            self._table_graphs.pop(s, None)
             self._captured_at.pop(s, None)
             for key in [k for k in self._prompt_graphs if k[0] == s]:
                 del self._prompt_graphs[key]
@@ -233,6 +239,11 @@ class Engine:
         if capacity != cache.capacity:
             cache.reserve(capacity)
         kind = self._replayed_kind()
+        if kind is SegmentedDecode and self.table_steps and self._found_all and TableDecode.usable(self.model, cache):
+            self._current_graphs(slot, cache)
+            logits = self._table_step(token, slot, cache)
+            if logits is not None:
+                return logits
         if kind is not None:
             self._current_graphs(slot, cache)
             graph = self._graphs.get(slot)
@@ -249,7 +260,10 @@ class Engine:
                     self.graphs = False
                     graph = None
             if graph is not None:
+                fetches = self.files.experts.fetches if kind is SegmentedDecode else 0
                 logits = graph.step(token)
+                if kind is SegmentedDecode:
+                    self._found_all = self.files.experts.fetches == fetches
                 if isinstance(graph, SegmentedDecode) and graph.failed is not None:
                     log.warning("decode step not captured as CUDA graphs (%s); running it eagerly", graph.failed)
                     self._drop_graphs()
@@ -265,6 +279,24 @@ class Engine:
         finally:
             cache.step_positions = None
             cache.step_copies = {}
+
+    def _table_step(self, token: int, slot: int, cache: KVCache) -> torch.Tensor | None:
+        """The step as one graph over the cache's device table (TableDecode): its logits, or None
+        where an expert was absent (nothing of that pass is kept; the caller fetches and runs it)."""
+        graph = self._table_graphs.get(slot)
+        if graph is None:
+            try:
+                graph = self._table_graphs[slot] = TableDecode(self.model, cache, self.device)
+                self._captured_at[slot] = _buffers_of(cache)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:  # an operation CUDA cannot capture: segments, as before
+                log.warning("decode step over the expert table not captured (%s); stepping in segments", exc)
+                self.table_steps = False
+                return None
+        logits = graph.step(token)
+        self._found_all = logits is not None
+        return logits
 
     def _replayed_kind(self) -> "type[DecodeGraph] | type[SegmentedDecode] | None":
         """How this engine's decode steps are replayed, if they are: the whole step as one graph

@@ -1,7 +1,9 @@
 """A decode step (or a short prompt) captured as CUDA graphs over one sequence's buffers: the whole
 step as one graph where every expert is resident (DecodeGraph), or segments split at the MoE layers
-where the expert cache's misses need the host between them (SegmentedDecode). The kernels and their
-inputs are those of the eager step, so a replay gives the eager step's bits."""
+where the expert cache's misses need the host between them (SegmentedDecode), or the whole step as
+one graph that looks the cache's experts up on the device and is kept only where it found them all
+(TableDecode). The kernels and their inputs are those of the eager step, so a replay gives the eager
+step's bits."""
 
 from __future__ import annotations
 
@@ -227,3 +229,79 @@ class SegmentedDecode:
             self._open = None
             self.cache.length = length
             current.wait_stream(side)
+
+
+class TableDecode:
+    """A decode step over the expert cache as one CUDA graph, for a step expected to find every
+    expert it selects in VRAM: each MoE layer looks its experts' offsets up in the cache's device
+    table (ExpertCache.table) instead of stopping for the host, and records its ids and offsets.
+    After the replay one copy brings the record to the host. An absent expert (offset -1; the
+    kernels read slot 0 instead, so nothing reads outside the cache) means the step's logits are
+    not kept: `step` returns None and puts the sequence's length back, and the engine runs the
+    token again through SegmentedDecode, which fetches it and writes every position the discarded
+    pass wrote. So only models whose steps write nothing else take it: no states updated in place
+    (`usable`). A step that found everything tells the cache which experts it used (its policy's
+    touches). On the CPU nothing is captured: the same lookups run in an eager pass."""
+
+    def __init__(self, model: Model, cache: KVCache, device: torch.device) -> None:
+        self.model, self.cache, self.device = model, cache, device
+        self.source: ExpertCache = model.moe.source
+        self.capacity = cache.capacity
+        self._index = {layer: i for i, layer in enumerate(self.source.served)}
+        k = self.source.manifest.model.n_expert_used
+        self.record = torch.zeros(2, len(self._index), k, dtype=torch.int64, device=device)  # ids, offsets
+        self.staged = torch.zeros(2, len(self._index), k, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.graph: DecodeGraph | None = None
+        if device.type == "cuda":
+            with self._looking_up():
+                self.graph = DecodeGraph(model, cache, device)
+
+    @staticmethod
+    def usable(model: Model, cache: KVCache) -> bool:
+        """Whether a step's pass can be discarded: it updates no state in place (KDA's, DeepSeek-V4's)."""
+        return isinstance(model.moe.source, ExpertCache) and not cache.state_tensors()
+
+    @contextlib.contextmanager
+    def _looking_up(self):
+        moe = self.model.moe
+        prefetch, moe.prefetch, moe.boundary = moe.prefetch, False, self._lookup  # nothing to send ahead
+        try:
+            yield
+        finally:
+            moe.prefetch, moe.boundary = prefetch, None
+
+    def _lookup(self, layer: int, ids: torch.Tensor, guesses: Guesses) -> ExpertRows:
+        """ExpertFFN's boundary: the layer's offsets from the table, recorded with its ids."""
+        i = self._index[layer]
+        flat = ids.reshape(-1)
+        row = self.source.table[layer]
+        # Past a layer that found an expert absent the pass computes on slot 0's bytes, and its
+        # routing may read NaN: ids outside the table count as absent, never as an index.
+        inside = flat.clamp(0, row.shape[0] - 1)
+        offsets = torch.where(inside == flat, row.index_select(0, inside), -1)
+        self.record[0, i].copy_(flat)
+        self.record[1, i].copy_(offsets)
+        return ExpertRows(self.source.memory, offsets.clamp(min=0))
+
+    def step(self, token: int) -> torch.Tensor | None:
+        """The logits after `token`, or None (the sequence as before) where an expert was absent."""
+        length = self.cache.length
+        if self.graph is not None:
+            logits = self.graph.step(token)
+            self.staged.copy_(self.record, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            record = self.staged
+        else:
+            self.cache.step_positions = torch.full((1,), length, dtype=torch.int64, device=self.device)
+            try:
+                with self._looking_up():
+                    logits = self.model.forward(torch.full((1,), token, dtype=torch.int64, device=self.device),
+                                                self.cache).to(torch.float32)
+            finally:
+                self.cache.step_positions = None
+            record = self.record
+        if bool((record[1] < 0).any()):
+            self.cache.length = length
+            return None
+        self.source.found(record[0].tolist())
+        return logits

@@ -41,6 +41,7 @@ def slot_bytes(manifest: Manifest) -> int:
     return -(-max(l.payload_bytes for l in manifest.layers) // ALIGNMENT) * ALIGNMENT
 
 
+OWED_STEPS = 256  # table steps whose touches wait for the policy's next use, at most
 AfterSend = Callable[[], None]  # what a step sends once its own misses are asked for (prefetches)
 
 
@@ -140,13 +141,27 @@ class ExpertCache:
                                                     manifest.model.n_expert_used))
         self.memory = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.policy = CachePolicy(self.n_slots)
-        self.counters = CacheCounters()
+        self._counters = CacheCounters()
+        # Where each expert sits now, for steps that look their experts up on the device
+        # (engine.TableDecode): the byte offset of (layer, expert) in `memory`, -1 where it is absent.
+        self.table = torch.full((max(self.layers) + 1, manifest.model.n_expert), -1, dtype=torch.int64, device=device)
+        self._owed: list[list[list[int]]] = []  # steps run from the table: their experts, owed to the policy
         self.ready: dict[int, torch.cuda.Event] = {}  # slot -> event its last copy recorded
         self._pending: deque[_Pending] = deque() if pending is None else pending  # staging slots whose copy may still run
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.timeline: list[CopyRecord] | None = None  # set to [] to record every miss (tests, benchmarks)
         self._fetches = 0
         self._ref: tuple[torch.cuda.Event, float] | None = None
+
+    @property
+    def counters(self) -> CacheCounters:
+        self._settle()
+        return self._counters
+
+    @property
+    def fetches(self) -> int:
+        """How many times a step has waited for misses: unchanged over a step, it found every expert."""
+        return self._fetches
 
     @property
     def capacity(self) -> int:
@@ -186,7 +201,7 @@ class ExpertCache:
         unique = sorted(set(chosen))
         # The layer's routing is known: what was prefetched for it and not chosen is stale now, and its
         # reads not yet started never compete with this step's.
-        self.counters.prefetch_stale += self.link.ahead.cancel(layer, keep=unique)
+        self._counters.prefetch_stale += self.link.ahead.cancel(layer, keep=unique)
         for start in range(0, len(unique), self.n_slots):
             wave = unique[start:start + self.n_slots]
             slot_of = dict(zip(wave, self._acquire(layer, wave, then)))
@@ -201,10 +216,11 @@ class ExpertCache:
         keys = [ExpertKey(layer, e) for e in experts]
         if len(keys) > self.n_slots:
             raise CacheTooSmall(f"{len(keys)} experts requested at once, the cache holds {self.n_slots}")
+        self._settle()
         self.policy.touch(keys)
-        self.counters.steps += 1
+        self._counters.steps += 1
         misses = [k for k in keys if k not in self.policy.slot_of]
-        self.counters.hits += len(keys) - len(misses)
+        self._counters.hits += len(keys) - len(misses)
         if misses:
             self._fetch(misses, protected=set(keys), then=then)
         elif then is not None:
@@ -216,6 +232,36 @@ class ExpertCache:
                 if slot in self.ready:
                     compute.wait_event(self.ready[slot])
         return slots
+
+    # ---- steps run from the device table ----------------------------------------------------
+    def found(self, chosen: Sequence[Sequence[int]]) -> None:
+        """A step found every expert it chose in the table (engine.TableDecode): `chosen[i]` the
+        experts [T*k] of served layer i. What `_acquire` does for a step without misses (the
+        policy's touch, the counters) is owed until the cache next needs the policy or its counters,
+        then done in order: the same policy and counters as when each step is acquired, with no
+        Python per layer on the token's path."""
+        self._owed.append([list(c) for c in chosen])
+        if len(self._owed) >= OWED_STEPS:
+            self._settle()
+
+    def _settle(self) -> None:
+        for chosen in self._owed:
+            for layer, experts in zip(self.served, chosen):
+                keys = [ExpertKey(layer, e) for e in sorted(set(experts))]  # as waves() acquires them
+                self.policy.touch(keys)
+                self._counters.steps += 1
+                self._counters.hits += len(keys)
+        self._owed.clear()
+
+    def _set_table(self, placed: list[tuple[ExpertKey, int]], evicted: list[ExpertKey]) -> None:
+        """The table after a fetch: the evicted experts absent, the placed ones in their slots. On
+        the compute stream, behind the copies the step waits for, ahead of any step reading it."""
+        if not placed:
+            return
+        entries = [(k.layer, k.expert, -1) for k in evicted] + [(k.layer, k.expert, slot * self.slot_bytes)
+                                                                 for k, slot in placed]
+        rows, cols, values = (torch.tensor(v, dtype=torch.int64).to(self.device) for v in zip(*entries))
+        self.table.index_put_((rows, cols), values)
 
     # ---- prefetch ------------------------------------------------------------------------------
     def ahead(self, layer: int, depth: int) -> tuple[int, ...]:
@@ -231,12 +277,12 @@ class ExpertCache:
         step, as far as the staging the prefetches may hold allows (those of the `running` layer,
         taken or cancelled next, not counted)."""
         keys = [ExpertKey(layer, e) for e in experts]
-        self.counters.prefetch_issued += self.link.ahead.submit((k for k in keys if k not in self.policy.slot_of),
+        self._counters.prefetch_issued += self.link.ahead.submit((k for k in keys if k not in self.policy.slot_of),
                                                                 running)
 
     def layer_done(self, layer: int) -> None:
         """`layer`'s step has run: its prefetches it did not take are stale, cancelled now."""
-        self.counters.prefetch_stale += self.link.ahead.cancel(layer)
+        self._counters.prefetch_stale += self.link.ahead.cancel(layer)
 
     # ---- misses --------------------------------------------------------------------------------
     def _fetch(self, misses: list[ExpertKey], protected: set[ExpertKey], then: AfterSend | None = None) -> None:
@@ -245,7 +291,7 @@ class ExpertCache:
         # still in flight leave it one for each key it must still answer (see _release_finished).
         self._release_finished(keep_free=1)
         victims = self.policy.victims(len(misses), protected)
-        self.counters.misses += len(misses)
+        self._counters.misses += len(misses)
         self._fetches += 1
         if self.timeline is not None and self.copy_stream is not None:
             ref = torch.cuda.Event(enable_timing=True)
@@ -255,15 +301,21 @@ class ExpertCache:
         free_slots = list(victims)
         wanted = set(misses)
         doubtful: list[ExpertKey] = []
+        placed: list[tuple[ExpertKey, int]] = []
+        evicted: list[ExpertKey] = []
         with self._copying():
             # once: a reconnect sends the demand again, the prefetches went with the first send
             for expert, prefetched in self.link.ahead.fetch(misses, on_sent=self._on_compute_stream(_once(then))):
-                self.counters.prefetch_used += prefetched
+                self._counters.prefetch_used += prefetched
                 self._check_delivery(expert, wanted)
                 slot = free_slots.pop()
                 arrived = time.perf_counter()
                 self._copy_in(expert, slot, arrived)  # the slot is recorded as holding the expert only once its copy is issued
-                self.counters.evictions += self.policy.place(slot, expert.key) is not None
+                old = self.policy.place(slot, expert.key)
+                self._counters.evictions += old is not None
+                placed.append((expert.key, slot))
+                if old is not None:
+                    evicted.append(old)
                 if expert.client.silenced():
                     doubtful.append(expert.key)
                 self._release_finished(keep_free=1)
@@ -280,7 +332,8 @@ class ExpertCache:
                         doubtful.append(expert.key)
                     self._release_finished(keep_free=1)
         self._release_finished(keep_free=0, wait=self.device.type != "cuda")
-        self.counters.stall_s += time.perf_counter() - start
+        self._set_table(placed, evicted)
+        self._counters.stall_s += time.perf_counter() - start
 
     def _on_compute_stream(self, fn: AfterSend | None) -> AfterSend | None:
         """`fn` run on the stream current now (the compute stream) even when called from inside
@@ -318,7 +371,7 @@ class ExpertCache:
     def _copy_in(self, expert: Expert, slot: int, arrived: float) -> None:
         """Issues the copy of `expert` into `slot` (inside `_copying`); on the CPU, copies it."""
         dst = self.memory[slot * self.slot_bytes: slot * self.slot_bytes + expert.nbytes]
-        self.counters.h2d_bytes += expert.nbytes
+        self._counters.h2d_bytes += expert.nbytes
         if self.copy_stream is None:
             dst.copy_(torch.frombuffer(expert.data, dtype=torch.uint8))
             self._pending.append(_Pending(None, expert))  # given back by the next _release_finished

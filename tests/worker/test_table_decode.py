@@ -1,0 +1,109 @@
+"""A decode step over the expert cache as one pass that looks its experts up in the cache's device
+table (engine.TableDecode), on the CPU: the pass runs eagerly under Triton's interpreter with the
+lookups that the CUDA graph replays (tests/gpu replays the graph itself). Against a real expertd:
+
+- a cache that holds every expert: once the step before missed nothing, steps run from the table,
+  and give the eager streaming step's logits, tokens and cache counters (hits, misses, evictions)
+  bit for bit;
+- a cache of the minimum size, every step tried from the table first: the pass that finds an
+  expert absent is never kept (the token runs again in segments, which fetch it), so logits,
+  tokens and counters are still the eager step's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from expertpack.packtools.layout import Manifest
+from expertpack.worker.engine import engine as engine_module
+from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.graphs import TableDecode
+from expertpack.worker.experts.expert_cache import slot_bytes
+from expertpack.worker.nn import layers
+from expertpack.worker.nn.backend import kernels_on_cpu
+
+from ..helpers.engine import assert_same, daemon_for, greedy_run, minimal_cache_bytes
+
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu replays the graph; "
+                                                                  "the interpreter is for CPUs"),
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+              pytest.mark.usefixtures("interpreter_tiles")]
+PACK = "qwen3moe-a.Q4_K_M"
+PROMPT = [1, 5, 9]
+N_STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def short_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV buffers of a few positions: the interpreter attends over every reserved position."""
+    monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 8)
+    monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
+
+
+def counters(engine: Engine) -> tuple[int, ...]:
+    c = engine.expert_cache.counters
+    return c.hits, c.misses, c.evictions, c.h2d_bytes, c.steps
+
+
+def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_try: bool = False
+        ) -> tuple[tuple[list[torch.Tensor], list[int]], tuple[int, ...], dict[str, int]]:
+    """Greedy decode through expertd, prefetch off (a table step sends nothing ahead); the logits
+    and tokens, the cache's counters, and how the steps ran (table steps kept and dropped)."""
+    ran = {"kept": 0, "dropped": 0}
+    real_step = TableDecode.step
+
+    def counted(self: TableDecode, token: int) -> torch.Tensor | None:
+        logits = real_step(self, token)
+        ran["kept" if logits is not None else "dropped"] += 1
+        return logits
+
+    engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=False)
+    engine.table_steps = table_steps
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(TableDecode, "step", counted)
+            if always_try:  # every step tries the table first, whatever the step before found
+                real = Engine._static_step
+
+                def eager_to_try(self: Engine, *args, **kwargs):
+                    self._found_all = True
+                    return real(self, *args, **kwargs)
+                m.setattr(Engine, "_static_step", eager_to_try)
+            result = greedy_run(engine, PROMPT, N_STEPS)
+        return result, counters(engine), ran
+    finally:
+        engine.close()
+
+
+def test_a_cache_holding_every_expert_steps_from_the_table_with_the_same_bits(fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs[PACK][1]
+    manifest = Manifest.load(pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest)
+    d = daemon_for(pack, tmp_path)
+    try:
+        with kernels_on_cpu():
+            want, want_counters, _ = run(pack, d.endpoint, every_expert, table_steps=False)
+            got, got_counters, ran = run(pack, d.endpoint, every_expert, table_steps=True)
+    finally:
+        assert d.stop()[0] == 0
+    assert ran["kept"] >= 1, ran  # the later steps find every expert their predecessors fetched
+    assert_same(got, want, "steps from the table")
+    assert got_counters == want_counters  # the touches owed by table steps were paid, in order
+
+
+def test_a_step_that_finds_an_expert_absent_is_never_kept(fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs[PACK][1]
+    d = daemon_for(pack, tmp_path)
+    try:
+        with kernels_on_cpu():
+            want, want_counters, _ = run(pack, d.endpoint, minimal_cache_bytes(pack), table_steps=False)
+            got, got_counters, ran = run(pack, d.endpoint, minimal_cache_bytes(pack), table_steps=True,
+                                         always_try=True)
+    finally:
+        assert d.stop()[0] == 0
+    assert ran["dropped"] >= 1, ran  # a minimal cache evicts at every layer: a later layer misses
+    assert_same(got, want, "steps tried from the table")
+    assert got_counters == want_counters
