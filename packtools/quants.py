@@ -33,7 +33,8 @@ class Quant:
     ggml_type: T
     values: int
     parts: tuple[Part, ...]
-    decoded: bool = True  # the worker decodes it to floats (torch and Triton); False: read as integers
+    decoded: bool = True  # the worker decodes it to floats; False: read as integers
+    kernel: bool = True  # the Triton kernels decode it too; False: the torch reference only (where decoded)
 
     @property
     def nbytes(self) -> int:
@@ -55,8 +56,8 @@ class Quant:
                        f"{', '.join(p.name for p in self.parts)}")
 
 
-def _quant(ggml_type: T, values: int, *, decoded: bool = True, **parts: int) -> Quant:
-    return Quant(ggml_type, values, tuple(Part(name, n) for name, n in parts.items()), decoded)
+def _quant(ggml_type: T, values: int, *, decoded: bool = True, kernel: bool = True, **parts: int) -> Quant:
+    return Quant(ggml_type, values, tuple(Part(name, n) for name, n in parts.items()), decoded, kernel)
 
 
 # ggml-common.h's block structs, field by field.
@@ -78,6 +79,7 @@ QUANTS: dict[T, Quant] = {q.ggml_type: q for q in (
     _quant(T.I32, 1, value=4, decoded=False),  # hash-routing tables (tid2eid)
 )}
 DECODED: tuple[T, ...] = tuple(t for t, q in QUANTS.items() if q.decoded)
+KERNEL_DECODED: tuple[T, ...] = tuple(t for t in DECODED if QUANTS[t].kernel)
 
 
 def block_sizes(ggml_type: T) -> tuple[int, int]:
