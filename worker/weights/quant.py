@@ -4,9 +4,10 @@ operations in the reference's order, with no fused multiply-add, so IEEE roundin
 same values. Weights stay quantized in memory; `dequantize` runs per use.
 
 Block layouts are packtools.quants' (the one registry of ggml types): each formula splits a block
-into the registry's parts (weights/blocks.py) and keeps only the arithmetic. A type the registry
-does not mark decoded is refused when a model loads (`check_supported`), never in the middle of a
-generation."""
+into the registry's parts (weights/blocks.py) and keeps only the arithmetic. The table-driven types
+(i-quants, ternary quants) have their formulas in weights/quant_iq.py, registered in the same table.
+A type the registry does not mark decoded is refused when a model loads (`check_supported`), never
+in the middle of a generation."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gguf import GGMLQuantizationType as T
 from expertpack.packtools.quants import DECODED, QK_K, QUANTS
 
 from .blocks import bits, f16, nibbles, parts
+from .quant_iq import IQ_DEQUANT
 
 # The kernels' type id for Q8_0 rows rewritten by qtensor.regroup_q8_0 (no ggml type has it).
 Q8_0_REGROUPED = 264
@@ -25,7 +27,7 @@ MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1
 
 
 class UnsupportedType(ValueError):
-    """A tensor's ggml type has no dequantizer here (the IQ types, for now)."""
+    """A tensor's ggml type has no dequantizer here (one gguf-py added after ours, e.g. NVFP4)."""
 
 
 def check_supported(ggml_type: T, tensor: str) -> None:
@@ -202,5 +204,6 @@ _DEQUANT: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
     T.MXFP4: _mxfp4,
+    **IQ_DEQUANT,
 }
 assert set(_DEQUANT) == set(DECODED)
