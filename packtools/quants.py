@@ -1,11 +1,12 @@
 """The one registry of ggml types: for each type expertpack writes or decodes, its block (values per
 block, and bytes as the sum of its parts in the order of ggml-common.h's struct) and whether the
 worker decodes it. packtools sizes tensors with it, synth fills blocks through it, and the worker's
-decoders (torch in weights/quant.py, Triton in kernels/dequant_tl.py) are keyed by it.
+decoders (torch in weights/quant.py and weights/quant_iq.py, Triton in kernels/dequant_tl.py) are
+keyed by it.
 
 Contract: a registered type's sizes equal gguf-py's GGML_QUANT_SIZES (a test checks); a type not
-registered (the IQ and TQ types) is sized by gguf-py's table, copied as bytes by packtools and
-refused by the worker at load. Needs gguf only: packtools never imports torch or the worker."""
+registered (NVFP4, the legacy Q8_1/Q8_K, ...) is sized by gguf-py's table, copied as bytes by
+packtools and refused by the worker at load. Needs gguf only: packtools never imports torch or the worker."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 QK = 32  # values in a block of the legacy quants (Q4_0 .. Q8_0) and of MXFP4
 QK_K = 256  # values in a K-quant superblock
 K_SCALE_SIZE = 12  # Q3_K's 16 six-bit scales; Q4_K's and Q5_K's 8 six-bit scales and 8 mins
+QK4_NL = 32  # values in an IQ4_NL block
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,8 @@ class Quant:
     ggml_type: T
     values: int
     parts: tuple[Part, ...]
-    decoded: bool = True  # the worker decodes it to floats (torch and Triton); False: read as integers
+    decoded: bool = True  # the worker decodes it to floats; False: read as integers
+    kernel: bool = True  # the Triton kernels decode it too; False: the torch reference only (where decoded)
 
     @property
     def nbytes(self) -> int:
@@ -55,8 +58,8 @@ class Quant:
                        f"{', '.join(p.name for p in self.parts)}")
 
 
-def _quant(ggml_type: T, values: int, *, decoded: bool = True, **parts: int) -> Quant:
-    return Quant(ggml_type, values, tuple(Part(name, n) for name, n in parts.items()), decoded)
+def _quant(ggml_type: T, values: int, *, decoded: bool = True, kernel: bool = True, **parts: int) -> Quant:
+    return Quant(ggml_type, values, tuple(Part(name, n) for name, n in parts.items()), decoded, kernel)
 
 
 # ggml-common.h's block structs, field by field.
@@ -75,9 +78,29 @@ QUANTS: dict[T, Quant] = {q.ggml_type: q for q in (
     _quant(T.Q5_K, QK_K, d=2, dmin=2, scales=K_SCALE_SIZE, qh=QK_K // 8, qs=QK_K // 2),
     _quant(T.Q6_K, QK_K, ql=QK_K // 2, qh=QK_K // 4, scales=QK_K // 16, d=2),
     _quant(T.MXFP4, QK, e=1, qs=QK // 2),  # e: an E8M0 exponent shared by the block
+    # The i-quants and ternary quants: decoded in torch only for now (no Triton decoder yet, so the
+    # fused expert kernels refuse them and the ops fall back to torch). Where ggml's struct packs two
+    # fields in one array, they are two parts here, named as ggml's decoders name them: IQ2_S's
+    # qs[QK_K/4] is grid indices, then signs; IQ3_XXS's qs[3*QK_K/8] is grid indices, then per 32
+    # values a uint32 of signs and scale. IQ2_XXS's qs: per 32 values, 4 grid indices and such a
+    # uint32; IQ2_XS's: uint16 each, a 9-bit index and 7 sign bits; IQ1_S's qh: uint16 each;
+    # IQ1_M has no d: its f16 scale is spread over the top nibbles of its scales.
+    _quant(T.IQ2_XXS, QK_K, kernel=False, d=2, qs=QK_K // 4),
+    _quant(T.IQ2_XS, QK_K, kernel=False, d=2, qs=QK_K // 4, scales=QK_K // 32),
+    _quant(T.IQ2_S, QK_K, kernel=False, d=2, qs=QK_K // 8, signs=QK_K // 8, qh=QK_K // 32, scales=QK_K // 32),
+    _quant(T.IQ3_XXS, QK_K, kernel=False, d=2, qs=QK_K // 4, scales_and_signs=QK_K // 8),
+    _quant(T.IQ3_S, QK_K, kernel=False, d=2, qs=QK_K // 4, qh=QK_K // 32, signs=QK_K // 8, scales=QK_K // 64),
+    _quant(T.IQ1_S, QK_K, kernel=False, d=2, qs=QK_K // 8, qh=QK_K // 16),
+    _quant(T.IQ1_M, QK_K, kernel=False, qs=QK_K // 8, qh=QK_K // 16, scales=QK_K // 32),
+    _quant(T.IQ4_NL, QK4_NL, kernel=False, d=2, qs=QK4_NL // 2),
+    _quant(T.IQ4_XS, QK_K, kernel=False, d=2, scales_h=2, scales_l=QK_K // 64, qs=QK_K // 2),
+    # TQ1_0 packs five trits a byte in qs and four in qh; TQ2_0 four 2-bit values a byte.
+    _quant(T.TQ1_0, QK_K, kernel=False, qs=(QK_K - 4 * QK_K // 64) // 5, qh=QK_K // 64, d=2),
+    _quant(T.TQ2_0, QK_K, kernel=False, qs=QK_K // 4, d=2),
     _quant(T.I32, 1, value=4, decoded=False),  # hash-routing tables (tid2eid)
 )}
 DECODED: tuple[T, ...] = tuple(t for t, q in QUANTS.items() if q.decoded)
+KERNEL_DECODED: tuple[T, ...] = tuple(t for t in DECODED if QUANTS[t].kernel)
 
 
 def block_sizes(ggml_type: T) -> tuple[int, int]:

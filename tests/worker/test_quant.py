@@ -1,6 +1,7 @@
 """Dequantization equals gguf-py's reference bit for bit (float32 bits compared, so signed zeros and
 NaN payloads count too), for every supported type, on valid random blocks and on raw random bytes,
-for many shapes; unsupported types are refused by name.
+for many shapes (the i-quants' and ternary quants' valid blocks: random codes, finite f16 scales);
+a tensor of every decoded type passes the load-time check; unsupported types are refused by name.
 
 One inherent difference, only on raw bytes: where a float16 scale is NaN or infinite (an invalid
 block no quantizer writes), the result is NaN in both, but NaN payloads are not portable: torch's
@@ -15,7 +16,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from expertpack.packtools.quants import DECODED
+from expertpack.packtools.quants import DECODED, KERNEL_DECODED
+from expertpack.worker.weights.qtensor import QTensor
 from expertpack.worker.weights.quant import Q8_0_REGROUPED, UnsupportedType, check_supported, dequantize
 
 from ..helpers.quant import SHAPES, random_bytes, reference
@@ -47,6 +49,28 @@ def test_the_kernels_own_type_id_is_no_ggml_type() -> None:
     assert Q8_0_REGROUPED not in {int(t) for t in T}
 
 
+TORCH_ONLY = [t for t in DECODED if t not in KERNEL_DECODED]
+
+
+def test_every_i_quant_and_ternary_quant_is_decoded() -> None:
+    assert set(TORCH_ONLY) == {T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS,
+                               T.TQ1_0, T.TQ2_0}
+
+
+@pytest.mark.parametrize("ggml_type", TORCH_ONLY, ids=lambda t: t.name)
+def test_an_i_quant_tensor_loads_and_reads_as_gguf_py(ggml_type: T) -> None:
+    """What a model's loader makes of an IQ tensor (a QTensor: check_supported at construction)
+    reads as gguf-py's values, whole and by rows (an embedding lookup)."""
+    shape = (512, 6)
+    raw = random_bytes(ggml_type, shape, seed=7, valid=True)
+    check_supported(ggml_type, "blk.0.ffn_down_exps.weight")
+    w = QTensor("blk.0.ffn_down_exps.weight", ggml_type, shape, torch.from_numpy(raw))
+    want = torch.from_numpy(reference(raw, ggml_type, shape))
+    assert torch.equal(w.dequant(), want)
+    ids = torch.tensor([[5, 0], [2, 2]])
+    assert torch.equal(w.rows(ids), want[ids])
+
+
 def test_unsupported_type_is_named_with_its_tensor() -> None:
-    with pytest.raises(UnsupportedType, match="IQ2_XS in tensor blk.3.ffn_down_exps.weight"):
-        check_supported(T.IQ2_XS, "blk.3.ffn_down_exps.weight")
+    with pytest.raises(UnsupportedType, match="NVFP4 in tensor blk.3.ffn_down_exps.weight"):
+        check_supported(T.NVFP4, "blk.3.ffn_down_exps.weight")

@@ -4,8 +4,10 @@ operations in the reference's order, with no fused multiply-add, so IEEE roundin
 same values. Weights stay quantized in memory; `dequantize` runs per use.
 
 Block layouts are packtools.quants' (the one registry of ggml types): each formula splits a block
-into the registry's parts and keeps only the arithmetic. A type the registry does not mark decoded
-is refused when a model loads (`check_supported`), never in the middle of a generation."""
+into the registry's parts (weights/blocks.py) and keeps only the arithmetic. The table-driven types
+(i-quants, ternary quants) have their formulas in weights/quant_iq.py, registered in the same table.
+A type the registry does not mark decoded is refused when a model loads (`check_supported`), never
+in the middle of a generation."""
 
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from gguf import GGMLQuantizationType as T
 
 from expertpack.packtools.quants import DECODED, QK_K, QUANTS
 
+from .blocks import bits, f16, nibbles, parts
+from .quant_iq import IQ_DEQUANT
+
 # The kernels' type id for Q8_0 rows rewritten by qtensor.regroup_q8_0 (no ggml type has it).
 Q8_0_REGROUPED = 264
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
 
 
 class UnsupportedType(ValueError):
-    """A tensor's ggml type has no dequantizer here (the IQ types, for now)."""
+    """A tensor's ggml type has no dequantizer here (one gguf-py added after ours, e.g. NVFP4)."""
 
 
 def check_supported(ggml_type: T, tensor: str) -> None:
@@ -41,28 +46,6 @@ def dequantize(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> torch
     return values.reshape(tuple(reversed(shape)))
 
 
-# ---- helpers ----------------------------------------------------------------------------------
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[n, 2] little-endian bytes -> [n, 1] float32."""
-    return b.contiguous().view(torch.float16).to(torch.float32)
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, k] bytes -> [n, 2k]: the low nibbles of all k bytes, then the high nibbles (ggml order)."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-
-
-def _parts(blocks: torch.Tensor, ggml_type: T) -> tuple[torch.Tensor, ...]:
-    """[n, block bytes] -> the registry's parts of ggml_type in order, each [n, its bytes] (views)."""
-    return torch.split(blocks, QUANTS[ggml_type].part_bytes, dim=1)
-
-
-def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
-    """[n, count/8] bytes -> [n, count] single bits, little-endian within each byte."""
-    shifts = torch.arange(8, device=b.device, dtype=torch.uint8)
-    return ((b.unsqueeze(-1) >> shifts) & 1).reshape(b.shape[0], count)
-
-
 # ---- one function per type, each the reference's arithmetic ------------------------------------
 def _f32(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.contiguous().view(torch.float32)
@@ -77,46 +60,46 @@ def _bf16(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d, qs = _parts(blocks, T.Q4_0)
-    d = _f16(d)
-    q = _nibbles(qs).to(torch.int8) - 8
+    d, qs = parts(blocks, T.Q4_0)
+    d = f16(d)
+    q = nibbles(qs).to(torch.int8) - 8
     return d * q.to(torch.float32)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m, qs = _parts(blocks, T.Q4_1)
-    d, m = _f16(d), _f16(m)
-    q = _nibbles(qs).to(torch.float32)
+    d, m, qs = parts(blocks, T.Q4_1)
+    d, m = f16(d), f16(m)
+    q = nibbles(qs).to(torch.float32)
     return (d * q) + m
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    d, qh, qs = _parts(blocks, T.Q5_0)
-    d = _f16(d)
-    qh = _bits(qh, 32)
-    q = (_nibbles(qs) | (qh << 4)).to(torch.int8) - 16
+    d, qh, qs = parts(blocks, T.Q5_0)
+    d = f16(d)
+    qh = bits(qh, 32)
+    q = (nibbles(qs) | (qh << 4)).to(torch.int8) - 16
     return d * q.to(torch.float32)
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m, qh, qs = _parts(blocks, T.Q5_1)
-    d, m = _f16(d), _f16(m)
-    qh = _bits(qh, 32)
-    q = (_nibbles(qs) | (qh << 4)).to(torch.float32)
+    d, m, qh, qs = parts(blocks, T.Q5_1)
+    d, m = f16(d), f16(m)
+    qh = bits(qh, 32)
+    q = (nibbles(qs) | (qh << 4)).to(torch.float32)
     return (d * q) + m
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d, qs = _parts(blocks, T.Q8_0)
-    d = _f16(d)
+    d, qs = parts(blocks, T.Q8_0)
+    d = f16(d)
     x = qs.contiguous().view(torch.int8).to(torch.float32)
     return x * d
 
 
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    scales, qs, d, dmin = _parts(blocks, T.Q2_K)
-    d, dmin = _f16(d), _f16(dmin)
+    scales, qs, d, dmin = parts(blocks, T.Q2_K)
+    d, dmin = f16(d), f16(dmin)
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
     shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8).reshape(1, 1, 4, 1)
@@ -127,8 +110,8 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    hmask, qs, packed, d = _parts(blocks, T.Q3_K)
-    d = _f16(d)
+    hmask, qs, packed, d = parts(blocks, T.Q3_K)
+    d = f16(d)
     low = torch.cat([packed[:, :8] & 0x0F, packed[:, :8] >> 4], dim=-1)  # [n, 16]
     high = packed[:, 8:12]
     high = torch.cat([(high >> s) & 0x03 for s in (0, 2, 4, 6)], dim=-1)  # [n, 16]
@@ -152,8 +135,8 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d, dmin, scales, qs = _parts(blocks, T.Q4_K)
-    d, dmin = _f16(d), _f16(dmin)
+    d, dmin, scales, qs = parts(blocks, T.Q4_K)
+    d, dmin = f16(d), f16(dmin)
     sc, mn = _k_scales(scales)
     dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
@@ -164,8 +147,8 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d, dmin, scales, qh, qs = _parts(blocks, T.Q5_K)
-    d, dmin = _f16(d), _f16(dmin)
+    d, dmin, scales, qh, qs = parts(blocks, T.Q5_K)
+    d, dmin = f16(d), f16(dmin)
     sc, mn = _k_scales(scales)
     dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
@@ -179,9 +162,9 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    ql, qh, scales, d = _parts(blocks, T.Q6_K)
+    ql, qh, scales, d = parts(blocks, T.Q6_K)
     scales = scales.contiguous().view(torch.int8).to(torch.float32)
-    d = _f16(d)
+    d = f16(d)
     dd = (d * scales).reshape(n, 16, 1)
     low = ql.reshape(n, 2, 1, 64)
     low = torch.cat([low & 0x0F, low >> 4], dim=2).reshape(n, 8, 32)
@@ -199,10 +182,10 @@ def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
 
 
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
-    e, qs = _parts(blocks, T.MXFP4)
+    e, qs = parts(blocks, T.MXFP4)
     d = _e8m0_half(e)
     table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
-    q = table[_nibbles(qs).to(torch.int64)]
+    q = table[nibbles(qs).to(torch.int64)]
     return d * q
 
 
@@ -221,5 +204,6 @@ _DEQUANT: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
     T.MXFP4: _mxfp4,
+    **IQ_DEQUANT,
 }
 assert set(_DEQUANT) == set(DECODED)
