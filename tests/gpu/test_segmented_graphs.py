@@ -216,7 +216,7 @@ def test_steps_from_the_table_equal_the_eager_streaming_step(model: str, packs, 
                             sequence = engine.new_sequence()
                             engine.forward(prompt, sequence, last=True)
                             engine.forward(tokens[:1], sequence)
-                            syncs = syncs_of(engine, tokens[1], sequence)
+                            syncs = [w for w in syncs_of(engine, tokens[1], sequence) if "called a synchronizing" in w]
                             assert kept[-2:] == [True, True] and len(syncs) <= 1, (kept, syncs)  # the record's
                 finally:
                     engine.close()

@@ -1,6 +1,7 @@
 """The decode step's small fused kernels against the torch formulas they replace: attention over a
 KV buffer reserved ahead (GQA, a sliding window, sinks, keys past the query's position never
-read), the softmax routers (top-k with k not a power of two) and the residual add before RMSNorm."""
+read), the softmax routers (top-k with k not a power of two), the residual add before RMSNorm and
+the routed experts' lookup in the expert cache's device table."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 
 from expertpack.worker.kernels.attention_tl import decode_attention
 from expertpack.worker.kernels.pointwise_tl import add_rms_norm
-from expertpack.worker.kernels.routing_tl import softmax_topk, sqrtsoftplus_route
+from expertpack.worker.kernels.routing_tl import expert_lookup, softmax_topk, sqrtsoftplus_route
 from expertpack.worker.nn import layers, routing
+from expertpack.worker.nn.ops import TorchOps
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,dv", [(8, 2, 64, 64), (4, 4, 48, 32)])
@@ -170,3 +172,21 @@ def test_decode_attention_over_the_keys_a_mask_shows(capacity: int, d: int, devi
                            None, d ** -0.5, sinks=sinks.to(device),
                            visible=visible.to(device)).cpu()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,k", [(1, 8), (3, 6)])
+def test_expert_lookup_records_ids_and_offsets_and_reads_absent_as_slot_0(t: int, k: int, device: torch.device) -> None:
+    """engine.TableDecode's lookup: each pair's offset from the table row (-1 absent), recorded with
+    its id; ids outside the row (routing on NaN, past an absent expert) clamped into it; the
+    offsets handed to the kernels never negative. The kernel against TorchOps' formula."""
+    g = torch.Generator().manual_seed(t * k)
+    row = torch.randint(0, 40, (64,), generator=g) * 4096
+    row[torch.randperm(64, generator=g)[:20]] = -1
+    ids = torch.randint(0, 64, (t, k), generator=g)
+    ids[0, 0], ids[-1, -1] = -5, 1000
+    want_rec = torch.zeros(2, t * k, dtype=torch.int64)
+    want = TorchOps(torch.device("cpu")).expert_lookup(ids, row, want_rec[0], want_rec[1])
+    rec = torch.zeros(2, t * k, dtype=torch.int64, device=device)
+    got = expert_lookup(ids.to(device), row.to(device), rec[0], rec[1])
+    assert torch.equal(got.cpu(), want) and torch.equal(rec.cpu(), want_rec)
+    assert want_rec[0, 0] == 0 and want_rec[0, -1] == 63 and (want >= 0).all() and (want_rec[1] < 0).any()

@@ -273,15 +273,8 @@ class TableDecode:
     def _lookup(self, layer: int, ids: torch.Tensor, guesses: Guesses) -> ExpertRows:
         """ExpertFFN's boundary: the layer's offsets from the table, recorded with its ids."""
         i = self._index[layer]
-        flat = ids.reshape(-1)
-        row = self.source.table[layer]
-        # Past a layer that found an expert absent the pass computes on slot 0's bytes, and its
-        # routing may read NaN: ids outside the table count as absent, never as an index.
-        inside = flat.clamp(0, row.shape[0] - 1)
-        offsets = torch.where(inside == flat, row.index_select(0, inside), -1)
-        self.record[0, i].copy_(flat)
-        self.record[1, i].copy_(offsets)
-        return ExpertRows(self.source.memory, offsets.clamp(min=0))
+        offsets = self.model.moe.ops.expert_lookup(ids, self.source.table[layer], self.record[0, i], self.record[1, i])
+        return ExpertRows(self.source.memory, offsets)
 
     def step(self, token: int) -> torch.Tensor | None:
         """The logits after `token`, or None (the sequence as before) where an expert was absent."""

@@ -260,7 +260,9 @@ class ExpertCache:
             return
         entries = [(k.layer, k.expert, -1) for k in evicted] + [(k.layer, k.expert, slot * self.slot_bytes)
                                                                  for k, slot in placed]
-        rows, cols, values = (torch.tensor(v, dtype=torch.int64).to(self.device) for v in zip(*entries))
+        pinned = self.device.type == "cuda"  # an asynchronous copy: no host sync in a fetch
+        rows, cols, values = torch.tensor(list(zip(*entries)), dtype=torch.int64,
+                                          pin_memory=pinned).to(self.device, non_blocking=pinned)
         self.table.index_put_((rows, cols), values)
 
     # ---- prefetch ------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 ones (top-k with a selection bias, or hashed by token id) in one launch per step instead of four to
 eight: a program per token holds its router logits, picks the top k one at a time (the largest
 left, ties to the lower expert id) and writes ids and weights. float32, the formulas of
-routing.py."""
+routing.py. And the routed experts' lookup in the expert cache's device table (engine.TableDecode)
+in one launch instead of three."""
 
 from __future__ import annotations
 
@@ -107,3 +108,25 @@ def sqrtsoftplus_route(logits: torch.Tensor, k: int, scale: float, bias: torch.T
                                scale, K=k, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(e), HASHED=hashed,
                                num_warps=4)
     return ids, weights
+
+
+@triton.jit
+def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offsets_ptr, N, E, BN: tl.constexpr):
+    i = tl.arange(0, BN)
+    inside = i < N
+    ids = tl.load(ids_ptr + i, mask=inside, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), E - 1)
+    at = tl.load(row_ptr + ids, mask=inside, other=-1)
+    tl.store(rec_ids_ptr + i, ids, mask=inside)
+    tl.store(rec_offsets_ptr + i, at, mask=inside)
+    tl.store(offsets_ptr + i, tl.maximum(at, 0), mask=inside)
+
+
+def expert_lookup(ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor
+                  ) -> torch.Tensor:
+    """TorchOps.expert_lookup's formula in one program (a step's pairs are a few dozen at most)."""
+    n = ids.numel()
+    offsets = torch.empty(n, dtype=torch.int64, device=ids.device)
+    _expert_lookup_kernel[(1,)](ids.reshape(-1), row, rec_ids, rec_offsets, offsets, n, row.shape[0],
+                                BN=max(16, triton.next_power_of_2(n)), num_warps=1)
+    return offsets

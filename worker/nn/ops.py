@@ -114,6 +114,18 @@ class TorchOps:
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         return routing.sqrtsoftplus_hashed(logits, table, tokens, scale)
 
+    # -- the expert cache's device table (engine.TableDecode)
+    def expert_lookup(self, ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor
+                      ) -> torch.Tensor:
+        """Where a step's experts `ids` [T, k] sit: `row` [E] holds each expert's byte offset in the
+        cache, -1 where absent. Records the ids (clamped into the row: past an absent expert the
+        routing may read NaN) and their offsets into `rec_ids`, `rec_offsets` [T*k]; returns the
+        offsets with absent ones at 0, so that a pass the host will drop reads only the cache."""
+        inside = ids.reshape(-1).clamp(0, row.shape[0] - 1)
+        rec_ids.copy_(inside)
+        torch.index_select(row, 0, inside, out=rec_offsets)
+        return rec_offsets.clamp(min=0)
+
     # -- DeepSeek-V4's hyper-connections (hyper_connections.py)
     def hc_weights(self, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from ..kernels.moe_dense import experts_dense
 from ..kernels.moe_tiles import experts_in_tiles
 from ..kernels.moe_tl import experts_per_pair
 from ..kernels.pointwise_tl import add_rms_norm, qkv_rope_store, rms_norm, rope
-from ..kernels.routing_tl import softmax_topk, sqrtsoftplus_route
+from ..kernels.routing_tl import expert_lookup, softmax_topk, sqrtsoftplus_route
 from ..weights.expert_roles import ExpertRoles
 from ..weights.qtensor import QTensor
 from .layers import DECODE_MAX_QUERIES, Rope, RopeStyle
@@ -135,6 +135,10 @@ class TritonOps(TorchOps):
     def sqrtsoftplus_hashed(self, logits: torch.Tensor, table: torch.Tensor, tokens: torch.Tensor, scale: float
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         return sqrtsoftplus_route(logits, table.shape[1], scale, table=table, tokens=tokens)
+
+    def expert_lookup(self, ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor
+                      ) -> torch.Tensor:
+        return expert_lookup(ids, row, rec_ids, rec_offsets)
 
     # -- DeepSeek-V4's hyper-connections
     def hc_weights(self, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
