@@ -109,11 +109,13 @@ class DaemonConfig:
         client_slots, raises it to that)."""
         return self.max_client_slots or max(self.client_slots, self.stage_slots // 2)
 
-    def ram_hold_share(self, n_slots: int, ram_slots: int) -> int:
-        """The RAM tier blocks a client leasing `n_slots` staging slots may hold at once:
-        client_ram_holds, at most half the tier, never fewer than its staging slots (the share
-        before the key existed); 0 without a tier."""
-        return max(n_slots, min(self.client_ram_holds, ram_slots // 2)) if ram_slots else 0
+    def ram_hold_share(self, n_slots: int, ram_slots: int, others: int = 0) -> int:
+        """The RAM tier blocks a session leasing `n_slots` staging slots may hold at once:
+        client_ram_holds, at most half the tier, less the shares of its client's other sessions
+        (`others`: a process cannot pin more of the tier by opening more connections), never fewer
+        than its staging slots (the share before the key existed, what a session needs to make
+        progress); 0 without a tier."""
+        return max(n_slots, min(self.client_ram_holds, ram_slots // 2) - others) if ram_slots else 0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}

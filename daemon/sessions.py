@@ -8,7 +8,7 @@ is leased the slots its HELLO asks for (client_slots when it asks for none), nev
 per-client cap (max_client_slots) less what its other sessions lease: a client is its process over
 ipc and its CurveZMQ key over tcp (peers.ClientId), so that one client cannot take the staging from
 the others by opening more connections. It may hold its RAM hold share of tier blocks
-(client_ram_holds, WELCOME's ram_holds; protocol v6). When a HELLO finds too few slots, sessions
+(client_ram_holds, WELCOME's ram_holds; protocol v6), which its client's sessions share alike. When a HELLO finds too few slots, sessions
 whose connection has closed (the socket monitor has not said so yet) end first.
 The routing ids of ended sessions are remembered, bounded, for their late messages. Sends nothing:
 the server answers."""
@@ -146,7 +146,8 @@ class Sessions:
             raise NoSlots(f"{n_slots} slots asked, {self.staging.pool.n_unleased} of {self.config.stage_slots} "
                           f"staging slots unleased ({len(self.live)} clients hold the rest); ask for fewer, or raise "
                           "stage_slots or lower client_slots")
-        ram_share = self.config.ram_hold_share(len(slots), self.ram.n_slots)
+        others = sum(s.ram_share for s in self.live.values() if s.owner == owner)
+        ram_share = self.config.ram_hold_share(len(slots), self.ram.n_slots, others)
         session = self.live[identity] = Session(identity, fd, client, slots, deque(slots), pid=pid, ram_share=ram_share,
                                                 owner=owner)
         self.counters.clients_total += 1

@@ -209,3 +209,23 @@ def test_settings_that_defeat_the_cap_are_refused(tiny_pack: Path, flags: tuple[
                           timeout=30)
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_connections_of_one_process_share_its_ram_hold_share(tiny_pack: Path, tmp_path: Path) -> None:
+    """Issue 37's leftover: the RAM hold share was per session, so a process pinned one share of
+    the tier per connection it opened. Its sessions now share one (10 here): a second connection
+    of the same process gets only what a session needs to make progress (its staging slots),
+    another process a share of its own."""
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "8", "--client-slots", "2", "--ram-cache-gib", "1",
+                     "--client-ram-holds", "10")
+    d.wait_for("READY=1")
+    try:
+        with ExitStack() as stack:
+            first = ask(dealer(stack, d.endpoint), {"client": "holder1", "slots": 2})
+            second = ask(dealer(stack, d.endpoint), {"client": "holder2", "slots": 2})
+            assert isinstance(first, p.Welcome) and isinstance(second, p.Welcome), (first, second)
+            assert first.ram_holds == 10 and second.ram_holds == 2, (first.ram_holds, second.ram_holds)
+            with hello_elsewhere(d.endpoint, "other", 2) as other:
+                assert isinstance(other, p.Welcome) and other.ram_holds == 10, other
+    finally:
+        assert d.stop()[0] == 0
