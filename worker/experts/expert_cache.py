@@ -146,6 +146,9 @@ class ExpertCache:
         # (engine.TableDecode): the byte offset of (layer, expert) in `memory`, -1 where it is absent.
         self.table = torch.full((max(self.layers) + 1, manifest.model.n_expert), -1, dtype=torch.int64, device=device)
         self._owed: list[list[list[int]]] = []  # steps run from the table: their experts, owed to the policy
+        # A cache with a slot for every expert it serves never evicts (victims are empty slots first):
+        # its policy's touches change nothing it does, and owed steps pay only their counters.
+        self._evicts = self.n_slots < every_expert
         self.ready: dict[int, torch.cuda.Event] = {}  # slot -> event its last copy recorded
         self._pending: deque[_Pending] = deque() if pending is None else pending  # staging slots whose copy may still run
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -245,12 +248,15 @@ class ExpertCache:
             self._settle()
 
     def _settle(self) -> None:
+        """Pays the owed steps. The touches cost ~0.3 ms a 12-layer token on the dev VM, a quarter
+        of the step they follow: only a cache that can evict pays them."""
         for chosen in self._owed:
             for layer, experts in zip(self.served, chosen):
-                keys = [ExpertKey(layer, e) for e in sorted(set(experts))]  # as waves() acquires them
-                self.policy.touch(keys)
+                unique = sorted(set(experts))  # as waves() acquires them
+                if self._evicts:
+                    self.policy.touch([ExpertKey(layer, e) for e in unique])
                 self._counters.steps += 1
-                self._counters.hits += len(keys)
+                self._counters.hits += len(unique)
         self._owed.clear()
 
     def _set_table(self, placed: list[tuple[ExpertKey, int]], evicted: list[ExpertKey]) -> None:
