@@ -1,11 +1,14 @@
 """`expertpack bench serve --endpoint URL`: the reference serving protocol, replayed against any
 OpenAI-compatible server (expert-worker, llama.cpp's llama-server, ...), so one run compares systems.
 
-Ten fixed chat requests, one at a time: five instruction prompts in the Alpaca style and five
-MMLU-style multiple-choice questions; temperature 0 and exactly --max-tokens completion tokens
+Ten fixed chat requests, one at a time by default: five instruction prompts in the Alpaca style and
+five MMLU-style multiple-choice questions; temperature 0 and exactly --max-tokens completion tokens
 (`ignore_eos`, which llama-server and vLLM also honour). Each request is streamed: prefill and
 decode rates come from the server's `timings` when it reports them (llama-server, expert-worker),
-else from the client's clock (time to first token; the rest). The unique-key hit rate and the expert
+else from the client's clock (time to first token; the rest). `--concurrency N` keeps N requests of a
+set in flight, as N users would (llama-server `-np N`). Each set also reports its aggregate decode
+rate (all its completion tokens over its wall time) and the time to first token on the client's
+clock, which counts the time a request waits in the server's queue: what a user waits. The unique-key hit rate and the expert
 bytes fetched (from expertd's RAM tier or pack) come from expert-worker's `expertpack` object (n/a elsewhere). Prints a table per set and
 writes bench-serve.json and bench-serve.png (matplotlib) into --out.
 
@@ -17,14 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
 from statistics import mean
+from typing import Sequence
 
 INSTRUCTIONS = [
     "Write a short summary of the plot of the animated film \"Toy Story\".",
@@ -70,6 +76,8 @@ class Result:
     hit_rate: float | None
     fetched_bytes: int | None
     seconds: float
+    started_s: float  # when it was sent, since its set's first request was: the set's wall time ends at the last
+    ttft_s: float  # sent to first content token, client clock: queueing in the server included
 
 
 class ServeError(RuntimeError):
@@ -107,7 +115,9 @@ def _post_stream(url: str, body: dict, api_key: str | None, timeout: float) -> t
 
 
 def run_one(base: str, model: str, set_name: str, index: int, prompt: str, max_tokens: int, api_key: str | None,
-            timeout: float) -> Result:
+            timeout: float, set_start: float) -> Result:
+    """One streamed request; `set_start` (a perf_counter reading) places it in its set's wall time."""
+    started_s = time.perf_counter() - set_start
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     chunks, seconds, first = _post_stream(f"{base}/chat/completions", body, api_key, timeout)
@@ -117,18 +127,59 @@ def run_one(base: str, model: str, set_name: str, index: int, prompt: str, max_t
     timings = next((c["timings"] for c in reversed(chunks) if c.get("timings")), None)
     extra = next((c["expertpack"] for c in reversed(chunks) if c.get("expertpack")), None)
     n_prompt, n_done = usage["prompt_tokens"], usage["completion_tokens"]
+    first = first or seconds  # no content at all: the user had nothing before the end
     if timings:
         prefill, decode, source = timings["prompt_per_second"], timings["predicted_per_second"], "server"
     else:
-        first = first or seconds
         prefill = n_prompt / first
         decode = (n_done - 1) / (seconds - first) if n_done > 1 and seconds > first else 0.0
         source = "client"
     return Result(set_name, index, n_prompt, n_done, prefill, decode, source,
-                  extra and extra.get("hit_rate"), extra and extra.get("fetched_bytes"), seconds)
+                  extra and extra.get("hit_rate"), extra and extra.get("fetched_bytes"), seconds, started_s, first)
+
+
+def run_set(base: str, model: str, set_name: str, prompts: list[str], max_tokens: int, api_key: str | None,
+            timeout: float, concurrency: int) -> list[Result]:
+    """A set's requests, `concurrency` in flight: that many threads each send the next request once
+    their last one is answered, as that many users would; one thread is the sequential protocol.
+    Results in prompt order."""
+    set_start = time.perf_counter()
+    results = []
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="bench-serve") as pool:
+        futures = [pool.submit(run_one, base, model, set_name, i, prompt, max_tokens, api_key, timeout, set_start)
+                   for i, prompt in enumerate(prompts)]
+        try:
+            for future in as_completed(futures):
+                r = future.result()
+                print(f"{set_name} {r.index + 1}/{len(prompts)}: {r.prompt_tokens} + {r.completion_tokens} tokens, "
+                      f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.2f} tok/s "
+                      f"({r.rates_from}), first token after {r.ttft_s:.3f} s", file=sys.stderr)
+                if r.completion_tokens != max_tokens:
+                    print(f"  warning: {r.completion_tokens} completion tokens, not {max_tokens} (the server "
+                          "may not honour ignore_eos)", file=sys.stderr)
+                results.append(r)
+        except BaseException:
+            for future in futures:  # the requests not sent yet; those in flight end with their answers
+                future.cancel()
+            raise
+    return sorted(results, key=lambda r: r.index)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0 <= q <= 1), interpolated linearly between the two nearest ranks (numpy's
+    default), so that a set of five requests still has a p90 between its two slowest."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("percentile of no values")
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def summarize(results: list[Result]) -> dict[str, dict]:
+    """Per set: per-request rates (their mean under the historical keys, then p50 and p90), the
+    aggregate decode rate over the set's wall time (from its first send to its last answer: what a
+    server does for all its users at once), and the time to first token."""
     out = {}
     for name in SETS:
         rs = [r for r in results if r.set == name]
@@ -136,18 +187,31 @@ def summarize(results: list[Result]) -> dict[str, dict]:
             continue
         hits = [r.hit_rate for r in rs if r.hit_rate is not None]
         fetched = [r.fetched_bytes / r.completion_tokens for r in rs if r.fetched_bytes is not None and r.completion_tokens]
-        out[name] = {"requests": len(rs), "prefill_tokens_per_s": mean(r.prefill_tokens_per_s for r in rs),
-                     "decode_tokens_per_s": mean(r.decode_tokens_per_s for r in rs),
+        prefill, decode = [r.prefill_tokens_per_s for r in rs], [r.decode_tokens_per_s for r in rs]
+        ttft = [r.ttft_s for r in rs]
+        wall_s = max(r.started_s + r.seconds for r in rs) - min(r.started_s for r in rs)
+        completion_tokens = sum(r.completion_tokens for r in rs)
+        out[name] = {"requests": len(rs), "prefill_tokens_per_s": mean(prefill),
+                     "decode_tokens_per_s": mean(decode),
                      "hit_rate": mean(hits) if hits else None,
                      "fetched_gb_per_token": mean(fetched) / 1e9 if fetched else None,
-                     "completion_tokens": sum(r.completion_tokens for r in rs)}
+                     "completion_tokens": completion_tokens,
+                     "wall_s": wall_s,
+                     "aggregate_decode_tokens_per_s": completion_tokens / wall_s if wall_s > 0 else None,
+                     "prefill_tokens_per_s_p50": percentile(prefill, 0.5),
+                     "prefill_tokens_per_s_p90": percentile(prefill, 0.9),
+                     "decode_tokens_per_s_p50": percentile(decode, 0.5),
+                     "decode_tokens_per_s_p90": percentile(decode, 0.9),
+                     "ttft_s_mean": mean(ttft), "ttft_s_p50": percentile(ttft, 0.5),
+                     "ttft_s_p90": percentile(ttft, 0.9)}
     return out
 
 
-def make_report(endpoint: str, model: str, label: str, max_tokens: int, results: list[Result]) -> dict:
+def make_report(endpoint: str, model: str, label: str, max_tokens: int, results: list[Result],
+                concurrency: int = 1) -> dict:
     """What bench-serve.json holds."""
     return {"bench": "serve", "date": date.today().isoformat(), "endpoint": endpoint, "model": model,
-            "label": label, "max_tokens": max_tokens, "summary": summarize(results),
+            "label": label, "max_tokens": max_tokens, "concurrency": concurrency, "summary": summarize(results),
             "requests": [asdict(r) for r in results]}
 
 
@@ -156,12 +220,14 @@ class Run:
     """One bench-serve.json: a system's summary per set, under the name it was given."""
     label: str
     summary: dict[str, dict]
-    conditions: dict  # endpoint, model, max_tokens, date: what the report says besides
+    conditions: dict  # endpoint, model, max_tokens, concurrency, date: what the report says besides
 
     @classmethod
     def from_report(cls, report: dict, fallback_label: str = "") -> "Run":
+        # Reports from before --concurrency were all sent one request at a time.
         return cls(report.get("label") or report.get("model") or fallback_label, report["summary"],
-                   {k: report.get(k) for k in ("endpoint", "model", "max_tokens", "date")})
+                   {**{k: report.get(k) for k in ("endpoint", "model", "max_tokens", "date")},
+                    "concurrency": report.get("concurrency", 1)})
 
     @classmethod
     def load(cls, path: Path) -> "Run":
@@ -177,17 +243,22 @@ def _fmt(v: float | None, pattern: str) -> str:
 
 
 def table(runs: list[Run]) -> str:
+    """One row per set and run; per-request rates are means. Reports from before --concurrency have
+    no aggregate rate or time to first token: n/a."""
     width = max([6, *(len(r.label) for r in runs)]) + 2
-    lines = [f"{'system':<{width}}{'set':<17}{'requests':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'hit rate':>10}"
+    lines = [f"{'system':<{width}}{'set':<17}{'concurrency':>12}{'requests':>9}{'prefill tok/s':>15}"
+             f"{'decode tok/s':>14}{'aggregate tok/s':>17}{'TTFT mean s':>13}{'TTFT p90 s':>12}{'hit rate':>10}"
              f"{'fetched GB/token':>18}"]
     for name in SETS:
         for run in runs:
             s = run.summary.get(name)
             if s is None:
                 continue
-            lines.append(f"{run.label:<{width}}{name:<17}{s['requests']:>9}{s['prefill_tokens_per_s']:>15.2f}"
-                         f"{s['decode_tokens_per_s']:>14.2f}{_fmt(s['hit_rate'], '{:.1%}'):>10}"
-                         f"{_fmt(s['fetched_gb_per_token'], '{:.3f}'):>18}")
+            lines.append(f"{run.label:<{width}}{name:<17}{run.conditions['concurrency']:>12}{s['requests']:>9}"
+                         f"{s['prefill_tokens_per_s']:>15.2f}{s['decode_tokens_per_s']:>14.2f}"
+                         f"{_fmt(s.get('aggregate_decode_tokens_per_s'), '{:.2f}'):>17}"
+                         f"{_fmt(s.get('ttft_s_mean'), '{:.3f}'):>13}{_fmt(s.get('ttft_s_p90'), '{:.3f}'):>12}"
+                         f"{_fmt(s['hit_rate'], '{:.1%}'):>10}{_fmt(s['fetched_gb_per_token'], '{:.3f}'):>18}")
     return "\n".join(lines)
 
 
@@ -270,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="", help="a name for this system in the outputs (e.g. 'expertpack 4 GiB')")
     p.add_argument("--api-key", help="sent as a bearer token (llama-server --api-key)")
     p.add_argument("--timeout-s", type=float, default=3600, help="per request (default 3600)")
+    p.add_argument("--concurrency", type=_at_least_one, default=1, metavar="N",
+                   help="requests of a set in flight at once: N clients, each sending its next request when "
+                        "its last is answered (default 1: one at a time)")
     args = p.parse_args(argv)
     if args.compare:
         try:
@@ -283,19 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or _first_model(base, args.api_key)
         results = []
         for set_name, prompts in SETS.items():
-            for i, prompt in enumerate(prompts):
-                r = run_one(base, model, set_name, i, prompt, args.max_tokens, args.api_key, args.timeout_s)
-                print(f"{set_name} {i + 1}/{len(prompts)}: {r.prompt_tokens} + {r.completion_tokens} tokens, prefill "
-                      f"{r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.2f} tok/s "
-                      f"({r.rates_from})", file=sys.stderr)
-                if r.completion_tokens != args.max_tokens:
-                    print(f"  warning: {r.completion_tokens} completion tokens, not {args.max_tokens} (the server "
-                          "may not honour ignore_eos)", file=sys.stderr)
-                results.append(r)
+            results += run_set(base, model, set_name, prompts, args.max_tokens, args.api_key, args.timeout_s,
+                               args.concurrency)
     except ServeError as exc:
         print(f"expertpack bench serve: {exc}", file=sys.stderr)
         return 2
-    report = make_report(args.endpoint, model, args.label, args.max_tokens, results)
+    report = make_report(args.endpoint, model, args.label, args.max_tokens, results, args.concurrency)
     run = Run.from_report(report)
     print(table([run]))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -303,12 +370,24 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "requests"}))
     try:  # last: a machine without matplotlib still gets the table and the JSON
         chart([run], args.out / "bench-serve.png",
-              f"{run.label} — {args.max_tokens} tokens per request, temperature 0")
+              f"{run.label} — {args.max_tokens} tokens per request, temperature 0"
+              + (f", {args.concurrency} in flight" if args.concurrency > 1 else ""))
     except ServeError as exc:
         print(f"expertpack bench serve: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.out / 'bench-serve.json'} and {args.out / 'bench-serve.png'}", file=sys.stderr)
     return 0
+
+
+def _at_least_one(text: str) -> int:
+    """--concurrency's type: argparse then names the flag and the value in its usage error."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of requests, at least 1")
+    return n
 
 
 def _first_model(base: str, api_key: str | None) -> str:

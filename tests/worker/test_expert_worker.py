@@ -222,6 +222,30 @@ def test_bench_serve_replays_the_protocol(served, tmp_path: Path) -> None:
     assert down.returncode == 2 and "is the server running" in down.stderr and "Traceback" not in down.stderr
 
 
+def test_bench_serve_keeps_requests_in_flight(served, tmp_path: Path) -> None:
+    """expert-worker answers one request at a time today: the others wait in its queue, and the
+    bench must still count every request's tokens and time its first token from its send."""
+    _, _, worker = served
+    proc = run_cli("bench", "serve", "--endpoint", worker.url, "--max-tokens", "3", "--concurrency", "3",
+                   "--out", tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "bench-serve.json").read_text())
+    assert report["concurrency"] == 3 and json.loads(proc.stdout.splitlines()[-1])["concurrency"] == 3
+    header, *rows = proc.stdout.splitlines()[:3]
+    assert "concurrency" in header and all(row.split()[1:3] == [name, "3"] for row, name in
+                                           zip(rows, ("instruction", "multiple-choice"))), proc.stdout
+    for name in ("instruction", "multiple-choice"):
+        rs = [r for r in report["requests"] if r["set"] == name]
+        assert sorted(r["index"] for r in rs) == list(range(5))
+        assert all(r["completion_tokens"] == 3 and r["ttft_s"] > 0 and r["started_s"] >= 0 for r in rs)
+        # Three sent before any answer came back: they were in flight together.
+        first_answer = min(r["started_s"] + r["seconds"] for r in rs)
+        assert sorted(r["started_s"] for r in rs)[2] < first_answer, rs
+        s = report["summary"][name]
+        assert s["completion_tokens"] == 15 and s["aggregate_decode_tokens_per_s"] > 0 and s["wall_s"] > 0
+        assert 0 < s["ttft_s_p50"] <= s["ttft_s_p90"] and s["ttft_s_mean"] > 0 and s["decode_tokens_per_s_p90"] > 0
+
+
 def test_a_prompt_beyond_the_context_is_refused_without_max_tokens(served) -> None:
     _, _, worker = served
     with pytest.raises(openai.BadRequestError, match="maximum context length") as err:
