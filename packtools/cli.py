@@ -88,6 +88,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="keep only the first N layers (fits real shapes on a small disk; default: all of the preset's)")
     s.add_argument("--type", dest="expert_type", metavar="T", help="ggml type of the routed experts (default: preset's)")
     s.add_argument("--trunk-type", metavar="T", help="ggml type of the other matrices (default: preset's)")
+    s.add_argument("--mix", dest="expert_mix", metavar="SPEC",
+                   help="expert types over --type, as the low-bit dynamic GGUFs mix them: comma-separated "
+                        "ROLE=T (gate, up, down) and LAYERS=T (3 or 0-2) entries, a layer's winning over a "
+                        "role's, e.g. --type IQ1_S --mix down=IQ2_XXS,0=IQ3_XXS (default: none)")
     s.add_argument("--shards", type=int, default=1, metavar="N",
                    help="write a llama.cpp split set of N shards (default 1: one file)")
     s.add_argument("--seed", type=int, default=0, metavar="N",
@@ -156,7 +160,7 @@ def _synth(args: argparse.Namespace) -> int:
         raise ExpertpackError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     paths = write_synth(args.out, SynthOptions(
         preset=args.preset, n_layer=args.layers, expert_type=args.expert_type, trunk_type=args.trunk_type,
-        shards=args.shards, seed=args.seed, force=args.force, progress=not args.quiet,
+        expert_mix=args.expert_mix, shards=args.shards, seed=args.seed, force=args.force, progress=not args.quiet,
         routing_skew=args.routing_skew))
     for path in paths:
         print(path)

@@ -87,7 +87,8 @@ def render_text(d: dict[str, Any]) -> str:
         "roles:",
     ]
     for group in d["roles"]:
-        lines.append(f"  layers {_ranges(group['layers'])}:")
+        lines.append(f"  layers {_ranges(group['layers'])}: {_types(group['roles'])}; "
+                     f"per expert {group['payload_bytes']:,} B payload, {group['block_bytes']:,} B on disk")
         for r in group["roles"]:
             shape = "x".join(str(x) for x in r["shape"])
             lines.append(f"    {r['role']:<12} {r['ggml_type']:<7} [{shape}]  {r['nbytes']:,} B at +{r['offset']}")
@@ -111,16 +112,25 @@ def render_text(d: dict[str, Any]) -> str:
 
 
 def _role_groups(layers: tuple[LayerLayout, ...]) -> list[dict[str, Any]]:
-    """Layers with identical role tables are listed once."""
+    """Layers with identical role tables are listed once, with the bytes of one expert of theirs:
+    a mixed model (down at more bits, some layers at another type) shows one group per mix."""
     groups: dict[tuple, list[int]] = {}
-    tables: dict[tuple, list[dict[str, Any]]] = {}
+    tables: dict[tuple, dict[str, Any]] = {}
     for l in layers:
         table = [{"role": r.role, "ggml_type": r.ggml_type, "shape": list(r.shape), "offset": r.offset,
                   "nbytes": r.nbytes} for r in l.roles]
         key = tuple((r["role"], r["ggml_type"], tuple(r["shape"]), r["offset"], r["nbytes"]) for r in table)
         groups.setdefault(key, []).append(l.layer)
-        tables[key] = table
-    return [{"layers": groups[k], "roles": tables[k]} for k in groups]
+        tables[key] = {"roles": table, "payload_bytes": l.payload_bytes, "block_bytes": l.stride}
+    return [{"layers": groups[k], **tables[k]} for k in groups]
+
+
+def _types(roles: list[dict[str, Any]]) -> str:
+    """[gate IQ1_S, up IQ1_S, down IQ2_XXS] -> 'gate,up IQ1_S  down IQ2_XXS': roles of one type together."""
+    by_type: dict[str, list[str]] = {}
+    for r in roles:
+        by_type.setdefault(r["ggml_type"], []).append(r["role"])
+    return "  ".join(f"{','.join(names)} {t}" for t, names in by_type.items())
 
 
 def _ranges(values: list[int]) -> str:

@@ -42,11 +42,56 @@ class SynthOptions:
     n_expert: int | None = None  # a cut of each MoE layer's experts (each keeps its shape); None: the preset's
     expert_type: str | None = None
     trunk_type: str | None = None
+    expert_mix: str | None = None  # per-role / per-layer expert types over expert_type (parse_mix)
     shards: int = 1
     seed: int = 0
     force: bool = False
     progress: bool = True
     routing_skew: float = 0.0  # Zipf-like expert popularity per layer (skew.py); 0: uniform routing
+
+
+# The routed expert tensors a --mix role names, by the role name the pack uses.
+MIX_ROLES = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
+
+
+@dataclass(frozen=True)
+class ExpertMix:
+    """Expert types that depart from the base type, as llama.cpp's low-bit "dynamic" quants mix
+    them: ffn_down_exps a step above gate/up (its errors are not averaged over a SwiGLU), some
+    layers (often the first) at more bits. A layer's type wins over a role's for that layer."""
+
+    roles: tuple[tuple[str, T], ...] = ()  # (tensor name without blk.N., type)
+    layers: tuple[tuple[range, T], ...] = ()
+
+    def type_of(self, name: str, base: T) -> T:
+        """The type of expert tensor `name` (blk.N.…) whose type is otherwise `base`."""
+        layer, role_name = _layer(name), name.split(".", 2)[2]
+        for layers, t in self.layers:
+            if layer in layers:
+                return t
+        return next((t for r, t in self.roles if r == role_name), base)
+
+
+def parse_mix(spec: str) -> ExpertMix:
+    """`down=IQ2_XXS,0-1=Q4_K`: comma-separated ROLE=TYPE (gate, up, down) and LAYERS=TYPE (a layer
+    N or a range N-M, inclusive) entries; ValueError names the entry it cannot read."""
+    roles: list[tuple[str, T]] = []
+    layers: list[tuple[range, T]] = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        key, sep, type_name = entry.partition("=")
+        if not sep:
+            raise ValueError(f"--mix entry {entry!r} is not KEY=TYPE (e.g. down=IQ2_XXS or 0-1=Q4_K)")
+        t = parse_type(type_name.strip())
+        key = key.strip()
+        if key in MIX_ROLES:
+            roles.append((MIX_ROLES[key], t))
+            continue
+        first, _, last = key.partition("-")
+        if not (first.isdigit() and (last or first).isdigit()) or int(last or first) < int(first):
+            raise ValueError(f"--mix entry {entry!r}: {key!r} is neither a role ({', '.join(MIX_ROLES)}) "
+                             f"nor a layer or range of layers (3, 0-2)")
+        layers.append((range(int(first), int(last or first) + 1), t))
+    return ExpertMix(tuple(roles), tuple(layers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +128,7 @@ def plan_synth(options: SynthOptions) -> SynthPlan:
         trunk_type = parse_type(options.trunk_type or preset.trunk_type)
         by_name = {name: parse_type(t) for name, t in preset.types.items()}
         fallback = parse_type(preset.fallback_type)
+        mix = parse_mix(options.expert_mix or "")
     except ValueError as exc:
         raise ExpertpackError(str(exc)) from None
     values = _truncated(preset.meta, options.n_layer)
@@ -101,6 +147,7 @@ def plan_synth(options: SynthOptions) -> SynthPlan:
     # --type / --trunk-type replace the preset's whole mix for their kind of tensor
     kept = {Kind.EXPERT: options.expert_type is None, Kind.MATRIX: options.trunk_type is None}
     tensors = [_typed(spec, _named_type(spec, by_name, kept), expert_type, trunk_type, fallback) for spec in specs]
+    tensors = [_mixed(t, mix) for t in tensors]
     metadata = [
         MetadataField("general.type", "model", GGUFValueType.STRING),
         MetadataField("general.name", f"expertpack synth {options.preset}", GGUFValueType.STRING),
@@ -243,6 +290,14 @@ def _typed(spec: TensorSpec, named: T | None, expert_type: T, trunk_type: T, fal
         raise ExpertpackError(f"{spec.name}: rows of {spec.shape[0]} values do not fit {t.name} blocks of "
                               f"{block_values}; choose another --type")
     return SynthTensor(spec, t, nbytes_of(t, spec.shape))
+
+
+def _mixed(t: SynthTensor, mix: ExpertMix) -> SynthTensor:
+    """t with the --mix type of a routed expert tensor, re-checked against its rows."""
+    if t.spec.kind is not Kind.EXPERT:
+        return t
+    new = mix.type_of(t.spec.name, t.ggml_type)
+    return t if new == t.ggml_type else _typed(t.spec, new, new, new, new)
 
 
 # Per-layer arrays that say which kind of layer each is (DeepSeek-V4's attention: 0 sliding window,

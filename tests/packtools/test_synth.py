@@ -187,8 +187,8 @@ def test_every_preset_plans_with_its_architecture(name: str) -> None:
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     proc = run_cli("synth", "--preset", "nope", "-o", tmp_path / "x.gguf")
     assert proc.returncode == 2 and "unknown preset" in proc.stderr
-    proc = run_cli("synth", "--preset", "tiny", "--type", "IQ2_XS", "-o", tmp_path / "x.gguf")
-    assert proc.returncode == 2 and "cannot write IQ2_XS" in proc.stderr
+    proc = run_cli("synth", "--preset", "tiny", "--type", "Q8_K", "-o", tmp_path / "x.gguf")
+    assert proc.returncode == 2 and "cannot write Q8_K" in proc.stderr
     run_cli("synth", "--preset", "tiny", "-o", tmp_path / "x.gguf", "-q", check=True)
     proc = run_cli("synth", "--preset", "tiny", "-o", tmp_path / "x.gguf")
     assert proc.returncode == 2 and "--force" in proc.stderr
