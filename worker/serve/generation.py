@@ -150,7 +150,9 @@ class Generator:
         if cancelled():  # the client left while this request waited its turn
             return Completion("", ids, "cancelled", usage, logprobs)
         logits = self.engine.forward(req.prompt_ids, kv, last=True)[-1]
-        counts = torch.zeros(logits.numel(), dtype=torch.float32) if req.sampler.penalizes else None
+        # On the logits' device, like the choice: updating it there keeps the step free of host copies.
+        counts = (torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)
+                  if req.sampler.penalizes else None)
         while len(ids) < req.max_tokens and not cancelled():
             token = req.sampler(logits, counts)
             if not ids:
