@@ -171,7 +171,7 @@ class Generator:
                 if on_logprobs is not None:
                     on_logprobs(entry)
                 # A character still incomplete (its bytes split across tokens) starts after the next token.
-                text_before = len(text.decoded(ids).rstrip("\ufffd"))
+                text_before = text.complete_length(ids)
             if text.add(ids):
                 finish = "stop"
                 break
@@ -199,7 +199,23 @@ def token_logprob(logits: torch.Tensor, token: int, top: int, text_offset: int) 
 
 
 class _TextStream:
-    """Decodes the growing id list and hands out only text that cannot change any more."""
+    """Turns the growing id list into text and hands out only text that cannot change any more.
+
+    Incremental, so a token costs the same at the end of a long answer as at its start: only a short
+    window of recent ids is decoded. `_read` marks the ids whose text is settled (`_stable`, which
+    never ends in an incomplete character "\ufffd"); `_prefix` (the previous `_read`) starts the
+    window one step earlier, so that decoders which treat a first token specially (SentencePiece's
+    strip of a leading space) do so in both decodes and the difference between
+    decode(ids[prefix:]) and decode(ids[prefix:read]) is the text after `_read` as the whole list
+    decodes it. Stop strings are looked for in that new text and the last (longest stop - 1)
+    characters before it: an earlier match would have been found at an earlier token.
+
+    One decoder is not local: SentencePiece's byte fallback turns a whole run of byte tokens into one
+    "\ufffd" each while the run ends in an incomplete character, rewriting characters it had already
+    given. When the window's decode no longer starts with what its settled part gave, the whole list
+    is decoded (`_whole`) until the run completes, so the text is always what decoding all ids gives
+    (a run left invalid keeps the window inseparable: every later token then decodes all ids, the
+    cost of the old stream, never a different text)."""
 
     def __init__(self, tokenizer: GGUFTokenizer, stop: tuple[str, ...], on_text: Callable[[str], None] | None):
         self.tokenizer = tokenizer
@@ -207,42 +223,96 @@ class _TextStream:
         self.on_text = on_text
         self.sent = 0  # characters handed out
         self.final: str | None = None
-        self._decoded: tuple[int, str] = (0, "")  # (len(ids), their text): ids only grow, one decode per token
+        self._overlap = max((len(s) for s in self.stop), default=1) - 1  # a stop string's start still held
+        self._n_ids = 0  # ids decoded so far
+        self._prefix = 0
+        self._read = 0
+        self._read_text = ""  # decode(ids[_prefix:_read])
+        self._stable = ""  # the text of ids[:_read]: settled, never ends in "\ufffd"
+        self._tail = ""  # the text of ids[_read:] as it decodes now: may change until it stops ending in "\ufffd"
+        self._searched = 0  # characters of _stable that held no stop string at the last search
+        self._whole: str | None = None  # the whole text, while the window's decode is not separable
+
+    def _advance(self, ids: list[int]) -> None:
+        """Decodes the ids added since the last call (ids only grow)."""
+        if self._n_ids == len(ids):
+            return
+        self._n_ids = len(ids)
+        window = self.tokenizer.decode(ids[self._prefix:])
+        if not window.startswith(self._read_text):
+            self._whole = self.tokenizer.decode(ids)
+            return
+        self._whole = None
+        new = window[len(self._read_text):]
+        if new and not new.endswith("\ufffd"):
+            self._stable += new
+            self._prefix, self._read = self._read, len(ids)
+            self._read_text = self.tokenizer.decode(ids[self._prefix:self._read])
+            self._tail = ""
+        else:
+            self._tail = new
+
+    def _text(self, start: int, end: int) -> str:
+        """Characters start..end of the whole text, without joining all of it."""
+        if self._whole is not None:
+            return self._whole[start:end]
+        n = len(self._stable)
+        if start >= n:
+            return self._tail[start - n:end - n]
+        return self._stable[start:end] + self._tail[:max(0, end - n)]
+
+    def _length(self) -> int:
+        """Characters of the whole text."""
+        return len(self._whole) if self._whole is not None else len(self._stable) + len(self._tail)
+
+    def _complete(self) -> int:
+        """Characters of the text before a trailing incomplete UTF-8 sequence."""
+        if self._whole is not None:
+            return len(self._whole.rstrip("\ufffd"))
+        return len(self._stable) + len(self._tail.rstrip("\ufffd"))
 
     def decoded(self, ids: list[int]) -> str:
-        if self._decoded[0] != len(ids):
-            self._decoded = (len(ids), self.tokenizer.decode(ids))
-        return self._decoded[1]
+        """The whole text of `ids`."""
+        self._advance(ids)
+        return self._whole if self._whole is not None else self._stable + self._tail
+
+    def complete_length(self, ids: list[int]) -> int:
+        """Characters of `ids`' text before an incomplete character (one that the next token completes)."""
+        self._advance(ids)
+        return self._complete()
 
     def add(self, ids: list[int]) -> bool:
         """True when a stop string appeared (the text is then cut before it)."""
         if not self.stop and self.on_text is None:
             return False  # nobody reads text before the end: decode once, in finish()
-        text = self.decoded(ids)
-        hits = [at for at in (text.find(s) for s in self.stop) if at >= 0]
-        if hits:  # the earliest stop string wins, whichever comes first in the list
-            self.final = text[:min(hits)]
-            self._emit(self.final)
-            return True
-        safe = len(text)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: the next token completes it
-            safe = len(text.rstrip("\ufffd"))
-        head = text[:safe]  # keep back a tail that may be the start of a stop string
-        hold = max((n for s in self.stop for n in range(1, min(len(s), safe + 1)) if head.endswith(s[:n])), default=0)
-        self._emit(head[:safe - hold])
+        self._advance(ids)
+        if self.stop:
+            start = 0 if self._whole is not None else max(0, self._searched - self._overlap)
+            recent = self._text(start, self._length())
+            hits = [at for at in (recent.find(s) for s in self.stop) if at >= 0]
+            if hits:  # the earliest stop string wins, whichever comes first in the list
+                self.final = self._text(0, start + min(hits))
+                self._emit(len(self.final))
+                return True
+            if self._whole is None:
+                self._searched = len(self._stable)
+        safe = self._complete()  # an incomplete UTF-8 sequence waits: the next token completes it
+        end = self._text(max(0, safe - self._overlap), safe)  # keep back a tail that may start a stop string
+        hold = max((n for s in self.stop for n in range(1, min(len(s), safe + 1)) if end.endswith(s[:n])), default=0)
+        self._emit(safe - hold)
         return False
 
     def finish(self, ids: list[int]) -> str:
         if self.final is None:
-            text = self.decoded(ids)
-            self.final = text
-            self._emit(text)
+            self.final = self.decoded(ids)
+            self._emit(len(self.final))
         return self.final
 
-    def _emit(self, text: str) -> None:
-        if len(text) > self.sent and self.on_text is not None:
-            self.on_text(text[self.sent:])
-        self.sent = max(self.sent, len(text))
+    def _emit(self, upto: int) -> None:
+        """Hands out the text up to character `upto`, what of it was not handed out yet."""
+        if upto > self.sent and self.on_text is not None:
+            self.on_text(self._text(self.sent, upto))
+        self.sent = max(self.sent, upto)
 
 
 def _sync(device: torch.device) -> None:
