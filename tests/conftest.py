@@ -78,6 +78,17 @@ def interpreter_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(module, name, max(getattr(module, name), INTERPRETER_ROWS))
 
 
+@pytest.fixture
+def short_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV buffers of a few positions, for the engine's static steps under Triton's interpreter, which
+    attends over every reserved position."""
+    from expertpack.worker.engine import engine as engine_module
+    from expertpack.worker.nn import layers
+
+    monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 8)
+    monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
+
+
 @pytest.fixture(scope="session")
 def fixture_packs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """fixture id -> (source GGUF, built pack directory), built once per session."""

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import torch
 
-from expertpack.packtools.layout import Manifest
+from expertpack.packtools.layout import PACK_FILE, Manifest
 from expertpack.worker.engine.arena import Sequence
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.experts.expert_cache import slot_bytes
@@ -114,3 +114,17 @@ def assert_served_equals_direct(pack: Path, prompt: list[int], tmp: Path) -> Non
         assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
     finally:
         assert d.stop()[0] == 0
+
+
+def damage_layer(pack: Path, index: int) -> int:
+    """Flips one byte of every expert block of the pack's `index`-th MoE layer, on disk: expertd
+    fails each of them CORRUPT. Returns that layer's number."""
+    manifest = Manifest.load(pack)
+    layer = manifest.layers[index]
+    with open(pack / PACK_FILE, "r+b") as f:
+        for e in range(manifest.model.n_expert):
+            f.seek(layer.block_offset(e) + 7)
+            byte = f.read(1)[0]
+            f.seek(layer.block_offset(e) + 7)
+            f.write(bytes([byte ^ 0x10]))
+    return layer.layer

@@ -11,10 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from expertpack.packtools.layout import PACK_FILE, Manifest
-
 from ..conftest import FIXTURES, Daemon, run_cli, start_daemon
-from ..helpers.engine import assert_every_key_accounted
+from ..helpers.engine import assert_every_key_accounted, damage_layer
 
 
 def test_eval_greedy_matches_the_reference_and_saves_logits(tmp_path: Path) -> None:
@@ -87,14 +85,7 @@ def test_eval_through_expertd_says_in_one_line_when_a_block_cannot_be_read(tiny_
     on disk, so the first layers ran) was a traceback; it is one line naming the block, exit 2."""
     pack = tmp_path / "pack"
     shutil.copytree(tiny_pack, pack)
-    manifest = Manifest.load(pack)
-    layer = manifest.layers[-1]
-    with open(pack / PACK_FILE, "r+b") as f:
-        for e in range(manifest.model.n_expert):
-            f.seek(layer.block_offset(e) + 7)
-            byte = f.read(1)[0]
-            f.seek(layer.block_offset(e) + 7)
-            f.write(bytes([byte ^ 0x10]))
+    layer = damage_layer(pack, -1)
     daemon = start_daemon(pack, tmp_path)
     try:
         daemon.wait_for("READY=1")
@@ -104,4 +95,4 @@ def test_eval_through_expertd_says_in_one_line_when_a_block_cannot_be_read(tiny_
         daemon.stop()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("expertpack eval: expert storage failed mid-run: ") and f"layer {layer.layer}" in last, last
+    assert last.startswith("expertpack eval: expert storage failed mid-run: ") and f"layer {layer}" in last, last

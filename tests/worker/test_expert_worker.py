@@ -28,11 +28,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from expertpack.packtools.layout import PACK_FILE, Manifest
+from expertpack.packtools.layout import Manifest
 from expertpack.worker.experts.expert_cache import slot_bytes
 from expertpack.worker.serve.chat_template import ChatTemplate
 
 from ..conftest import BIN, Daemon, free_port, run_cli, start_daemon
+from ..helpers.engine import damage_layer
 from ..helpers.worker import CHAT, PACK, Worker, local_greedy, metric_values, served_context, start_worker
 
 
@@ -530,14 +531,7 @@ def test_a_corrupt_pack_answers_500_expert_corrupt_streamed_or_not(fixture_packs
     pack's fault, not the daemon's absence: no retry helps), naming the expert; the worker stays up."""
     pack = tmp_path / "pack"
     shutil.copytree(fixture_packs[PACK][1], pack)
-    manifest = Manifest.load(pack)
-    layer = manifest.layers[0]
-    with open(pack / PACK_FILE, "r+b") as f:
-        for e in range(manifest.model.n_expert):
-            f.seek(layer.block_offset(e) + 7)
-            byte = f.read(1)[0]
-            f.seek(layer.block_offset(e) + 7)
-            f.write(bytes([byte ^ 0x10]))
+    layer = damage_layer(pack, 0)
     daemon = start_daemon(pack, tmp_path, "--client-slots", "4")
     daemon.wait_for("READY=1")
     worker = start_worker(pack, daemon.endpoint, tmp_path, ready="/v1/models")  # /health: degraded
@@ -546,7 +540,7 @@ def test_a_corrupt_pack_answers_500_expert_corrupt_streamed_or_not(fixture_packs
         status, body = worker.post("/v1/completions", json.dumps(
             {"model": "fixture", "prompt": "hello", "max_tokens": 2}).encode())
         assert status == 500 and body["error"]["code"] == "expert_corrupt", body
-        assert f"(layer {layer.layer}, expert " in body["error"]["message"]
+        assert f"(layer {layer}, expert " in body["error"]["message"]
         req = urllib.request.Request(worker.url + "/v1/completions", json.dumps(
             {"model": "fixture", "prompt": "hello", "max_tokens": 2, "stream": True}).encode(),
             {"Content-Type": "application/json"})

@@ -21,7 +21,6 @@ import torch
 
 from expertpack.worker.engine import engine as engine_module
 from expertpack.worker.engine.engine import Engine, SegmentedDecode
-from expertpack.worker.nn import layers
 from expertpack.worker.nn.backend import kernels_on_cpu
 
 from ..helpers.engine import daemon_for, greedy_run, minimal_cache_bytes
@@ -29,7 +28,7 @@ from ..helpers.engine import daemon_for, greedy_run, minimal_cache_bytes
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu replays the graphs; "
                                                                   "the interpreter is for CPUs"),
               pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-              pytest.mark.usefixtures("interpreter_tiles")]
+              pytest.mark.usefixtures("interpreter_tiles", "short_reservations")]
 PROMPT = [1, 5, 9]  # the interpreter takes seconds a token
 N_STEPS = 3
 # (pack, prefetch): every layer MoE; DeepSeek-V4, whose hash layers' experts the graphs look up
@@ -37,13 +36,6 @@ N_STEPS = 3
 # the other architectures (a dense leading layer with shared experts, a router that reads another
 # input than the experts), are replayed as graphs on the GPU (tests/gpu/test_segmented_graphs.py).
 CASES = [("qwen3moe-a.Q4_K_M", True), ("dsv4-tiny.Q2_K", True)]
-
-
-@pytest.fixture(autouse=True)
-def short_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KV buffers of a few positions: the interpreter attends over every reserved position."""
-    monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 8)
-    monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
 
 
 def counters(engine: Engine) -> tuple[int, ...]:

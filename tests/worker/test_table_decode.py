@@ -18,11 +18,9 @@ import pytest
 import torch
 
 from expertpack.packtools.layout import Manifest
-from expertpack.worker.engine import engine as engine_module
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.engine.graphs import TableDecode
 from expertpack.worker.experts.expert_cache import slot_bytes
-from expertpack.worker.nn import layers
 from expertpack.worker.nn.backend import kernels_on_cpu
 
 from ..helpers.engine import assert_same, daemon_for, greedy_run, minimal_cache_bytes
@@ -30,17 +28,10 @@ from ..helpers.engine import assert_same, daemon_for, greedy_run, minimal_cache_
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu replays the graph; "
                                                                   "the interpreter is for CPUs"),
               pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-              pytest.mark.usefixtures("interpreter_tiles")]
+              pytest.mark.usefixtures("interpreter_tiles", "short_reservations")]
 PACK = "qwen3moe-a.Q4_K_M"
 PROMPT = [1, 5, 9]
 N_STEPS = 4
-
-
-@pytest.fixture(autouse=True)
-def short_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KV buffers of a few positions: the interpreter attends over every reserved position."""
-    monkeypatch.setattr(engine_module, "MIN_STATIC_CAPACITY", 8)
-    monkeypatch.setattr(layers, "INITIAL_CAPACITY", 3)
 
 
 def counters(engine: Engine) -> tuple[int, ...]:

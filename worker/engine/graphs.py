@@ -246,7 +246,6 @@ class TableDecode:
     def __init__(self, model: Model, cache: KVCache, device: torch.device) -> None:
         self.model, self.cache, self.device = model, cache, device
         self.source: ExpertCache = model.moe.source
-        self.capacity = cache.capacity
         self._index = {layer: i for i, layer in enumerate(self.source.served)}
         k = self.source.manifest.model.n_expert_used
         self.record = torch.zeros(2, len(self._index), k, dtype=torch.int64, device=device)  # ids, offsets
