@@ -17,6 +17,8 @@
 # (two GPUs, tiny model, argmax and shared reads); each fits one call.
 # `bash bench/device_check.sh streaming` (needs .whl and set a) runs the expert cache's GPU tests, then
 # bench/profile_streaming.py and decode_streaming.py with a RAM tier on the 12-layer Qwen3-30B-A3B.
+# `bash bench/device_check.sh tier` (needs .whl and set a) runs the device table's GPU tests, then
+# decode_streaming.py over a warm RAM tier (a pass to warm it, then the measured one; CACHE_GIB, TIER_GIB).
 # `bash bench/device_check.sh prefill` (needs .whl only) sweeps which kernels a prompt of 32 and of 512
 # tokens takes (attention, trunk matvec rows, expert paths) on the 12-layer Qwen3-30B-A3B.
 # `bash bench/device_check.sh kernels PRESET LAYERS` (needs .whl only) shows where that preset's resident
@@ -104,6 +106,15 @@ streaming)  # the streaming path's GPU tests, then its host cost and its speed a
         | tee "$out/profile_streaming.txt" | head -10
     timeout 200 python3 bench/decode_streaming.py --layers 12 --cache-gib 1 --ram-cache-gib 4 --prompt 16 --decode 24 \
         2>&1 | grep -v Warn | tee "$out/decode_streaming.txt" | tail -10
+    ;;
+tier)  # the table's GPU tests, then decode over a warm RAM tier (kept blocks read where they lie)
+    install
+    export EXPERTPACK_FIXTURES=$PWD/.gpufix
+    out=${OUT:-/tmp}
+    timeout 250 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_segmented_graphs.py tests/gpu/test_expert_cache_cuda.py \
+        tests/kernels/test_decode_kernels.py -k "table or expert_lookup or cache" 2>&1 | tail -3
+    timeout 300 python3 bench/decode_streaming.py --layers 12 --cache-gib "${CACHE_GIB:-1}" --ram-cache-gib "${TIER_GIB:-4}" \
+        --prompt 32 --decode 64 --passes 2 --prefetch on 2>&1 | grep -v Warn | tee "$out/decode_tier.txt" | tail -9
     ;;
 prefill)  # the paths a prompt's shape takes, swept on the resident step (bench/decode_settings.py --prefill)
     install

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from expertpack.worker.engine.engine import Engine
-from expertpack.worker.kernels import linear_tl, moe_tl
+from expertpack.worker.kernels import linear_tl, moe_tl, routing_tl
 from expertpack.worker.weights.qtensor import QTensor, ungroup_q8_0
 from expertpack.worker.weights.quant import Q8_0_REGROUPED
 
@@ -30,10 +30,59 @@ def bench_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=50))
 
 
+def host_rows(x, table, offsets, w, roles, act, k_top: int, stride: int, layer: int, config) -> list[dict]:
+    """The same experts read in place from pinned host memory (offsets reaching from the VRAM pool
+    to the host block: the device reads host memory at its host address), copied into VRAM by DMA
+    then read, and gathered into VRAM by the table step's kernel then read; the outputs must equal
+    the VRAM-resident ones bit for bit."""
+    host = table.cpu().pin_memory()
+    dev_offsets = offsets + (host.data_ptr() - table.data_ptr())
+    want = moe_tl.experts_per_pair(x, table, offsets, w, roles, act)
+    got = moe_tl.experts_per_pair(x, table, dev_offsets, w, roles, act)
+    torch.cuda.synchronize()
+    if not torch.equal(want, got):
+        raise SystemExit("experts read from host memory differ from the same bytes in VRAM")
+    scratch = torch.empty(k_top * stride, dtype=torch.uint8, device=table.device)
+    starts = offsets.tolist()
+    local = torch.arange(k_top, device=table.device, dtype=torch.int64) * stride
+
+    def copied() -> None:
+        for i, s in enumerate(starts):
+            scratch[i * stride:(i + 1) * stride].copy_(host[s:s + stride], non_blocking=True)
+        moe_tl.experts_per_pair(x, scratch, local, w, roles, act)
+    # As a table step reads kept RAM-tier blocks: its lookup copies them into transit slots on the
+    # device (routing_tl.expert_lookup's gather kernel), then the experts run from there.
+    transit = torch.empty((k_top + k_top) * stride, dtype=torch.uint8, device=table.device)
+    row = dev_offsets + (table.data_ptr() - transit.data_ptr())  # the host blocks, from the transit pool
+    ids = torch.arange(k_top, device=table.device)
+    rec = torch.zeros(2, k_top, dtype=torch.int64, device=table.device)
+
+    def gathered() -> None:
+        at = routing_tl.expert_lookup(ids, row, rec[0], rec[1], transit, k_top * stride, stride, stride)
+        moe_tl.experts_per_pair(x, transit, at, w, roles, act)
+    gathered()
+    torch.cuda.synchronize()
+    if not torch.equal(want, moe_tl.experts_per_pair(x, transit, routing_tl.expert_lookup(
+            ids, row, rec[0], rec[1], transit, k_top * stride, stride, stride), w, roles, act)):
+        raise SystemExit("experts gathered from host memory differ from the same bytes in VRAM")
+    bn, warps, per_sm = config
+    out = []
+    for label, fn in (("in place", lambda: moe_tl.experts_per_pair(x, table, dev_offsets, w, roles, act)),
+                      ("copied", copied), ("gathered", gathered)):
+        ms = bench_ms(fn)
+        out.append({"kernel": "host " + label, "tensor": f"blk.{layer} x{k_top}", "type": roles.gate.ggml_type,
+                    "shape": [roles.gate.n, roles.gate.k], "bn": bn, "warps": warps, "per_sm": per_sm,
+                    "us": ms * 1e3, "gbps": k_top * stride / ms / 1e6})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path, help="a GGUF (or pack directory)")
     p.add_argument("--sweep", action="store_true", help="also try other tile rows and warps")
+    p.add_argument("--host", action="store_true",
+                   help="also read one layer's selected experts where they lie in pinned host memory (over PCIe, "
+                        "as a RAM-tier expert is read in place), beside copying them into VRAM first")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -85,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"kernel": "experts", "tensor": f"blk.{layer} x{k_top}", "type": roles.gate.ggml_type,
                          "shape": [roles.gate.n, roles.gate.k], "bn": bn, "warps": warps, "per_sm": per_sm,
                          "us": ms * 1e3, "gbps": k_top * layout.stride / ms / 1e6})
+            if args.host:
+                rows += host_rows(x, table, offsets, w, roles, act, k_top, layout.stride, layer, (bn, warps, per_sm))
     print(f"{'kernel':<8} {'tensor':<28} {'type':<14} {'shape':>14} {'bn':>3} {'warps':>5} {'per SM':>6} {'us':>8} "
           f"{'GB/s':>7}")
     for r in rows:

@@ -84,7 +84,8 @@ def our_run(args: argparse.Namespace, cache_gib: float, ram_tier_gib: float) -> 
     cmd = [sys.executable, str(REPO / "bench" / "decode_streaming.py"), "--preset", args.preset,
            *(("--layers", str(args.layers)) if args.layers else ()), "--dir", str(args.dir),
            "--cache-gib", f"{cache_gib:.3f}", "--ram-cache-gib", f"{ram_tier_gib:.3f}", "--skip-resident",
-           "--prefetch", "on", "--prompt", str(args.pp), "--decode", str(args.tg)]
+           "--prefetch", "on", "--prompt", str(args.pp), "--decode", str(args.tg),
+           "--passes", "2"]  # warm, as llama-bench is: its warm-up run fills the page cache, ours the tiers
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     result = run(cmd, int(args.ram_gib * GIB), capture=True, timeout_s=args.timeout_s)
     lines = (result.pop("stdout") or "").strip().splitlines()

@@ -368,6 +368,21 @@ class ExpertClient:
     def _release(self, slots: list[int]) -> None:
         self._send_if_alive(p.Release(tuple(slots)))
 
+    @property
+    def ram_keeps(self) -> int:
+        """How many RAM tier blocks this session may keep (v8; 0: none)."""
+        return self.welcome.ram_keeps
+
+    def keep(self, experts: list[Expert]) -> None:
+        """KEEP (v8): the holds of these experts (delivered from RAM tier slots, not released) are
+        kept: the caller reads their bytes in place for as long as it likes and releases them when
+        done (release() or release_all, as any other); they count against `ram_keeps`, no longer
+        against the holds its fetches may take."""
+        if any(e._client is not self or e.released for e in experts):
+            raise ClientError("only this session's experts, not released, can be kept")
+        if experts:
+            self._send_if_alive(p.Keep(tuple(e.slot for e in experts)))
+
     def _send_if_alive(self, msg: p.Message) -> None:
         """RELEASE and CANCEL: a closed or dead session has nothing left to give back (the daemon
         dropped its leases and requests with the connection)."""

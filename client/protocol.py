@@ -1,4 +1,4 @@
-"""Protocol v7 between expertd and its clients: the one module that knows the wire format.
+"""Protocol v8 between expertd and its clients: the one module that knows the wire format.
 
 Transport: ZeroMQ, the daemon a ROUTER, each client a DEALER. Every message is ONE frame holding ONE
 msgpack map with an integer `op`:
@@ -8,7 +8,7 @@ msgpack map with an integer `op`:
 
     HELLO{version, client, fingerprint, slots}
                                       -> WELCOME{version, fingerprint, model, shm, shm_bytes, slot_bytes, slots,
-                                                         ram_first_slot, ram_slots, ram_holds,
+                                                         ram_first_slot, ram_slots, ram_holds, ram_keeps,
                                                          heartbeat_interval_ms, heartbeat_timeout_ms}
                                          (ERROR FINGERPRINT when the client's trunk was built with another pack;
                                          an empty fingerprint, as ops tools send, skips the check;
@@ -23,6 +23,8 @@ msgpack map with an integer `op`:
                                          leased slots, or (v3) a RAM tier slot
     RELEASE{slots: [slot, ...]}       (no reply; leased slots return to the client's free pool; each
                                          listing of a RAM tier slot ends one hold on it)
+    KEEP{slots: [slot, ...]}          (v8; no reply: each listing of a RAM tier slot makes one of the client's
+                                         holds on it a kept hold, see below)
     CANCEL{id}                        -> FAIL{code=CANCELLED} for each key of id not yet READY
     PROMOTE{id}                       (v5; no reply: the keys of FETCH id not yet answered are needed
                                          now, and go at DEMAND priority, queued or already being read)
@@ -44,8 +46,11 @@ RAM tier slots, [ram_first_slot, ram_first_slot + ram_slots), hold blocks reside
 client: a READY naming one is a hold that keeps the block there (never evicted nor overwritten)
 until the client RELEASEs it; several READYs, of one client or of many, may name the same RAM slot
 at once, and a client releases it once per READY. Clients map the segment read-only (it is mode
-0640): only expertd writes it, and it checks a RAM slot's block against its crc32 again before each
-READY names it. Keys are ExpertKey(layer, expert), the pack's own key type.
+0640): only expertd writes it, and it scrubs resident blocks against their crc32 in the background.
+A kept hold (v8) is a hold the client means to keep while its GPU reads the block in place: it no
+longer counts against the holds its FETCHes may take (ram_holds) but against ram_keeps, and RELEASE
+ends a slot's unkept holds before its kept ones. Keys are ExpertKey(layer, expert), the pack's own
+key type.
 Decoding validates every field (type, range, length) and the message size before anything acts on
 it; it never raises anything but ProtocolError. Never pickle.
 
@@ -82,6 +87,11 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
        both sizes. Until v6 that was an IO_ERROR, which a worker could not tell from a failing read
        worth retrying; no retry helps here (restore the pack, restart expertd). A v6 client could
        not decode that FAIL, hence the new version.
+    8  (2026-12-03) KEEP{slots} (no reply) and WELCOME's ram_keeps: a worker whose GPU reads RAM tier
+       blocks in place holds them for as long as its device table points at them, which may be for
+       the whole run. Until v7 every hold counted against ram_holds, which the client's fetches and
+       prefetches need free: such holds would have stalled them. A v7 daemon would answer KEEP with
+       ERROR UNKNOWN_OP, which a client reads as the end of its session, hence the new version.
 """
 
 from __future__ import annotations
@@ -94,7 +104,7 @@ import msgpack
 
 from expertpack.packtools.layout import ExpertKey
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 1 << 20  # a FETCH of 65,536 keys fits with room to spare
 MAX_KEYS = 65536
 MAX_TEXT = 1024
@@ -121,6 +131,7 @@ class Op(IntEnum):
     BYE = 13
     HEARTBEAT = 14  # v4
     PROMOTE = 15  # v5
+    KEEP = 16  # v8
 
 
 class ErrorCode(IntEnum):
@@ -290,9 +301,11 @@ class Welcome(Message):
     heartbeat_timeout_ms: int = 0
     # v6: the RAM tier blocks this client may hold at once (0: no tier)
     ram_holds: int = 0
+    # v8: the RAM tier blocks this client may keep (KEEP) at once, beside ram_holds (0: none)
+    ram_keeps: int = 0
     checks = {"version": _uint(MAX_INDEX), "fingerprint": _fingerprint, "model": _map, "shm": _text,
               "shm_bytes": _BYTES, "slot_bytes": _BYTES, "slots": _slots, "ram_first_slot": _INDEX,
-              "ram_slots": _INDEX, "ram_holds": _INDEX, "heartbeat_interval_ms": _uint(MAX_HEARTBEAT_MS),
+              "ram_slots": _INDEX, "ram_holds": _INDEX, "ram_keeps": _INDEX, "heartbeat_interval_ms": _uint(MAX_HEARTBEAT_MS),
               "heartbeat_timeout_ms": _uint(MAX_HEARTBEAT_MS)}
 
 
@@ -328,6 +341,13 @@ class Fail(Message):
 @dataclass(frozen=True, slots=True)
 class Release(Message):
     op = Op.RELEASE
+    slots: tuple[int, ...]
+    checks = {"slots": _slots}
+
+
+@dataclass(frozen=True, slots=True)
+class Keep(Message):
+    op = Op.KEEP
     slots: tuple[int, ...]
     checks = {"slots": _slots}
 
@@ -391,7 +411,7 @@ class Bye(Message):
 # The one dispatch table from op to message class.
 MESSAGES: dict[Op, type[Message]] = {cls.op: cls for cls in (
     Hello, Welcome, Fetch, Ready, Fail, Release, Cancel, Stats, StatsReply, Ping, Pong, Error, Bye, Heartbeat,
-    Promote)}
+    Promote, Keep)}
 
 
 def encode(msg: Message) -> bytes:

@@ -25,6 +25,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "client_slots": (1, 1 << 20),
     "max_client_slots": (0, 1 << 20),
     "client_ram_holds": (1, 1 << 20),
+    "client_ram_keeps": (0, 1 << 20),
     "read_threads": (1, 256),
     "read_splits": (1, 64),
     "ram_cache_gib": (0.0, 65536.0),
@@ -53,6 +54,12 @@ class DaemonConfig:
     # model ahead need ~100 of them. At most half the tier, so that one client cannot pin it, but
     # never fewer than the client's staging slots (the share before v6; see ram_hold_share).
     client_ram_holds: int = 256
+    # RAM tier blocks one client may keep (protocol v8: holds its GPU reads in place, for as long as
+    # its device table points at them), beside its holds, less its other sessions' keeps. 0: the tier
+    # less the client's hold share, so that its holds and keeps together never pin more than the tier.
+    # A kept block still serves every client; it is only never evicted. A worker alone on expertd
+    # reads from the tier, where it can keep them, every expert its VRAM cache leaves out.
+    client_ram_keeps: int = 0
     read_threads: int = 8
     read_splits: int = 4  # aligned pieces each block is read in, in parallel
     direct_io: bool = True  # False: buffered reads, counted in fallback_count
@@ -117,6 +124,12 @@ class DaemonConfig:
         progress); 0 without a tier."""
         return max(n_slots, min(self.client_ram_holds, ram_slots // 2) - others) if ram_slots else 0
 
+    def ram_keep_share(self, ram_slots: int, hold_share: int, others: int = 0) -> int:
+        """The RAM tier blocks a session may keep (v8): client_ram_keeps, at most the tier less its
+        `hold_share` (the default), less the keeps of its client's other sessions (`others`)."""
+        most = max(0, ram_slots - hold_share)
+        return max(0, min(self.client_ram_keeps or most, most) - others)
+
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
@@ -133,6 +146,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                             "least client_slots)",
         "client_ram_holds": "RAM tier blocks one client may hold at once, its prefetches half of them (default 256; "
                             "at most half the tier, at least the client's staging slots)",
+        "client_ram_keeps": "RAM tier blocks one client may keep for its GPU to read in place, beside its holds "
+                            "(default 0: the tier less the client's hold share, also the most)",
         "read_threads": "reader threads issuing preadv (default 8)",
         "read_splits": "aligned pieces each expert block is read in (default 4)",
         "direct_io": "O_DIRECT reads (default on); --no-direct-io reads through the page cache",

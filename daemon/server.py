@@ -3,7 +3,8 @@ eventfd) and the signal self-pipe, all polled by one thread that owns every piec
 (sessions, requests, slots), so nothing here takes a lock. This module is the protocol's state
 machine: each message is validated (one that fails gets ERROR and changes nothing), then HELLO
 opens a session (sessions.py), FETCH queues keys that the scheduler (scheduler.py) reads or finds
-in the RAM tier and answers, RELEASE gives slots and holds back, CANCEL and PROMOTE act on a
+in the RAM tier and answers, RELEASE gives slots and holds back, KEEP sets holds apart as kept
+(read in place by the client's GPU), CANCEL and PROMOTE act on a
 FETCH's keys not answered yet, and STATS, PING and HEARTBEAT change nothing.
 A client that disconnects loses its leases: a session keeps the fd (ZMQ_SRCFD) of the connection
 that said HELLO, the socket monitor reports a closed connection's fd, and that ends the sessions on
@@ -224,7 +225,7 @@ class ExpertDaemon:
             return  # its arrival was the point (_drain_router); a late one of an ended session says nothing
         elif (session := self.sessions.live.get(identity)) is None:
             why = self.sessions.why_gone(identity)
-            if why is not None and isinstance(msg, (p.Release, p.Cancel)):
+            if why is not None and isinstance(msg, (p.Release, p.Cancel, p.Keep)):
                 log.debug("%s from %r after its session ended: nothing to do", msg.op.name, identity)
                 return
             self._error(identity, p.ErrorCode.NO_SESSION, f"{msg.op.name} before HELLO" if why is None else
@@ -237,6 +238,8 @@ class ExpertDaemon:
             self._cancel(session, msg)
         elif isinstance(msg, p.Promote):
             self._promote(session, msg)
+        elif isinstance(msg, p.Keep):
+            self._keep(session, msg)
         else:
             self._error(identity, p.ErrorCode.UNKNOWN_OP, f"{msg.op.name} is sent by the daemon, not to it")
 
@@ -266,7 +269,7 @@ class ExpertDaemon:
                    "n_expert_used": m.model.n_expert_used, "moe_layers": list(m.model.moe_layers)},
             shm=self.staging.name, shm_bytes=self.staging.size_bytes, slot_bytes=self.staging.slot_bytes,
             slots=tuple(session.slots), ram_first_slot=self.ram.first_slot, ram_slots=self.ram.n_slots,
-            ram_holds=session.ram_share, heartbeat_interval_ms=round(self.config.heartbeat_interval_s * 1000),
+            ram_holds=session.ram_share, ram_keeps=session.ram_keeps, heartbeat_interval_ms=round(self.config.heartbeat_interval_s * 1000),
             heartbeat_timeout_ms=round(self.config.heartbeat_timeout_s * 1000)))
 
     def _fetch(self, session: Session, msg: p.Fetch) -> None:
@@ -295,6 +298,13 @@ class ExpertDaemon:
             self._error(session.identity, p.ErrorCode.BAD_FIELD, f"RELEASE.slots: {refused}")
             return
         self.scheduler.dispatch(session)
+
+    def _keep(self, session: Session, msg: p.Keep) -> None:
+        refused = self.sessions.keep(session, msg.slots)
+        if refused is not None:
+            self._error(session.identity, p.ErrorCode.BAD_FIELD, f"KEEP.slots: {refused}")
+            return
+        self.scheduler.dispatch(session)  # its fetches have the room the kept holds took
 
     def _cancel(self, session: Session, msg: p.Cancel) -> None:
         request = session.requests.get(msg.id)

@@ -8,8 +8,11 @@ is leased the slots its HELLO asks for (client_slots when it asks for none), nev
 per-client cap (max_client_slots) less what its other sessions lease: a client is its process over
 ipc and its CurveZMQ key over tcp (peers.ClientId), so that one client cannot take the staging from
 the others by opening more connections. It may hold its RAM hold share of tier blocks
-(client_ram_holds, WELCOME's ram_holds; protocol v6), which its client's sessions share alike. When a HELLO finds too few slots, sessions
-whose connection has closed (the socket monitor has not said so yet) end first.
+(client_ram_holds, WELCOME's ram_holds; protocol v6), which its client's sessions share alike, and
+keep its keep share of them (client_ram_keeps, WELCOME's ram_keeps; v8): a kept hold is one its GPU
+reads in place for as long as it likes, counted apart so that its fetches keep their room. When a
+HELLO finds too few slots, sessions whose connection has closed (the socket monitor has not said so
+yet) end first.
 The routing ids of ended sessions are remembered, bounded, for their late messages. Sends nothing:
 the server answers."""
 
@@ -74,7 +77,9 @@ class Session:
     ram_holds: Counter[int] = field(default_factory=Counter)  # RAM slot -> READYs naming it not yet released
     ram_reads: int = 0  # reads into the RAM tier this client started that are in flight
     ram_share: int = 0  # RAM tier blocks it may hold at once (DaemonConfig.ram_hold_share)
-    ram_taken: int = 0  # its holds (ram_holds summed) and its keys given a RAM slot, not answered yet
+    ram_taken: int = 0  # its unkept holds and its keys given a RAM slot, not answered yet
+    ram_kept: Counter[int] = field(default_factory=Counter)  # RAM slot -> how many of its holds there are kept (v8)
+    ram_keeps: int = 0  # RAM tier blocks it may keep at once (DaemonConfig.ram_keep_share)
     pid: int | None = None  # the peer process (SO_PEERCRED of an ipc connection); None over tcp or when unknown
     owner: ClientId | None = None  # the client its slots count against (max_client_slots); its connection if None
     connected: float = field(default_factory=time.monotonic)
@@ -82,12 +87,17 @@ class Session:
     counters: ClientCounters = field(default_factory=ClientCounters)
 
     def unhold(self, ram: RamTier, index: int, n: int) -> None:
-        """Ends `n` of its holds on RAM slot `index` (a RELEASE, or the session's end)."""
+        """Ends `n` of its holds on RAM slot `index` (a RELEASE, or the session's end): its unkept
+        ones first, then its kept ones."""
         ram.unhold(ram.slot(index), n)
+        unkept = min(n, self.ram_holds[index] - self.ram_kept[index])
         self.ram_holds[index] -= n
-        self.ram_taken -= n
+        self.ram_taken -= unkept
+        self.ram_kept[index] -= n - unkept
         if not self.ram_holds[index]:
             del self.ram_holds[index]
+        if self.ram_kept[index] <= 0:
+            del self.ram_kept[index]
 
     def stats(self) -> dict:
         """Its line of STATS: who it is, what it holds and waits for now, and its counters since
@@ -98,7 +108,7 @@ class Session:
                 "queued_demand": sum(not w.done for w in self.pending[0]),
                 "queued_prefetch": sum(not w.done for w in self.pending[1]),
                 "requests": len(self.requests), "ram_held": sum(self.ram_holds.values()), "ram_share": self.ram_share,
-                "ram_reads": self.ram_reads,
+                "ram_kept": sum(self.ram_kept.values()), "ram_keeps": self.ram_keeps, "ram_reads": self.ram_reads,
                 **self.counters.to_dict()}
 
 
@@ -148,8 +158,10 @@ class Sessions:
                           "stage_slots or lower client_slots")
         others = sum(s.ram_share for s in self.live.values() if s.owner == owner)
         ram_share = self.config.ram_hold_share(len(slots), self.ram.n_slots, others)
+        ram_keeps = self.config.ram_keep_share(self.ram.n_slots, ram_share,
+                                               sum(s.ram_keeps for s in self.live.values() if s.owner == owner))
         session = self.live[identity] = Session(identity, fd, client, slots, deque(slots), pid=pid, ram_share=ram_share,
-                                                owner=owner)
+                                                ram_keeps=ram_keeps, owner=owner)
         self.counters.clients_total += 1
         others = len(slots) < min(asked, cap)
         log.info("client %r (pid %s) connected: %d slots%s", client, pid if pid is not None else "unknown",
@@ -215,6 +227,24 @@ class Sessions:
             session.free.append(i)
         for i, n in ram.items():
             session.unhold(self.ram, i, n)
+        return None
+
+    def keep(self, session: Session, slots: tuple[int, ...]) -> str | None:
+        """KEEP (v8): each listing of a RAM slot makes one of the client's unkept holds on it kept,
+        within its keep share. What is wrong with `slots` when nothing changes, else None."""
+        listed = Counter(slots)
+        for i, n in listed.items():
+            if not self.ram.owns(i):
+                return f"slot {i} is not a RAM tier slot"
+            if session.ram_holds[i] - session.ram_kept[i] < n:
+                return (f"RAM slot {i} listed {n} times, this client holds it {session.ram_holds[i]} times, "
+                        f"{session.ram_kept[i]} of them kept")
+        kept = sum(session.ram_kept.values())
+        if kept + len(slots) > session.ram_keeps:
+            return f"{kept} kept already and {len(slots)} more asked: at most {session.ram_keeps} (WELCOME's ram_keeps)"
+        for i, n in listed.items():
+            session.ram_kept[i] += n
+        session.ram_taken -= len(slots)
         return None
 
     def drop_on(self, fd: int, why: str) -> None:

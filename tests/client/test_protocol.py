@@ -30,6 +30,7 @@ EXAMPLES: list[p.Message] = [
     p.Bye("shutting down"),
     p.Heartbeat(),
     p.Promote(7),
+    p.Keep((4, 4, 9)),
     p.Welcome(4, FP, {"arch": "qwen3moe"}, "expertpack-1-abcd", 1 << 20, 1 << 16, (0, 1), 4, 12, 1000, 10_000),
 ]
 
@@ -99,11 +100,24 @@ def test_version_6_adds_the_ram_hold_share_to_welcome() -> None:
 def test_version_7_adds_fail_truncated() -> None:
     """v7's one change: FAIL code TRUNCATED (5), the pack shorter than its manifest (issue 37: it was
     an IO_ERROR, which a worker retries as if the daemon were away)."""
-    assert p.PROTOCOL_VERSION == 7
     assert p.encode(p.Fail(7, ExpertKey(3, 4), p.FailCode.TRUNCATED, "t")).hex() == (
         "85" "a26f70" "05" "a26964" "07" "a36b6579" "920304" "a4636f6465" "05" "a76d657373616765" "a174")
     assert p.decode(bytes.fromhex("85a26f7005a2696407a36b6579920304a4636f646505a76d657373616765a174")) == \
         p.Fail(7, ExpertKey(3, 4), p.FailCode.TRUNCATED, "t")
+
+
+def test_version_8_adds_keep_and_the_keep_share() -> None:
+    """v8: KEEP{slots} (op 16, no reply), slots as RELEASE's, and WELCOME's ram_keeps (absent: 0)."""
+    assert p.PROTOCOL_VERSION == 8
+    assert p.encode(p.Keep((3, 3))).hex() == "82" "a26f70" "10" "a5736c6f7473" "920303"
+    with pytest.raises(p.ProtocolError, match="KEEP.slots"):
+        p.decode(msgpack.packb({"op": 16, "slots": [-1]}))
+    welcome = p.Welcome(8, FP, {}, "s", 8192, 4096, (0,), 1, 1, 1000, 10_000, 256, 100)
+    wire = msgpack.unpackb(p.encode(welcome))
+    assert wire["ram_keeps"] == 100
+    del wire["ram_keeps"]
+    old = p.decode(msgpack.packb(wire))
+    assert isinstance(old, p.Welcome) and old.ram_keeps == 0
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

@@ -3,7 +3,7 @@ keys is answered from RAM without a read and byte-exact, by slot references into
 client maps; a small budget evicts (and keeps the hot block through a scan of cold ones); a block
 a client holds is never overwritten until it is released; a corrupt block is never made resident;
 a tier of 0 serves from staging as before; a block altered in memory is never served; clients that release and vanish leave no hold behind; a client's RAM hold share is apart from its staging
-(v6), and its prefetches take half of it, of its reads and of its staging, its demand the rest; a bad ram_cache_gib in the file is one line and exit 2
+(v6), and its prefetches take half of it, kept holds (v8) apart from both, of its reads and of its staging, its demand the rest; a bad ram_cache_gib in the file is one line and exit 2
 (bad flags: tests/reliability/test_bad_input_table.py); STATS,
 `expertctl stats` and the mlock state say what the tier does."""
 
@@ -440,6 +440,50 @@ def test_the_hold_share_is_apart_from_the_staging_and_prefetches_take_half_of_it
         assert d.stop()[0] == 0
 
 
+def test_kept_holds_leave_the_fetches_their_room_within_the_keep_share(tiny_pack: Path, tmp_path: Path) -> None:
+    """v8: a client of 12 holds whose 12 blocks are held waits for a thirteenth; KEEP of 5 of them
+    lets it on at once (kept holds count against ram_keeps, 5 here, not against the holds). A KEEP
+    past the keep share, of a slot it does not hold unkept, or of a staging slot is refused and
+    changes nothing; RELEASE ends unkept holds before kept ones; a client that goes away ends its
+    kept holds like any other."""
+    keys = all_keys(Manifest.load(tiny_pack))
+    d = start_daemon(tiny_pack, tmp_path, "--stage-slots", "32", "--client-slots", "4", "--client-ram-holds", "12",
+                     "--client-ram-keeps", "5", "--ram-cache-gib", "1")
+    d.wait_for("READY=1")
+    try:
+        with raw_session(d.endpoint) as (sock, welcome):
+            assert (welcome.ram_holds, welcome.ram_keeps) == (12, 5)
+            sock.send(p.encode(p.Fetch(1, tuple(keys[:12]))))
+            held = [recv(sock) for _ in range(12)]
+            assert all(isinstance(r, p.Ready) and r.slot >= welcome.ram_first_slot for r in held), held
+            sock.send(p.encode(p.Fetch(2, (keys[12],))))
+            assert client_line(sock)["queued_demand"] == 1  # its holds are all taken
+            sock.send(p.encode(p.Keep(tuple(r.slot for r in held[:5]))))
+            late = recv(sock)
+            assert isinstance(late, p.Ready) and late.id == 2, late
+            line = client_line(sock)
+            assert (line["ram_held"], line["ram_kept"], line["ram_keeps"], line["queued"]) == (13, 5, 5, 0), line
+            for refused, why in (((held[5].slot,), "at most 5"), ((held[0].slot,), "1 of them kept"),
+                                 ((welcome.slots[0],), "not a RAM tier slot")):
+                sock.send(p.encode(p.Keep(refused)))
+                error = recv(sock)
+                assert isinstance(error, p.Error) and error.code is p.ErrorCode.BAD_FIELD and why in error.message, error
+            assert client_line(sock)["ram_kept"] == 5  # nothing changed
+            sock.send(p.encode(p.Release((held[0].slot,))))  # its one hold there, kept
+            sock.send(p.encode(p.Fetch(3, (held[1].key,))))  # a kept block held again, unkept
+            again = recv(sock)
+            assert isinstance(again, p.Ready) and again.slot == held[1].slot, again
+            sock.send(p.encode(p.Release((again.slot,))))  # ends the unkept hold, not the kept one
+            line = client_line(sock)
+            assert (line["ram_held"], line["ram_kept"]) == (12, 4), line
+        with raw_session(d.endpoint) as (sock, _):  # the first client went away with its 4 kept holds
+            sock.send(p.encode(p.Stats()))
+            reply = recv(sock)
+            assert isinstance(reply, p.StatsReply) and reply.stats["ram"]["held"] == 0, reply.stats["ram"]
+    finally:
+        assert d.stop()[0] == 0
+
+
 def test_prefetches_take_half_the_staging_where_there_is_no_tier(tiny_pack: Path, tmp_path: Path) -> None:
     """With no RAM tier, of 8 keys prefetched into a client's 4 staging slots 2 are read; demand
     for 2 more is read at once, into the other two."""
@@ -476,6 +520,19 @@ def test_the_hold_share_defaults_to_256_at_most_half_the_tier_at_least_the_stagi
     assert config.ram_hold_share(16, 100) == 50
     assert config.ram_hold_share(16, 10) == 16
     assert config.ram_hold_share(16, 0) == 0  # no tier
+
+
+def test_the_keep_share_defaults_to_the_tier_less_the_hold_share() -> None:
+    """v8: one worker alone may keep every block its holds leave (its VRAM cache's complement, on a
+    machine whose RAM holds the model); a setting lowers it, never raises it past that; a client's
+    other sessions' keeps count against it."""
+    from expertpack.daemon.config import DaemonConfig
+
+    assert DaemonConfig().ram_keep_share(1536, 256) == 1280
+    assert DaemonConfig(client_ram_keeps=100).ram_keep_share(1536, 256) == 100
+    assert DaemonConfig(client_ram_keeps=5000).ram_keep_share(1536, 256) == 1280
+    assert DaemonConfig().ram_keep_share(1536, 256, others=1000) == 280
+    assert DaemonConfig().ram_keep_share(0, 0) == 0  # no tier
 
 
 def test_clients_that_release_and_vanish_leave_no_holds_behind(tiny_pack: Path, tmp_path: Path) -> None:

@@ -175,18 +175,47 @@ def test_decode_attention_over_the_keys_a_mask_shows(capacity: int, d: int, devi
 
 
 @pytest.mark.parametrize("t,k", [(1, 8), (3, 6)])
-def test_expert_lookup_records_ids_and_offsets_and_reads_absent_as_slot_0(t: int, k: int, device: torch.device) -> None:
-    """engine.TableDecode's lookup: each pair's offset from the table row (-1 absent), recorded with
-    its id; ids outside the row (routing on NaN, past an absent expert) clamped into it; the
-    offsets handed to the kernels never negative. The kernel against TorchOps' formula."""
+def test_expert_lookup_records_ids_and_offsets_and_gathers_kept_blocks(t: int, k: int, device: torch.device) -> None:
+    """engine.TableDecode's lookup: each pair's offset from the table row (-1 absent, in the
+    resident slots, or a kept block's address in host memory), recorded with its id; ids outside
+    the row (routing on NaN, past an absent expert) clamped into it; kept blocks copied into the
+    pairs' transit slots after the resident ones, whose offsets the kernels get; absent ones read
+    as 0. The kernel (its pool on the device, the kept blocks in pinned host memory) against
+    TorchOps' formula on the CPU."""
+    slot, nbytes, n_resident = 4096, 3000, 40
     g = torch.Generator().manual_seed(t * k)
-    row = torch.randint(0, 40, (64,), generator=g) * 4096
-    row[torch.randperm(64, generator=g)[:20]] = -1
+    where = torch.randint(0, n_resident, (64,), generator=g) * slot  # resident slot offsets
+    kind = torch.randint(0, 3, (64,), generator=g)  # 0 resident, 1 absent, 2 kept (in tier slot e % 16)
     ids = torch.randint(0, 64, (t, k), generator=g)
     ids[0, 0], ids[-1, -1] = -5, 1000
-    want_rec = torch.zeros(2, t * k, dtype=torch.int64)
-    want = TorchOps(torch.device("cpu")).expert_lookup(ids, row, want_rec[0], want_rec[1])
-    rec = torch.zeros(2, t * k, dtype=torch.int64, device=device)
-    got = expert_lookup(ids.to(device), row.to(device), rec[0], rec[1])
-    assert torch.equal(got.cpu(), want) and torch.equal(rec.cpu(), want_rec)
-    assert want_rec[0, 0] == 0 and want_rec[0, -1] == 63 and (want >= 0).all() and (want_rec[1] < 0).any()
+    tier_bytes = torch.randint(0, 256, (16 * slot,), dtype=torch.uint8, generator=g)
+    pool_bytes = torch.randint(0, 256, ((n_resident + t * k) * slot,), dtype=torch.uint8, generator=g)
+    results = []
+    for on in (torch.device("cpu"), device):
+        tier = tier_bytes.pin_memory() if on.type == "cuda" else tier_bytes.clone()
+        pool = pool_bytes.to(on, copy=True)
+        kept_at = tier.data_ptr() - pool.data_ptr() + (torch.arange(64) % 16) * slot
+        row = torch.where(kind == 0, where, torch.where(kind == 1, -1, kept_at))
+        rec = torch.zeros(2, t * k, dtype=torch.int64, device=on)
+        args = (rec[0], rec[1], pool, n_resident * slot, slot, nbytes)
+        if not results:
+            got = TorchOps(on).expert_lookup(ids, row, *args)
+        else:
+            got = expert_lookup(ids.to(on), row.to(on), *args)
+        if on.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(rec[1].cpu(), row[rec[0].cpu()])
+        results.append((got.cpu(), rec[0].cpu(), pool.cpu()))
+    (want, want_ids, want_pool), (got, got_ids, got_pool) = results
+    assert torch.equal(got, want) and torch.equal(got_ids, want_ids) and torch.equal(got_pool, want_pool)
+    assert want_ids[0] == 0 and want_ids[-1] == 63
+    pairs = kind[want_ids]
+    assert (pairs == 2).any() and (pairs == 1).any()
+    for p, e in enumerate(want_ids.tolist()):
+        if kind[e] == 0:
+            assert want[p] == where[e]
+        elif kind[e] == 1:
+            assert want[p] == 0
+        else:
+            assert want[p] == (n_resident + p) * slot
+            assert torch.equal(want_pool[want[p]:want[p] + nbytes], tier_bytes[(e % 16) * slot:][:nbytes])

@@ -126,7 +126,8 @@ def test_a_minimal_cache_over_the_ram_tier_is_bit_exact_and_reads_each_expert_on
         fixture_packs, resident, tmp_path: Path) -> None:
     """The worker copies from RAM tier slots (READY naming a slot outside its lease) as from its
     staging: a cache that evicts at every layer gives the resident run's logits, and the second
-    pass over the same prompt reads nothing from the pack; /metrics shows the tier."""
+    pass over the same prompt reads nothing from the pack, evicted experts coming back from the
+    tier blocks the worker keeps; /metrics shows the tier."""
     # Here, not at the top: the rest of this module runs on a machine without prometheus_client.
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -148,11 +149,16 @@ def test_a_minimal_cache_over_the_ram_tier_is_bit_exact_and_reads_each_expert_on
             if attempt == 0:
                 first = stats["daemon"]
         daemon, ram = stats["daemon"], stats["daemon_ram"]
-        assert stats["cache"]["misses"] > 2 * first["ram_misses"]  # the cache evicts; the tier keeps them
+        c = stats["cache"]
+        # the cache evicts; the tier keeps them, and the worker keeps its holds on them (v8): the
+        # evicted experts come back from their kept blocks without asking expertd
+        assert c["misses"] + c["kept_hits"] > 2 * first["ram_misses"] and c["kept_hits"] > 0
+        assert 0 < c["kept"] <= c["keep_budget"]
         assert daemon["pack_read_bytes"] == first["pack_read_bytes"] and daemon["ram_misses"] == first["ram_misses"]
-        assert daemon["ram_hits"] == stats["cache"]["misses"] - daemon["ram_misses"] > 0
-        # holds outlive a step only for copies still in flight, released with the next request: at most a cache's worth
-        assert ram["resident_bytes"] > 0 and ram["held"] <= stats["cache"]["slots"]
+        assert daemon["ram_hits"] == c["misses"] - daemon["ram_misses"] > 0
+        # unkept holds outlive a step only for copies still in flight, released with the next request:
+        # at most a cache's worth beside the kept ones
+        assert ram["resident_bytes"] > 0 and ram["held"] <= c["slots"] + c["kept"]
         text = render(ServeCounters(), stats["cache"], daemon, ram)
         values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
         assert values["expertpack_daemon_ram_hits_total"] == daemon["ram_hits"]
@@ -215,6 +221,43 @@ def test_daemon_killed_mid_fetch_and_restarted_changes_nothing(fixture_packs, re
             assert d.stop()[0] == 0
 
 
+def test_a_fill_reads_every_expert_once_where_the_model_fits_vram_and_the_ram_tier(
+        fixture_packs, resident, tmp_path: Path) -> None:
+    """A cache of half the experts over a RAM tier that holds the pack: fill() reads each expert
+    once (no policy touch: it is no step), after which every expert is in a slot or kept in the tier
+    and a whole run asks expertd for nothing, with the resident run's bits. Without a tier the
+    model does not fit: fill() reads nothing."""
+    name = "qwen3moe-a.Q4_K_M"
+    pack = fixture_packs[name][1]
+    manifest = Manifest.load(pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert
+    # expertd lets the worker keep half its tier here, all of it but one block (ExpertCache._keep_target)
+    cache_bytes = (every_expert - every_expert // 2 + 1) * slot_bytes(manifest)
+    for tier_gib in ("1", "0"):
+        (tmp_path / f"tier{tier_gib}").mkdir()
+        d = daemon_for(pack, tmp_path / f"tier{tier_gib}", "--ram-cache-gib", tier_gib)
+        engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=cache_bytes, prefetch=False)
+        try:
+            cache = engine.expert_cache
+            fetched = cache.fill()
+            if tier_gib == "0":
+                assert fetched == 0 and cache.counters.misses == 0
+                continue
+            assert every_expert <= fetched == cache.counters.misses and cache.counters.steps == 0
+            assert len(cache.policy.slot_of) + len(cache.kept) >= every_expert
+            assert cache.fill() == 0  # nothing absent any more
+            before = cache.counters.snapshot()
+            prompt = prompts(MODELS[name])[0]
+            got_logits, got_tokens = greedy_run(engine, prompt)
+            want_logits, want_tokens = greedy_run(resident[name], prompt)
+            after = cache.counters.since(before)
+            assert after["misses"] == 0 and after["kept_hits"] > 0, after
+            assert got_tokens == want_tokens and all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+        finally:
+            engine.close()
+            assert d.stop()[0] == 0
+
+
 def test_a_worker_stopped_past_the_heartbeat_timeout_mid_copy_reads_those_experts_again(
         fixture_packs, resident, tmp_path: Path) -> None:
     """The worker is stopped (SIGSTOP) between an expert's READY and its copy out of staging, longer
@@ -229,9 +272,9 @@ def test_a_worker_stopped_past_the_heartbeat_timeout_mid_copy_reads_those_expert
     cache = engine.expert_cache
     real_copy_in, calls = cache._copy_in, [0]
 
-    def copy_in(expert, slot, arrived):
+    def copy_in(expert, slot, arrived, release=True):
         calls[0] += 1
-        real_copy_in(expert, slot, arrived)
+        real_copy_in(expert, slot, arrived, release)
         if calls[0] == 5:  # stopped before this copy: the slot held another client's bytes by then
             client = expert.client
             client._last_sent -= client._silence_limit_s + 1

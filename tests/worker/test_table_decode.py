@@ -7,7 +7,10 @@ lookups that the CUDA graph replays (tests/gpu replays the graph itself). Agains
   bit for bit;
 - a cache of the minimum size, every step tried from the table first: the pass that finds an
   expert absent is never kept (the token runs again in segments, which fetch it), so logits,
-  tokens and counters are still the eager step's.
+  tokens and counters are still the eager step's;
+- a cache of half the experts over a RAM tier that holds them all: the evicted ones stay kept in
+  the tier (protocol v8), table steps copy them in on the device and keep their logits, which are
+  the eager step's (reading them in place) bit for bit, and expertd is asked nothing more.
 """
 
 from __future__ import annotations
@@ -39,16 +42,19 @@ def counters(engine: Engine) -> tuple[int, ...]:
     return c.hits, c.misses, c.evictions, c.h2d_bytes, c.steps
 
 
-def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_try: bool = False
-        ) -> tuple[tuple[list[torch.Tensor], list[int]], tuple[int, ...], dict[str, int]]:
+def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_try: bool = False,
+        n_steps: int = N_STEPS) -> tuple[tuple[list[torch.Tensor], list[int]], tuple[int, ...], dict[str, int]]:
     """Greedy decode through expertd, prefetch off (a table step sends nothing ahead); the logits
-    and tokens, the cache's counters, and how the steps ran (table steps kept and dropped)."""
-    ran = {"kept": 0, "dropped": 0}
+    and tokens, the cache's counters, and how the steps ran (table steps kept and dropped, and
+    kept ones that read an expert from a kept RAM-tier block)."""
+    ran = {"kept": 0, "dropped": 0, "from_tier": 0}
     real_step = TableDecode.step
 
     def counted(self: TableDecode, token: int) -> torch.Tensor | None:
         logits = real_step(self, token)
         ran["kept" if logits is not None else "dropped"] += 1
+        at = self.record[1]
+        ran["from_tier"] += logits is not None and bool(((at != -1) & ((at < 0) | (at >= self.source.slots_end))).any())
         return logits
 
     engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=False)
@@ -63,7 +69,9 @@ def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_t
                     self._found_all = True
                     return real(self, *args, **kwargs)
                 m.setattr(Engine, "_static_step", eager_to_try)
-            result = greedy_run(engine, PROMPT, N_STEPS)
+            result = greedy_run(engine, PROMPT, n_steps)
+        ran["kept_hits"] = engine.expert_cache.counters.kept_hits
+        ran["fetches"] = engine.expert_cache.fetches
         return result, counters(engine), ran
     finally:
         engine.close()
@@ -98,3 +106,22 @@ def test_a_step_that_finds_an_expert_absent_is_never_kept(fixture_packs, tmp_pat
     assert ran["dropped"] >= 1, ran  # a minimal cache evicts at every layer: a later layer misses
     assert_same(got, want, "steps tried from the table")
     assert got_counters == want_counters
+
+
+def test_table_steps_read_kept_ram_tier_blocks_with_the_same_bits(fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs[PACK][1]
+    manifest = Manifest.load(pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert
+    # expertd lets the worker keep its tier (the whole pack here) less its hold share, half of it: the cache holds the rest
+    cache_bytes = (every_expert - every_expert // 2) * slot_bytes(manifest)
+    d = daemon_for(pack, tmp_path, "--ram-cache-gib", "1")
+    try:
+        with kernels_on_cpu():
+            want, want_counters, eager = run(pack, d.endpoint, cache_bytes, table_steps=False, n_steps=8)
+            got, _, ran = run(pack, d.endpoint, cache_bytes, table_steps=True, n_steps=8)
+    finally:
+        assert d.stop()[0] == 0
+    assert want_counters[2] > 0 and eager["kept_hits"] > 0, (want_counters, eager)  # evicted, then read from the tier
+    assert ran["from_tier"] >= 1, ran  # (a step choosing an expert never fetched before is dropped)
+    assert ran["fetches"] <= eager["fetches"]
+    assert_same(got, want, "steps from the table, kept blocks copied in on the device")

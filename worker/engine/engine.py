@@ -36,6 +36,11 @@ STATIC_PROMPT_MAX_TOKENS = 64
 # ... while its reservation holds at most this many positions: beyond, its attention over the whole
 # reservation (torch's, above layers.DECODE_MAX_QUERIES queries) would cost more than its launches.
 STATIC_PROMPT_MAX_CAPACITY = 4096
+# Over the expert cache, a decode step runs from the device table (one graph, no host stop) while
+# fewer than this share of recent steps needed a fetch: a step that finds an expert absent is run
+# twice (its table pass dropped, then in segments), one that finds all of them is 2-3x faster.
+TABLE_MISS_SHARE = 0.5
+MISS_FADE = 0.75  # the weight of the steps before in that share, per step
 
 
 @dataclass
@@ -46,7 +51,7 @@ class Engine:
     place: Placement
     graphs: bool = True  # capture decode steps as CUDA graphs (split at the MoE layers with the expert cache)
     prompt_graphs: bool = True  # capture short prompts as CUDA graphs (off after a capture failed)
-    table_steps: bool = True  # over the expert cache, a step whose predecessor missed nothing runs as one graph
+    table_steps: bool = True  # over the expert cache, steps run as one graph while few recent ones missed
     arena: KVArena = field(default_factory=KVArena, repr=False)
     # slot -> its decode step's graphs; (slot, prompt length) -> a short prompt's graph. A slot's
     # graphs read its buffers, as they were when _captured_at[slot] was noted.
@@ -54,10 +59,11 @@ class Engine:
     _prompt_graphs: dict[tuple[int, int], DecodeGraph] = field(default_factory=dict, repr=False)
     _prompt_pool: object = field(default=None, repr=False)  # the memory pool the prompt graphs share
     _captured_at: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)  # slot -> _buffers_of
-    # slot -> its decode step as one graph over the expert cache's device table, tried where the
-    # step before found every expert (_found_all); SegmentedDecode runs the token where it did not
+    # slot -> its decode step as one graph over the expert cache's device table, tried while few
+    # recent steps needed a fetch (_found_all); SegmentedDecode runs the token where it did not
     _table_graphs: dict[int, TableDecode] = field(default_factory=dict, repr=False)
     _found_all: bool = field(default=False, repr=False)
+    _miss_share: float = field(default=TABLE_MISS_SHARE, repr=False)  # fading share of recent steps that fetched
 
     @classmethod
     def load(cls, path: Path | str, device: str = "cpu", resident_experts: bool = False,
@@ -108,6 +114,8 @@ class Engine:
                     cache = CacheGroup([(layers, _device_cache(manifest, link, d, share, reserve_bytes, layers, pending,
                                                                len(place.devices)))
                                         for layers, d in parts])
+                    for part in cache.caches:  # the session's kept RAM-tier blocks, shared alike
+                        part.keep_share = 1 / len(cache.caches)
                 else:
                     cache = ExpertCache(manifest, link, dev, cache_bytes, reserve_bytes)
             except BaseException:
@@ -263,7 +271,7 @@ class Engine:
                 fetches = self.files.experts.fetches if kind is SegmentedDecode else 0
                 logits = graph.step(token)
                 if kind is SegmentedDecode:
-                    self._found_all = self.files.experts.fetches == fetches
+                    self._note_step(missed=self.files.experts.fetches != fetches)
                 if isinstance(graph, SegmentedDecode) and graph.failed is not None:
                     log.warning("decode step not captured as CUDA graphs (%s); running it eagerly", graph.failed)
                     self._drop_graphs()
@@ -295,8 +303,15 @@ class Engine:
                 self.table_steps = False
                 return None
         logits = graph.step(token)
-        self._found_all = logits is not None
+        if logits is not None:  # else the token runs in segments next, which say whether it fetched
+            self._note_step(missed=False)
         return logits
+
+    def _note_step(self, missed: bool) -> None:
+        """Whether the next step tries the table: while fewer than TABLE_MISS_SHARE of the recent
+        steps fetched (faded by MISS_FADE a step; one clean step after the start is enough)."""
+        self._miss_share = MISS_FADE * self._miss_share + (1 - MISS_FADE) * missed
+        self._found_all = self._miss_share < TABLE_MISS_SHARE
 
     def _replayed_kind(self) -> "type[DecodeGraph] | type[SegmentedDecode] | None":
         """How this engine's decode steps are replayed, if they are: the whole step as one graph

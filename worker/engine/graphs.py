@@ -233,8 +233,9 @@ class SegmentedDecode:
 
 class TableDecode:
     """A decode step over the expert cache as one CUDA graph, for a step expected to find every
-    expert it selects in VRAM: each MoE layer looks its experts' offsets up in the cache's device
-    table (ExpertCache.table) instead of stopping for the host, and records its ids and offsets.
+    expert it selects in VRAM or kept in expertd's RAM tier: each MoE layer looks its experts'
+    offsets up in the cache's device table (ExpertCache.table) instead of stopping for the host,
+    copies the kept ones into its transit slots (ops.expert_lookup), and records ids and offsets.
     After the replay one copy brings the record to the host. An absent expert (offset -1; the
     kernels read slot 0 instead, so nothing reads outside the cache) means the step's logits are
     not kept: `step` returns None and puts the sequence's length back, and the engine runs the
@@ -272,12 +273,16 @@ class TableDecode:
     def _lookup(self, layer: int, ids: torch.Tensor, guesses: Guesses) -> ExpertRows:
         """ExpertFFN's boundary: the layer's offsets from the table, recorded with its ids."""
         i = self._index[layer]
-        offsets = self.model.moe.ops.expert_lookup(ids, self.source.table[layer], self.record[0, i], self.record[1, i])
-        return ExpertRows(self.source.memory, offsets)
+        source = self.source
+        offsets = self.model.moe.ops.expert_lookup(ids, source.table[layer], self.record[0, i], self.record[1, i],
+                                                   source.memory, source.slots_end, source.slot_bytes,
+                                                   source.layout(layer).payload_bytes)
+        return ExpertRows(source.memory, offsets)
 
     def step(self, token: int) -> torch.Tensor | None:
         """The logits after `token`, or None (the sequence as before) where an expert was absent."""
         length = self.cache.length
+        self.source.check_session()
         if self.graph is not None:
             logits = self.graph.step(token)
             self.staged.copy_(self.record, non_blocking=True)
@@ -292,8 +297,8 @@ class TableDecode:
             finally:
                 self.cache.step_positions = None
             record = self.record
-        if bool((record[1] < 0).any()):
+        if bool((record[1] == -1).any()):
             self.cache.length = length
             return None
-        self.source.found(record[0].tolist())
+        self.source.found(record[0].tolist(), record[1].tolist())
         return logits

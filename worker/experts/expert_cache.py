@@ -10,11 +10,21 @@ Prefetch (prefetch.py): `prefetch(layer, experts)` sends the keys a later layer 
 miss ahead of it, `ahead(layer)` says which later layers this cache may prefetch for, and
 `layer_done(layer)` cancels what a layer was predicted but did not use. A miss that a prefetch
 brought is copied in from where it waits, with no second read; the policy and the slots are the
-same either way, so prefetch changes when bytes arrive, never which."""
+same either way, so prefetch changes when bytes arrive, never which.
+Kept RAM-tier blocks (protocol v8): a miss expertd answers from its RAM tier is copied in as any
+other, and its hold is then kept (KEEP) rather than released, up to the session's ram_keeps: when
+the policy later evicts that expert from its VRAM slot, the device table points at the block in
+the tier (host memory the worker registered with CUDA, read by the GPU at its address) instead of
+marking it absent. A step whose experts are all in VRAM or kept needs nothing of expertd: a table
+step (engine.TableDecode) copies the kept ones into its transit slots on the device
+(ops.expert_lookup), a segmented step's kernels read them where they lie, and only the torch path
+(`load`) copies them into a slot first. Kept holds end the oldest one in VRAM first (insurance
+only), else the least used; they end once every step that may read them has run."""
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import time
 from collections import deque
@@ -59,6 +69,12 @@ def _once(fn: AfterSend | None) -> AfterSend | None:
     return run
 
 
+def _tier_slot(expert: Expert) -> bool:
+    """Whether expertd delivered `expert` in a RAM tier slot (a hold it may keep), not in staging."""
+    welcome = expert.client.welcome
+    return welcome.ram_first_slot <= expert.slot < welcome.ram_first_slot + welcome.ram_slots
+
+
 class CacheError(RuntimeError):
     """The daemon answered with something this cache did not ask for."""
 
@@ -67,6 +83,7 @@ class CacheError(RuntimeError):
 class CacheCounters:
     hits: int = 0  # unique keys found resident, per step
     misses: int = 0  # unique keys fetched, per step
+    kept_hits: int = 0  # unique keys found in kept RAM-tier blocks (read over PCIe, expertd not asked), per step
     evictions: int = 0
     h2d_bytes: int = 0
     stall_s: float = 0.0  # time load() spent waiting for misses
@@ -139,13 +156,26 @@ class ExpertCache:
         every_expert = len(self.served) * manifest.model.n_expert  # no use for more slots than that
         self.n_slots = min(every_expert, slot_count(cache_bytes, free, reserve_bytes, self.slot_bytes,
                                                     manifest.model.n_expert_used))
-        self.memory = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8, device=device)
+        # After the slots, a decode step's transit slots: where a table step copies the kept blocks it reads.
+        self.slots_end = self.n_slots * self.slot_bytes
+        self.n_transit = manifest.model.n_expert_used
+        self.memory = torch.empty(self.slots_end + self.n_transit * self.slot_bytes, dtype=torch.uint8, device=device)
         self.policy = CachePolicy(self.n_slots)
         self._counters = CacheCounters()
         # Where each expert sits now, for steps that look their experts up on the device
-        # (engine.TableDecode): the byte offset of (layer, expert) in `memory`, -1 where it is absent.
+        # (engine.TableDecode): the byte offset of (layer, expert) from `memory`: in [0, slots_end) in
+        # its slot, -1 where it is absent, elsewhere in the RAM tier (a kept block: `kept`).
         self.table = torch.full((max(self.layers) + 1, manifest.model.n_expert), -1, dtype=torch.int64, device=device)
-        self._owed: list[list[list[int]]] = []  # steps run from the table: their experts, owed to the policy
+        self._owed: list[tuple[list[list[int]], list[list[int]]]] = []  # table steps' experts and offsets, owed
+        self.kept: dict[ExpertKey, Expert] = {}  # kept RAM-tier blocks, the oldest kept first
+        self.keep_share = 1.0  # of the session's ram_keeps (a worker spanning devices splits it between its caches)
+        # The device reads host memory at its address only where the staging is registered with CUDA.
+        self._may_keep = device.type == "cpu" or link.pinned
+        if not self._may_keep:
+            log.warning("the staging is not registered with CUDA: RAM-tier experts are copied in at each miss, "
+                        "never read where they lie")
+        self._unkept: list[Expert] = []  # kept holds ended during a fetch, released once no step reads them
+        self._ending: list[Expert] = []  # kept holds ended, their RELEASE maybe not sent yet
         # A cache with a slot for every expert it serves never evicts (victims are empty slots first):
         # its policy's touches change nothing it does, and owed steps pay only their counters.
         self._evicts = self.n_slots < every_expert
@@ -179,9 +209,13 @@ class ExpertCache:
         return self.layers[layer]
 
     def load(self, layer: int, experts: Sequence[int], then: AfterSend | None = None) -> dict[int, ExpertWeights]:
-        """`experts` as weights in their slots; `then`: see waves."""
-        slots = self._acquire(layer, experts, then)
-        return {e: block_views(self.layers[layer], self.memory, slot * self.slot_bytes) for e, slot in zip(experts, slots)}
+        """`experts` as weights where they lie: in their slots, or kept in the RAM tier on the CPU
+        (on a GPU the torch path copies a kept one into a slot first); `then`: see waves."""
+        offsets = self._acquire(layer, experts, then, in_place=self.device.type == "cpu")
+        layout, staging = self.layers[layer], self.link.staging
+        return {e: block_views(layout, self.memory, at) if 0 <= at < self.slots_end
+                else block_views(layout, staging, at + self.memory.data_ptr() - staging.data_ptr())
+                for e, at in zip(experts, offsets)}
 
     def expert_rows(self, layer: int, ids: torch.Tensor, then: AfterSend | None = None) -> Iterator[ExpertRows]:
         """The step's experts in waves the cache can hold (one, unless the step selected more
@@ -207,69 +241,180 @@ class ExpertCache:
         self._counters.prefetch_stale += self.link.ahead.cancel(layer, keep=unique)
         for start in range(0, len(unique), self.n_slots):
             wave = unique[start:start + self.n_slots]
-            slot_of = dict(zip(wave, self._acquire(layer, wave, then)))
+            at = dict(zip(wave, self._acquire(layer, wave, then)))
             then = None
-            offsets = [slot_of.get(e, 0) * self.slot_bytes for e in chosen]  # [T*k]
-            pairs = None if len(wave) == len(unique) else [p for p, e in enumerate(chosen) if e in slot_of]
+            offsets = [at.get(e, 0) for e in chosen]  # [T*k]
+            pairs = None if len(wave) == len(unique) else [p for p, e in enumerate(chosen) if e in at]
             yield offsets, pairs
 
-    def _acquire(self, layer: int, experts: Sequence[int], then: AfterSend | None = None) -> list[int]:
-        """The slots of `experts`, fetching what is missing (`then` run once that is asked for, or
-        at once); the compute stream waits for their copies."""
+    def _acquire(self, layer: int, experts: Sequence[int], then: AfterSend | None = None, in_place: bool = True
+                 ) -> list[int]:
+        """The byte offsets (from `memory`) of `experts`, fetching what is missing (`then` run once
+        that is asked for, or at once); the compute stream waits for their copies. A kept expert
+        is read where it lies, or with `in_place` false copied into a slot first."""
+        self.check_session()
         keys = [ExpertKey(layer, e) for e in experts]
         if len(keys) > self.n_slots:
             raise CacheTooSmall(f"{len(keys)} experts requested at once, the cache holds {self.n_slots}")
         self._settle()
         self.policy.touch(keys)
         self._counters.steps += 1
-        misses = [k for k in keys if k not in self.policy.slot_of]
-        self._counters.hits += len(keys) - len(misses)
-        if misses:
-            self._fetch(misses, protected=set(keys), then=then)
+        absent = [k for k in keys if k not in self.policy.slot_of]
+        kept = [k for k in absent if k in self.kept]
+        self._counters.hits += len(keys) - len(absent)
+        self._counters.kept_hits += len(kept)
+        if in_place:
+            absent = [k for k in absent if k not in self.kept]
+        if absent:
+            self._fetch(absent, protected=set(keys), then=then)
         elif then is not None:
             then()
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        slots = [self.policy.slot_of[key] for key in keys]
-        if compute is not None:
-            for slot in slots:
-                if slot in self.ready:
-                    compute.wait_event(self.ready[slot])
-        return slots
+        offsets = []
+        for key in keys:
+            slot = self.policy.slot_of.get(key)
+            if slot is None:
+                offsets.append(self._tier_offset(self.kept[key]))
+                continue
+            if compute is not None and slot in self.ready:
+                compute.wait_event(self.ready[slot])
+            offsets.append(slot * self.slot_bytes)
+        return offsets
 
     # ---- steps run from the device table ----------------------------------------------------
-    def found(self, chosen: Sequence[Sequence[int]]) -> None:
+    def found(self, chosen: Sequence[Sequence[int]], offsets: Sequence[Sequence[int]]) -> None:
         """A step found every expert it chose in the table (engine.TableDecode): `chosen[i]` the
-        experts [T*k] of served layer i. What `_acquire` does for a step without misses (the
-        policy's touch, the counters) is owed until the cache next needs the policy or its counters,
-        then done in order: the same policy and counters as when each step is acquired, with no
-        Python per layer on the token's path."""
-        self._owed.append([list(c) for c in chosen])
+        experts [T*k] of served layer i, `offsets[i]` where it found them. What `_acquire` does for
+        a step without misses (the policy's touch, the counters) is owed until the cache next needs
+        the policy or its counters, then done in order: the same policy and counters as when each
+        step is acquired, with no Python per layer on the token's path."""
+        self._owed.append(([list(c) for c in chosen], [list(o) for o in offsets]))
         if len(self._owed) >= OWED_STEPS:
             self._settle()
 
     def _settle(self) -> None:
         """Pays the owed steps. The touches cost ~0.3 ms a 12-layer token on the dev VM, a quarter
         of the step they follow: only a cache that can evict pays them."""
-        for chosen in self._owed:
-            for layer, experts in zip(self.served, chosen):
+        for chosen, offsets in self._owed:
+            for layer, experts, at in zip(self.served, chosen, offsets):
                 unique = sorted(set(experts))  # as waves() acquires them
                 if self._evicts:
                     self.policy.touch([ExpertKey(layer, e) for e in unique])
+                kept = len({e for e, o in zip(experts, at) if not 0 <= o < self.slots_end})
                 self._counters.steps += 1
-                self._counters.hits += len(unique)
+                self._counters.hits += len(unique) - kept
+                self._counters.kept_hits += kept
         self._owed.clear()
 
-    def _set_table(self, placed: list[tuple[ExpertKey, int]], evicted: list[ExpertKey]) -> None:
-        """The table after a fetch: the evicted experts absent, the placed ones in their slots. On
-        the compute stream, behind the copies the step waits for, ahead of any step reading it."""
-        if not placed:
+    def _set_table(self, entries: list[tuple[ExpertKey, int]]) -> None:
+        """New table entries (offsets, or -1): on the compute stream, behind the copies the step
+        waits for, ahead of any step reading it, with no host sync."""
+        if not entries:
             return
-        entries = [(k.layer, k.expert, -1) for k in evicted] + [(k.layer, k.expert, slot * self.slot_bytes)
-                                                                 for k, slot in placed]
         pinned = self.device.type == "cuda"  # an asynchronous copy: no host sync in a fetch
-        rows, cols, values = torch.tensor(list(zip(*entries)), dtype=torch.int64,
-                                          pin_memory=pinned).to(self.device, non_blocking=pinned)
+        rows, cols, values = torch.tensor([(k.layer, k.expert, at) for k, at in entries], dtype=torch.int64,
+                                          pin_memory=pinned).T.contiguous().to(self.device, non_blocking=pinned)
         self.table.index_put_((rows, cols), values)
+
+    # ---- kept RAM-tier blocks ------------------------------------------------------------------
+    @property
+    def keep_budget(self) -> int:
+        """How many RAM-tier blocks this cache may keep now (0 without a session or a CUDA-registered staging)."""
+        client = self.link.client
+        return int(client.ram_keeps * self.keep_share) if self._may_keep and client is not None else 0
+
+    def _tier_offset(self, expert: Expert) -> int:
+        """Where a kept block lies, as an offset from `memory` (the device reads host memory at its address)."""
+        assert self.link.staging is not None
+        return self.link.staging.data_ptr() + expert.slot * self.link.slot_bytes - self.memory.data_ptr()
+
+    def check_session(self) -> None:
+        """Kept holds die with their session (a daemon restart, or this process stopped past the
+        heartbeat timeout: expertd may have reused their blocks): their table entries go absent,
+        and those kept since over a new session end too (the oldest kept is the first to be gone).
+        Before any step that may read them (engine.TableDecode asks before each replay)."""
+        oldest = next(iter(self.kept.values()), None)
+        if oldest is not None and (oldest.client is not self.link.client or oldest.client.silenced()):
+            gone = [(k, -1) for k in self.kept if k not in self.policy.slot_of]
+            self._unkept.extend(e for e in self.kept.values() if e.client is self.link.client)
+            self.kept.clear()
+            self._set_table(gone)
+            self._release_unkept()
+
+    def _keep(self, expert: Expert) -> bool:
+        """Keeps `expert`'s hold if the budget has room now (kept holds being ended still count:
+        expertd counts them until their RELEASE)."""
+        self._ending = [e for e in self._ending if not e.released]
+        if len(self.kept) + len(self._ending) >= self.keep_budget:
+            return False
+        self.kept[expert.key] = expert
+        expert.client.keep([expert])
+        return True
+
+    def _keep_target(self) -> int:
+        """The kept holds a fetch leaves: a sixteenth of the budget stays free for the next ones."""
+        budget = self.keep_budget
+        return budget - max(1, budget // 16) if budget else 0
+
+    def _trim_kept(self, protected: set[ExpertKey]) -> None:
+        """After a fetch, ends kept holds until a sixteenth of the budget is free for the next
+        fetches' keeps: first the oldest whose expert is in a slot (insurance only), then the least
+        used not in this step."""
+        excess = len(self.kept) - self._keep_target()
+        if excess <= 0:
+            return
+        victims = [k for k in self.kept if k in self.policy.slot_of][:excess]
+        if len(victims) < excess:
+            score = self.policy.frequency.score
+            victims += heapq.nsmallest(excess - len(victims),
+                                       (k for k in self.kept if k not in self.policy.slot_of and k not in protected),
+                                       key=lambda k: score.get(k, float("-inf")))
+        self._unkept.extend(self.kept.pop(k) for k in victims)
+
+    def _release_unkept(self) -> None:
+        """Releases the kept holds ended during a fetch (their table entries already changed, on the
+        compute stream): once every step enqueued until now, which may read them, has run."""
+        if not self._unkept:
+            return
+        self._set_table([(e.key, -1) for e in self._unkept if e.key not in self.policy.slot_of])
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._pending.extend(_Pending(event, expert) for expert in self._unkept)
+        self._ending += self._unkept
+        self._unkept = []
+
+    def fill(self) -> int:
+        """Where the VRAM slots and the keep budget hold every expert this cache serves (the model
+        fits VRAM and expertd's RAM tier), reads each one not present once, layer by layer, as a
+        worker starts: what llama.cpp's first pass over its mapped file does, after which every
+        step finds its experts (in a slot, or kept in the tier) and runs from the table. The policy
+        is not touched (a fill is no step). Returns how many experts it fetched (0: the model does
+        not fit, or nothing was absent)."""
+        n_expert = self.manifest.model.n_expert
+        if self.n_slots + self._keep_target() < len(self.served) * n_expert:
+            return 0
+        start, fetched = time.perf_counter(), 0
+        # Fetches no larger than the keep budget's free part (_keep_target), so that no key of one
+        # is refused a keep; rounds until nothing is absent (a key evicted before it was kept).
+        chunk = max(1, min(self.n_slots // 2, self.keep_budget - self._keep_target()))
+        for _ in range(4):
+            absent = [k for k in (ExpertKey(l, e) for l in self.served for e in range(n_expert))
+                      if k not in self.policy.slot_of and k not in self.kept]
+            if not absent:
+                break
+            for at in range(0, len(absent), chunk):
+                part = [k for k in absent[at:at + chunk] if k not in self.policy.slot_of and k not in self.kept]
+                for layer in sorted({k.layer for k in part}):  # the cache fetches one layer's keys at a time
+                    keys = [k for k in part if k.layer == layer]
+                    self._fetch(keys, protected=set(keys))
+                    fetched += len(keys)
+        present = sum(1 for l in self.served for e in range(n_expert)
+                      if ExpertKey(l, e) in self.policy.slot_of or ExpertKey(l, e) in self.kept)
+        log.info("read %d experts once in %.1f s: %d of %d now in VRAM or kept in expertd's RAM tier", fetched,
+                 time.perf_counter() - start, present, len(self.served) * n_expert)
+        return fetched
 
     # ---- prefetch ------------------------------------------------------------------------------
     def ahead(self, layer: int, depth: int) -> tuple[int, ...]:
@@ -285,8 +430,8 @@ class ExpertCache:
         step, as far as the staging the prefetches may hold allows (those of the `running` layer,
         taken or cancelled next, not counted)."""
         keys = [ExpertKey(layer, e) for e in experts]
-        self._counters.prefetch_issued += self.link.ahead.submit((k for k in keys if k not in self.policy.slot_of),
-                                                                running)
+        self._counters.prefetch_issued += self.link.ahead.submit(
+            (k for k in keys if k not in self.policy.slot_of and k not in self.kept), running)
 
     def layer_done(self, layer: int) -> None:
         """`layer`'s step has run: its prefetches it did not take are stale, cancelled now."""
@@ -294,37 +439,54 @@ class ExpertCache:
 
     # ---- misses --------------------------------------------------------------------------------
     def _fetch(self, misses: list[ExpertKey], protected: set[ExpertKey], then: AfterSend | None = None) -> None:
+        """Puts `misses` into slots: kept ones copied from where they lie, the others asked of expertd."""
         start = time.perf_counter()
         # Prefetches sent since the last fetch may hold slots: before waiting for expertd, copies
         # still in flight leave it one for each key it must still answer (see _release_finished).
         self._release_finished(keep_free=1)
         victims = self.policy.victims(len(misses), protected)
-        self._counters.misses += len(misses)
-        self._fetches += 1
+        asked = [k for k in misses if k not in self.kept]
+        self._counters.misses += len(asked)
+        self._fetches += bool(asked)
         if self.timeline is not None and self.copy_stream is not None:
             ref = torch.cuda.Event(enable_timing=True)
             ref.record(self.copy_stream)
             ref.synchronize()
             self._ref = (ref, time.perf_counter())
         free_slots = list(victims)
-        wanted = set(misses)
-        doubtful: list[ExpertKey] = []
-        placed: list[tuple[ExpertKey, int]] = []
-        evicted: list[ExpertKey] = []
+        table: list[tuple[ExpertKey, int]] = []
+
+        def place(key: ExpertKey, slot: int) -> None:
+            """The policy's and the table's record of `key` in `slot` (its copy issued)."""
+            old = self.policy.place(slot, key)
+            self._counters.evictions += old is not None
+            if old is not None:
+                table.append((old, self._tier_offset(self.kept[old]) if old in self.kept else -1))
+            table.append((key, slot * self.slot_bytes))
+
+        if not asked and then is not None:
+            then()
         with self._copying():
+            doubtful: list[ExpertKey] = []
+            for key in misses:
+                if key in self.kept:
+                    slot = free_slots.pop()
+                    self._copy_in(self.kept[key], slot, time.perf_counter(), release=False)
+                    place(key, slot)
+                    if self.kept[key].client.silenced():
+                        doubtful.append(key)
+            wanted = set(asked)
             # once: a reconnect sends the demand again, the prefetches went with the first send
-            for expert, prefetched in self.link.ahead.fetch(misses, on_sent=self._on_compute_stream(_once(then))):
+            for expert, prefetched in (self.link.ahead.fetch(asked, on_sent=self._on_compute_stream(_once(then)))
+                                       if asked else ()):
                 self._counters.prefetch_used += prefetched
                 self._check_delivery(expert, wanted)
                 slot = free_slots.pop()
                 arrived = time.perf_counter()
-                self._copy_in(expert, slot, arrived)  # the slot is recorded as holding the expert only once its copy is issued
-                old = self.policy.place(slot, expert.key)
-                self._counters.evictions += old is not None
-                placed.append((expert.key, slot))
-                if old is not None:
-                    evicted.append(old)
-                if expert.client.silenced():
+                kept = _tier_slot(expert) and not expert.client.silenced() and self._keep(expert)
+                self._copy_in(expert, slot, arrived, release=not kept)  # the slot holds the expert once its copy is issued
+                place(expert.key, slot)
+                if expert.client.silenced():  # a kept one goes with its session (check_session)
                     doubtful.append(expert.key)
                 self._release_finished(keep_free=1)
             while doubtful:  # copied after the session lapsed: read again, over a new session, into the same slots
@@ -339,8 +501,11 @@ class ExpertCache:
                     if expert.client.silenced():
                         doubtful.append(expert.key)
                     self._release_finished(keep_free=1)
+        self._set_table(table)
+        self._trim_kept(protected)
+        self._release_unkept()
         self._release_finished(keep_free=0, wait=self.device.type != "cuda")
-        self._set_table(placed, evicted)
+        self.check_session()  # a reconnect during the fetch ended the old session's kept holds
         self._counters.stall_s += time.perf_counter() - start
 
     def _on_compute_stream(self, fn: AfterSend | None) -> AfterSend | None:
@@ -376,13 +541,15 @@ class ExpertCache:
         with torch.cuda.stream(self.copy_stream):
             yield
 
-    def _copy_in(self, expert: Expert, slot: int, arrived: float) -> None:
-        """Issues the copy of `expert` into `slot` (inside `_copying`); on the CPU, copies it."""
+    def _copy_in(self, expert: Expert, slot: int, arrived: float, release: bool = True) -> None:
+        """Issues the copy of `expert` into `slot` (inside `_copying`); on the CPU, copies it. Its
+        staging slot or hold is given back once the copy is done, unless `release` is false (kept)."""
         dst = self.memory[slot * self.slot_bytes: slot * self.slot_bytes + expert.nbytes]
         self._counters.h2d_bytes += expert.nbytes
         if self.copy_stream is None:
             dst.copy_(torch.frombuffer(expert.data, dtype=torch.uint8))
-            self._pending.append(_Pending(None, expert))  # given back by the next _release_finished
+            if release:
+                self._pending.append(_Pending(None, expert))  # given back by the next _release_finished
             if self.timeline is not None:
                 self.timeline.append(CopyRecord(self._fetches, expert.key, arrived, time.perf_counter(), False))
             return
@@ -397,7 +564,8 @@ class ExpertCache:
             self.timeline.append(CopyRecord(self._fetches, expert.key, arrived, time.perf_counter(),
                                             not event.query(), event, self._ref))
         self.ready[slot] = event
-        self._pending.append(_Pending(event, expert))
+        if release:
+            self._pending.append(_Pending(event, expert))
 
     def _release_finished(self, keep_free: int, wait: bool = False) -> None:
         """Gives back staging slots (or RAM tier holds) whose copy is done. If the client has fewer
@@ -437,6 +605,7 @@ class ExpertCache:
         daemon = self.link.stats() or {}
         counters = self.counters.snapshot()
         return {"cache": {**counters, **prefetch_rates(counters), "slots": self.n_slots, "slot_bytes": self.slot_bytes,
+                          "kept": len(self.kept), "keep_budget": self.keep_budget,
                           "resident_bytes": self.resident_bytes, "staging_pinned": self.link.pinned,
                           "reconnects": self.link.reconnects, "refetched": self.link.refetched},
                 "daemon": daemon.get("counters"), "daemon_ram": daemon.get("ram")}
@@ -445,4 +614,6 @@ class ExpertCache:
         if self.copy_stream is not None:
             torch.cuda.synchronize(self.device)
         self._release_finished(keep_free=0, wait=True)
+        release_all(e for e in self.kept.values() if e.client is self.link.client)
+        self.kept.clear()
         self.link.close()

@@ -85,6 +85,10 @@ class CacheGroup(SplitExperts):
     def n_slots(self) -> int:
         return sum(c.n_slots for c in self.caches)
 
+    def fill(self) -> int:
+        """ExpertCache.fill on every device (each keeps its share of the session's keep budget)."""
+        return sum(cache.fill() for cache in self.caches)
+
     def ahead(self, layer: int, depth: int) -> tuple[int, ...]:
         """Prefetch stays on the device of `layer`: its cache's next layers (ExpertCache.ahead)."""
         return self.source_of[layer].ahead(layer, depth)

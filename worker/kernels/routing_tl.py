@@ -3,7 +3,9 @@ ones (top-k with a selection bias, or hashed by token id) in one launch per step
 eight: a program per token holds its router logits, picks the top k one at a time (the largest
 left, ties to the lower expert id) and writes ids and weights. float32, the formulas of
 routing.py. And the routed experts' lookup in the expert cache's device table (engine.TableDecode)
-in one launch instead of three."""
+in one launch instead of three, and the copy of the kept RAM-tier blocks it finds into VRAM: the
+GPU reads host memory at PCIe's speed with its own loads (as fast as a DMA copy, measured with
+bench/kernel_bandwidth.py --host), where the matvec reading them in place reached 30 GB/s of 50."""
 
 from __future__ import annotations
 
@@ -111,7 +113,8 @@ def sqrtsoftplus_route(logits: torch.Tensor, k: int, scale: float, bias: torch.T
 
 
 @triton.jit
-def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offsets_ptr, N, E, BN: tl.constexpr):
+def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offsets_ptr, N, E, resident_bytes,
+                          slot_bytes, BN: tl.constexpr):
     i = tl.arange(0, BN)
     inside = i < N
     ids = tl.load(ids_ptr + i, mask=inside, other=0)
@@ -119,14 +122,42 @@ def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offset
     at = tl.load(row_ptr + ids, mask=inside, other=-1)
     tl.store(rec_ids_ptr + i, ids, mask=inside)
     tl.store(rec_offsets_ptr + i, at, mask=inside)
-    tl.store(offsets_ptr + i, tl.maximum(at, 0), mask=inside)
+    transit = resident_bytes + i.to(tl.int64) * slot_bytes
+    resident = (at >= 0) & (at < resident_bytes)
+    tl.store(offsets_ptr + i, tl.where(resident, at, tl.where(at == -1, 0, transit)), mask=inside)
 
 
-def expert_lookup(ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor
-                  ) -> torch.Tensor:
-    """TorchOps.expert_lookup's formula in one program (a step's pairs are a few dozen at most)."""
+@triton.jit
+def _gather_kept_kernel(pool_ptr, rec_offsets_ptr, nbytes, resident_bytes, slot_bytes, BLOCK: tl.constexpr):
+    """Program (c, p): pair p's kept block, where its offset reaches outside the resident slots,
+    into its transit slot, every c-th BLOCK of it; nothing for a resident or absent expert."""
+    p = tl.program_id(1)
+    at = tl.load(rec_offsets_ptr + p)
+    kept = (at != -1) & ((at < 0) | (at >= resident_bytes))
+    at = tl.multiple_of(tl.where(kept, at, 0), 16)
+    dst = tl.multiple_of(resident_bytes + p.to(tl.int64) * slot_bytes, 16)
+    end = tl.cdiv(nbytes, BLOCK) * kept.to(tl.int32)
+    o = tl.arange(0, BLOCK).to(tl.int64)
+    for chunk in range(tl.program_id(0), end, tl.num_programs(0)):
+        at_o = o + chunk * BLOCK
+        inside = at_o < nbytes
+        tl.store(pool_ptr + dst + at_o, tl.load(pool_ptr + at + at_o, mask=inside), mask=inside)
+
+
+GATHER_BLOCK = 4096  # bytes a program copies per turn
+GATHER_PROGRAMS = 64  # programs per kept block: enough reads in flight for PCIe's bandwidth (~50 GB/s on the H200)
+
+
+def expert_lookup(ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor,
+                  pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int) -> torch.Tensor:
+    """TorchOps.expert_lookup's formula: the lookup in one program (a step's pairs are a few dozen
+    at most), then the kept blocks copied into their transit slots by GATHER_PROGRAMS programs each
+    (one on the CPU, under the interpreter)."""
     n = ids.numel()
     offsets = torch.empty(n, dtype=torch.int64, device=ids.device)
-    _expert_lookup_kernel[(1,)](ids.reshape(-1), row, rec_ids, rec_offsets, offsets, n, row.shape[0],
-                                BN=max(16, triton.next_power_of_2(n)), num_warps=1)
+    _expert_lookup_kernel[(1,)](ids.reshape(-1), row, rec_ids, rec_offsets, offsets, n, row.shape[0], resident_bytes,
+                                slot_bytes, BN=max(16, triton.next_power_of_2(n)), num_warps=1)
+    programs = 1 if pool.device.type == "cpu" else min(GATHER_PROGRAMS, triton.cdiv(nbytes, GATHER_BLOCK))
+    _gather_kept_kernel[(programs, n)](pool, rec_offsets, nbytes, resident_bytes, slot_bytes, BLOCK=GATHER_BLOCK,
+                                       num_warps=4)
     return offsets

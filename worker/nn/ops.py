@@ -8,6 +8,7 @@ the logits asks again which device it is on or imports a kernel."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -115,16 +116,31 @@ class TorchOps:
         return routing.sqrtsoftplus_hashed(logits, table, tokens, scale)
 
     # -- the expert cache's device table (engine.TableDecode)
-    def expert_lookup(self, ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor
-                      ) -> torch.Tensor:
-        """Where a step's experts `ids` [T, k] sit: `row` [E] holds each expert's byte offset in the
-        cache, -1 where absent. Records the ids (clamped into the row: past an absent expert the
-        routing may read NaN) and their offsets into `rec_ids`, `rec_offsets` [T*k]; returns the
-        offsets with absent ones at 0, so that a pass the host will drop reads only the cache."""
+    def expert_lookup(self, ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor,
+                      pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int) -> torch.Tensor:
+        """Where a step's experts `ids` [T, k] sit: `row` [E] holds each expert's byte offset from
+        `pool`: in its resident slots [0, resident_bytes), -1 where absent, anywhere else for a block
+        the cache keeps in expertd's RAM tier (host memory the device reads at its address). Records
+        the ids (clamped into the row: past an absent expert the routing may read NaN) and their
+        offsets into `rec_ids`, `rec_offsets` [T*k]; copies each kept block's `nbytes` into its
+        pair's transit slot (pair p's at resident_bytes + p * slot_bytes) and returns the offsets
+        the kernels read: resident ones as they are, kept ones their transit slot's, absent ones 0
+        (a pass the host will drop reads only the cache). Here on the CPU only: kept blocks are
+        read at their address (the Triton kernel, TritonOps, does it on the GPU)."""
         inside = ids.reshape(-1).clamp(0, row.shape[0] - 1)
         rec_ids.copy_(inside)
         torch.index_select(row, 0, inside, out=rec_offsets)
-        return rec_offsets.clamp(min=0)
+        at = rec_offsets
+        transit = resident_bytes + torch.arange(at.numel(), dtype=torch.int64, device=at.device) * slot_bytes
+        resident = (at >= 0) & (at < resident_bytes)
+        kept = ~resident & (at != -1)
+        for p in kept.nonzero().reshape(-1).tolist():
+            if pool.device.type != "cpu":
+                raise RuntimeError("TorchOps reads kept RAM-tier blocks on the CPU only; the GPU's are TritonOps'")
+            block = (ctypes.c_uint8 * nbytes).from_address(pool.data_ptr() + int(at[p]))
+            start = int(transit[p])
+            pool[start:start + nbytes].copy_(torch.frombuffer(block, dtype=torch.uint8))
+        return torch.where(resident, at, torch.where(kept, transit, 0))
 
     # -- DeepSeek-V4's hyper-connections (hyper_connections.py)
     def hc_weights(self, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,

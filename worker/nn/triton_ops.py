@@ -136,9 +136,9 @@ class TritonOps(TorchOps):
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         return sqrtsoftplus_route(logits, table.shape[1], scale, table=table, tokens=tokens)
 
-    def expert_lookup(self, ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor
-                      ) -> torch.Tensor:
-        return expert_lookup(ids, row, rec_ids, rec_offsets)
+    def expert_lookup(self, ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor,
+                      pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int) -> torch.Tensor:
+        return expert_lookup(ids, row, rec_ids, rec_offsets, pool, resident_bytes, slot_bytes, nbytes)
 
     # -- DeepSeek-V4's hyper-connections
     def hc_weights(self, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,

@@ -281,6 +281,8 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     try:
         generator = Generator(engine, tokenizer)
         try:
+            if engine.expert_cache is not None:  # where the model fits VRAM and the RAM tier: every expert read once
+                engine.expert_cache.fill()
             engine.forward([tokenizer.bos_id or 0], engine.new_sequence())  # warm-up: kernels, allocator, first experts
         except CorruptExpert as exc:  # the pack's damage fails the requests that need it; /health says degraded
             log.error("warm-up: %s", exc)
