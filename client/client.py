@@ -183,6 +183,7 @@ class ExpertClient:
         self._last_sent = time.monotonic()
         self._beat_s = 0.0  # WELCOME's heartbeat interval; 0 until then, or when the daemon has none
         self._silence_limit_s = 0.0
+        self.condemned: set[int] = set()  # RAM slots it keeps whose blocks failed expertd's scrub (CONDEMNED, v8)
         self._silenced = False  # this client was silent past the timeout: its session is gone
         self._stop_beating = threading.Event()
         self._beater: threading.Thread | None = None
@@ -453,13 +454,17 @@ class ExpertClient:
         self._check_silence()
         if self._silenced:
             raise DaemonUnavailable(self._lost)  # READYs still queued name slots that are no longer ours
-        try:
-            raw = self._sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            if not wait:
-                return None
-            raw = self._wait_for_message(timeout_s)
-        msg = p.decode(raw)
+        while True:
+            try:
+                raw = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if not wait:
+                    return None
+                raw = self._wait_for_message(timeout_s)
+            msg = p.decode(raw)
+            if not isinstance(msg, p.Condemned):
+                break
+            self.condemned.update(msg.slots)  # unasked: blocks this client keeps failed expertd's scrub
         if isinstance(msg, p.Bye):
             raise DaemonUnavailable(f"expertd at {self.endpoint} is going away: {msg.reason}")
         if isinstance(msg, p.Error) and msg.code is p.ErrorCode.SHUTTING_DOWN:

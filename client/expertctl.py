@@ -123,7 +123,8 @@ def client_lines(clients: list[dict[str, Any]], previous: list[dict[str, Any]] |
         out.append(f"  {cl['name']:<{width}} pid {pid if pid is not None else '?'!s:<7}  slots {cl['slots']:>4}  "
                    f"free {cl['free']:>4}  queued {cl['queued']:>6}"
                    + (f" ({cl['queued_demand']} demand, {cl['queued_prefetch']} prefetch)  ram held "
-                      f"{cl['ram_held']}" + (f" of {cl['ram_share']}" if "ram_share" in cl else "")
+                      f"{cl['ram_held'] - cl.get('ram_kept', 0)}" + (f" of {cl['ram_share']}" if "ram_share" in cl else "")
+                      + (f", kept {cl['ram_kept']} of {cl['ram_keeps']}" if "ram_kept" in cl else "")
                       if "queued_demand" in cl else "")
                    + f"  requests {cl['requests']}")
         if "keys" not in cl:

@@ -33,6 +33,8 @@ msgpack map with an integer `op`:
     HEARTBEAT                         (v4; no reply: says only that the client is alive)
     anything malformed or unknown     -> ERROR{code, message}; nothing else changes
     daemon shutting down              -> BYE{reason} to every client
+    a kept block fails the scrub      -> CONDEMNED{slots} to every client keeping it (v8, unasked): read
+                                         it no more and RELEASE it; the key is read again at its next FETCH
     session silent too long           -> ERROR{code=NO_SESSION, message: why} (v4, unasked)
 
 Liveness (v4): a client holding a session sends a message, HEARTBEAT when it has nothing else to
@@ -90,8 +92,9 @@ Versions (HELLO must name this one; the daemon refuses any other with ERROR VERS
     8  (2026-12-03) KEEP{slots} (no reply) and WELCOME's ram_keeps: a worker whose GPU reads RAM tier
        blocks in place holds them for as long as its device table points at them, which may be for
        the whole run. Until v7 every hold counted against ram_holds, which the client's fetches and
-       prefetches need free: such holds would have stalled them. A v7 daemon would answer KEEP with
-       ERROR UNKNOWN_OP, which a client reads as the end of its session, hence the new version.
+       prefetches need free: such holds would have stalled them. CONDEMNED{slots} (unasked) tells a
+       client that a block it keeps failed the scrub's crc32 check. A v7 daemon would answer KEEP
+       with ERROR UNKNOWN_OP, which a client reads as the end of its session, hence the new version.
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ class Op(IntEnum):
     HEARTBEAT = 14  # v4
     PROMOTE = 15  # v5
     KEEP = 16  # v8
+    CONDEMNED = 17  # v8
 
 
 class ErrorCode(IntEnum):
@@ -353,6 +357,13 @@ class Keep(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Condemned(Message):
+    op = Op.CONDEMNED
+    slots: tuple[int, ...]
+    checks = {"slots": _slots}
+
+
+@dataclass(frozen=True, slots=True)
 class Cancel(Message):
     op = Op.CANCEL
     id: int
@@ -411,7 +422,7 @@ class Bye(Message):
 # The one dispatch table from op to message class.
 MESSAGES: dict[Op, type[Message]] = {cls.op: cls for cls in (
     Hello, Welcome, Fetch, Ready, Fail, Release, Cancel, Stats, StatsReply, Ping, Pong, Error, Bye, Heartbeat,
-    Promote, Keep)}
+    Promote, Keep, Condemned)}
 
 
 def encode(msg: Message) -> bytes:

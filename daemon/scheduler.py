@@ -20,7 +20,8 @@ Resident blocks are scrubbed: while no read is in flight, one at a time and at m
 a block's bytes are checked against its crc32 again on a reader thread. Only expertd writes the
 segment (clients map it read-only), so a block that fails this was written by a process of
 expertd's own user or hit by a memory fault: it is counted in corrupt_blocks, condemned
-(ram_tier.py) and read again from the pack for its next hit. Hits are not held for the scrub: a
+(ram_tier.py) and read again from the pack for its next hit; the clients that keep it (protocol
+v8: their GPU reads it in place) are told, CONDEMNED. Hits are not held for the scrub: a
 check on every hit cost 30% of streaming decode (BENCHMARKS.md), and a GPU that reads tier blocks
 in place reads them past any check expertd could make as they leave.
 Runs on the main loop's thread, but for `_on_read_done` (a reader thread's hand-over through an
@@ -84,6 +85,7 @@ class Scheduler:
         self.ram = ram
         self.counters = counters
         self._send = send
+        self.on_condemned: Callable[[int], None] = lambda index: None  # a RAM slot failed the scrub (the server tells its keepers)
         self.read_latency = Histogram()
         self.fetch_latency = Histogram()
         self.check_crc32 = pack.manifest.has_crc32
@@ -287,6 +289,7 @@ class Scheduler:
         if check.error is None and found == expected:
             return
         self.counters.corrupt_blocks += 1
+        self.on_condemned(slot.index)
         why = (f"it cannot be checked ({check.error})" if check.error is not None else
                f"its crc32 is {format_crc32(found)}, the manifest says {format_crc32(expected)}")
         log.error("RAM tier block of layer %d expert %d (slot %d) was altered in memory since it was read: %s. "

@@ -92,6 +92,7 @@ class ExpertDaemon:
             self.router = self.endpoint.router
             self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             self.scheduler = Scheduler(config, self.pack, self.layers, self.staging, self.ram, self.counters, self._send)
+            self.scheduler.on_condemned = self._tell_keepers
         except BaseException:
             self.close()  # whatever was created so far: no shm or socket outlives a failed start
             raise
@@ -298,6 +299,15 @@ class ExpertDaemon:
             self._error(session.identity, p.ErrorCode.BAD_FIELD, f"RELEASE.slots: {refused}")
             return
         self.scheduler.dispatch(session)
+
+    def _tell_keepers(self, index: int) -> None:
+        """CONDEMNED to every client keeping RAM slot `index`, whose block failed the scrub: its GPU
+        reads kept blocks in place, past any check of ours, until it lets them go."""
+        for session in self.sessions.live.values():
+            if session.ram_kept[index] > 0:
+                log.warning("telling client %r (pid %s), which keeps RAM slot %d, to stop reading it", session.name,
+                            session.pid, index)
+                self._send(session.identity, p.Condemned((index,)))
 
     def _keep(self, session: Session, msg: p.Keep) -> None:
         refused = self.sessions.keep(session, msg.slots)

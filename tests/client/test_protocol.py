@@ -31,6 +31,7 @@ EXAMPLES: list[p.Message] = [
     p.Heartbeat(),
     p.Promote(7),
     p.Keep((4, 4, 9)),
+    p.Condemned((12,)),
     p.Welcome(4, FP, {"arch": "qwen3moe"}, "expertpack-1-abcd", 1 << 20, 1 << 16, (0, 1), 4, 12, 1000, 10_000),
 ]
 
@@ -107,9 +108,11 @@ def test_version_7_adds_fail_truncated() -> None:
 
 
 def test_version_8_adds_keep_and_the_keep_share() -> None:
-    """v8: KEEP{slots} (op 16, no reply), slots as RELEASE's, and WELCOME's ram_keeps (absent: 0)."""
+    """v8: KEEP{slots} (op 16, no reply), slots as RELEASE's, WELCOME's ram_keeps (absent: 0), and
+    CONDEMNED{slots} (op 17, unasked)."""
     assert p.PROTOCOL_VERSION == 8
     assert p.encode(p.Keep((3, 3))).hex() == "82" "a26f70" "10" "a5736c6f7473" "920303"
+    assert p.encode(p.Condemned((3,))).hex() == "82" "a26f70" "11" "a5736c6f7473" "9103"
     with pytest.raises(p.ProtocolError, match="KEEP.slots"):
         p.decode(msgpack.packb({"op": 16, "slots": [-1]}))
     welcome = p.Welcome(8, FP, {}, "s", 8192, 4096, (0,), 1, 1, 1000, 10_000, 256, 100)

@@ -61,7 +61,7 @@ def test_a_second_client_reads_nothing_the_first_one_had_read(tiny_pack: Path, t
     assert ca["ram_held"] == cb["ram_held"] == 0 and ca["queued"] == cb["queued"] == 0
     lines = table.splitlines()
     i = next(i for i, line in enumerate(lines) if "worker-b" in line)
-    assert f"pid {os.getpid()}" in lines[i] and "ram held 0" in lines[i], lines[i]
+    assert f"pid {os.getpid()}" in lines[i] and "ram held 0" in lines[i] and ", kept 0 of " in lines[i], lines[i]
     assert "keys 19" in lines[i + 1] and "read 0.0 MB" in lines[i + 1] and "ram hits 19 (100.0%)" in lines[i + 1], \
         lines[i + 1]
 

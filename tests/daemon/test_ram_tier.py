@@ -578,6 +578,39 @@ def test_clients_that_release_and_vanish_leave_no_holds_behind(tiny_pack: Path, 
     assert after["ram_hits"] - before["ram_hits"] == len(keys)
 
 
+def test_a_client_keeping_a_block_the_scrub_condemns_is_told(tiny_pack: Path, tmp_path: Path) -> None:
+    """v8: a kept block is read by the client's GPU past any check of expertd's, so when the scrub
+    finds it altered, expertd tells the client that keeps it (CONDEMNED, unasked) and no other;
+    once released, the key is read again from the pack."""
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+    key = ExpertKey(2, 7)
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d:
+        with raw_session(d.endpoint) as (keeper, w), raw_session(d.endpoint) as (other, _):
+            keeper.send(p.encode(p.Fetch(1, (key,))))
+            other.send(p.encode(p.Fetch(1, (key,))))
+            ready, other_ready = recv(keeper), recv(other)
+            assert isinstance(ready, p.Ready) and isinstance(other_ready, p.Ready) and ready.slot == other_ready.slot
+            keeper.send(p.encode(p.Keep((ready.slot,))))
+            fd = os.open(Path("/dev/shm") / w.shm, os.O_RDWR)  # as expertd's user may
+            try:
+                with mmap.mmap(fd, w.shm_bytes) as writable:
+                    writable[ready.slot * w.slot_bytes + m.layer(key.layer).payload_bytes // 2] ^= 0x10
+            finally:
+                os.close(fd)
+            assert keeper.poll(20_000), "the scrub did not condemn the kept block in 20 s"
+            told = recv(keeper)
+            assert told == p.Condemned((ready.slot,)), told
+            assert not other.poll(500)  # it holds the block, but does not keep it: nothing unasked
+            other.send(p.encode(p.Release((other_ready.slot,))))
+            keeper.send(p.encode(p.Release((ready.slot,))))
+        with ExpertClient(d.endpoint, name="after") as client:
+            before = client.stats()["counters"]
+            fetch_all(client, [key], m, packed)  # the pack's bytes, read again
+            after = client.stats()["counters"]
+    assert after["corrupt_blocks"] == 1 and after["pack_read_bytes"] - before["pack_read_bytes"] == m.max_stride
+
+
 def test_the_scrub_finds_a_tier_block_altered_in_memory_and_it_is_read_again(tiny_pack: Path, tmp_path: Path) -> None:
     """Issue 37: the client library maps the segment read-only, but a process of expertd's own user
     can still open it writable and alter a resident block. expertd's scrub checks resident blocks

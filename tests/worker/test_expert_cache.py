@@ -18,6 +18,8 @@ protocol and the copies are the same code as on a GPU):
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import shutil
 import signal
 import threading
@@ -256,6 +258,48 @@ def test_a_fill_reads_every_expert_once_where_the_model_fits_vram_and_the_ram_ti
         finally:
             engine.close()
             assert d.stop()[0] == 0
+
+
+def test_a_kept_block_expertd_finds_altered_is_read_no_more(fixture_packs, tmp_path: Path) -> None:
+    """The worker's GPU reads kept RAM-tier blocks in place, past any check of expertd's: when the
+    scrub finds one altered in memory (a process of expertd's user wrote the segment), expertd says
+    so (CONDEMNED) and the cache, at its next step, points the table away from it and lets it go;
+    the expert is then read again from the pack, with the pack's bytes."""
+    name = "qwen3moe-a.Q4_K_M"
+    pack = fixture_packs[name][1]
+    manifest = Manifest.load(pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert
+    cache_bytes = (every_expert - every_expert // 2 + 1) * slot_bytes(manifest)
+    d = daemon_for(pack, tmp_path, "--ram-cache-gib", "1")
+    engine = Engine.load(pack, daemon=d.endpoint, cache_bytes=cache_bytes, prefetch=False)
+    try:
+        cache = engine.expert_cache
+        cache.fill()
+        key, expert = next((k, e) for k, e in cache.kept.items() if k not in cache.policy.slot_of)
+        w = cache.link.client.welcome
+        payload = manifest.layer(key.layer).payload_bytes
+        fd = os.open(Path("/dev/shm") / w.shm, os.O_RDWR)  # as expertd's user may
+        try:
+            with mmap.mmap(fd, w.shm_bytes) as writable:
+                writable[expert.slot * w.slot_bytes + payload // 2] ^= 0x10
+        finally:
+            os.close(fd)
+        deadline = time.monotonic() + 20
+        while cache.link.stats()["counters"]["corrupt_blocks"] < 1:
+            assert time.monotonic() < deadline, "the scrub did not find the altered block in 20 s"
+            time.sleep(0.05)
+        cache.check_session()  # what each step does first
+        assert key not in cache.kept and int(cache.table[key.layer, key.expert]) == -1
+        misses = cache.counters.misses
+        (weights,) = cache.load(key.layer, [key.expert]).values()
+        start = manifest.layer(key.layer).block_offset(key.expert)
+        want = np.fromfile(pack / PACK_FILE, dtype=np.uint8, count=payload, offset=start)
+        slot = cache.policy.slot_of[key]
+        assert cache.counters.misses == misses + 1 and weights
+        assert np.array_equal(cache.memory[slot * cache.slot_bytes:][:payload].numpy(), want)
+    finally:
+        engine.close()
+        assert d.stop()[0] == 0
 
 
 def test_a_worker_stopped_past_the_heartbeat_timeout_mid_copy_reads_those_experts_again(

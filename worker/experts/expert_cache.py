@@ -33,7 +33,7 @@ from typing import Callable, Collection, Iterator, Sequence
 
 import torch
 
-from expertpack.client import Expert, release_all
+from expertpack.client import ClientError, Expert, ExpertClient, release_all
 from expertpack.client.protocol import prefetch_budget
 from expertpack.packtools.layout import ALIGNMENT, ExpertKey, LayerLayout, Manifest
 
@@ -334,12 +334,32 @@ class ExpertCache:
         and those kept since over a new session end too (the oldest kept is the first to be gone).
         Before any step that may read them (engine.TableDecode asks before each replay)."""
         oldest = next(iter(self.kept.values()), None)
+        if oldest is not None and oldest.client is self.link.client:
+            self._drop_condemned(oldest.client)
         if oldest is not None and (oldest.client is not self.link.client or oldest.client.silenced()):
             gone = [(k, -1) for k in self.kept if k not in self.policy.slot_of]
             self._unkept.extend(e for e in self.kept.values() if e.client is self.link.client)
             self.kept.clear()
             self._set_table(gone)
             self._release_unkept()
+
+    def _drop_condemned(self, client: ExpertClient) -> None:
+        """Reads what expertd sent by now (no wait); kept blocks it condemned (CONDEMNED: they failed
+        its scrub) are read no more: their table entries go absent, their holds end. A copy in a
+        VRAM slot stays: it was made when expertd named the block."""
+        with self.link._lock:
+            try:
+                client.pump()
+            except ClientError as exc:  # the session is gone: check_session and the next fetch see to it
+                log.debug("reading expertd's messages: %s", exc)
+            condemned, client.condemned = client.condemned, set()
+        if not condemned:
+            return
+        keys = [k for k, e in self.kept.items() if e.client is client and e.slot in condemned]
+        log.error("expertd found %d RAM-tier blocks this worker keeps altered in memory (its scrub): reading them "
+                  "no more, fetching them again when needed", len(keys))
+        self._unkept.extend(self.kept.pop(k) for k in keys)
+        self._release_unkept()
 
     def _keep(self, expert: Expert) -> bool:
         """Keeps `expert`'s hold if the budget has room now (kept holds being ended still count:

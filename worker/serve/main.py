@@ -283,6 +283,9 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
         try:
             if engine.expert_cache is not None:  # where the model fits VRAM and the RAM tier: every expert read once
                 engine.expert_cache.fill()
+        except CorruptExpert as exc:  # it fails the requests that need it; the experts not read yet come with use
+            log.error("reading every expert at start: %s", exc)
+        try:
             engine.forward([tokenizer.bos_id or 0], engine.new_sequence())  # warm-up: kernels, allocator, first experts
         except CorruptExpert as exc:  # the pack's damage fails the requests that need it; /health says degraded
             log.error("warm-up: %s", exc)
