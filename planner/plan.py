@@ -8,8 +8,11 @@ compute (the resident decode step, when given, plus the worker's host time for e
 fetch, copies and bookkeeping between two segments of the step, which the GPU waits for). Two
 figures: a worker that fetches a layer's misses after its router ran and waits for them (compute
 + host + the slower of disk and PCIe); with prefetch overlapping the reads (the streaming issue's
-goal), the slowest of the three. It can write the
-`worker.toml` and `expertd.toml` for that split.
+goal), the slowest of the three. Where the VRAM cache and the RAM-tier blocks expertd lets one
+worker keep (protocol v8, at expertd's defaults) hold every expert, the worker reads each once at
+start and its steps then find every expert without expertd: the RAM tier hits every miss, there is
+no host time per miss, and the GPU's copies of the kept experts (PCIe) come before each layer's
+compute (today: compute + PCIe). It can write the `worker.toml` and `expertd.toml` for that split.
 
 Prefill of a --prompt-tokens P prompt, as one chunk: each MoE layer loads the distinct experts its P
 tokens select once (under uniform routing n (1 - (1 - k/n)^P) of its n), found in the tiers at the
@@ -39,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from expertpack.daemon.config import DaemonConfig
 from expertpack.daemon.ram_tier import ram_slot_count
 from expertpack.daemon.staging import lockable_bytes
 from expertpack.packtools.cli import check_ranges
@@ -119,6 +123,8 @@ class Plan:
     hit_rate: float  # of the keys requested, in the VRAM cache
     ram_hit_rate: float  # of the VRAM cache's misses, in the RAM tier
     hit_rate_from: str
+    keep_slots: int  # RAM-tier blocks the worker keeps (expertd's defaults, less a sixteenth for its fetches)
+    kept_all: bool  # the VRAM slots and the kept blocks hold every expert: no host work per miss
     disk_bytes_per_token: float
     pcie_bytes_per_token: float
     disk_s: float
@@ -269,12 +275,18 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
             source += f", each at the same share of its {inputs.pack_moe_layers} layers' experts"
     else:
         hit, ram_hit, source = _uniform_hit_rates(inputs, slots, ram_slots)
+    keep_slots = _keep_slots(ram_slots)
+    kept_all = slots + keep_slots >= n_total
+    miss_host_s = inputs.miss_host_s
+    if kept_all:  # read once at start (ExpertCache.fill), then found in VRAM or kept in the tier
+        ram_hit, miss_host_s = 1.0, 0.0
+        source += "; every expert kept in VRAM or the RAM tier after the worker's first read of each"
     miss = 1.0 - hit
     disk_bytes = miss * (1.0 - ram_hit) * inputs.block_bytes_per_token
     pcie_bytes = miss * inputs.payload_bytes_per_token  # a RAM hit is copied to the GPU too
     disk_s, pcie_s = disk_bytes / (inputs.disk_gbps * 1e9), pcie_bytes / (inputs.pcie_gbps * 1e9)
     compute_s = 1.0 / inputs.compute_tok_s if inputs.compute_tok_s else None
-    host_s = miss * inputs.n_expert_used * inputs.n_moe_layers * inputs.miss_host_s
+    host_s = miss * inputs.n_expert_used * inputs.n_moe_layers * miss_host_s
     today, overlapped, bound = _figures(disk_s, pcie_s, compute_s, host_s, 1, "--compute-tok-s")
     # Prefill: each layer's distinct experts of the prompt, loaded once, found at the decode hit rates.
     n, k, tokens = inputs.n_expert, inputs.n_expert_used, inputs.prompt_tokens
@@ -283,13 +295,21 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
     pre_pcie = distinct / k * miss * inputs.payload_bytes_per_token
     pre_disk_s, pre_pcie_s = pre_disk / (inputs.disk_gbps * 1e9), pre_pcie / (inputs.pcie_gbps * 1e9)
     pre_compute_s = tokens / inputs.prefill_tok_s if inputs.prefill_tok_s else None
-    pre_host_s = distinct * miss * inputs.n_moe_layers * inputs.miss_host_s
+    pre_host_s = distinct * miss * inputs.n_moe_layers * miss_host_s
     pre_today, pre_overlapped, pre_bound = _figures(pre_disk_s, pre_pcie_s, pre_compute_s, pre_host_s, tokens,
                                                     "--prefill-tok-s")
     return Plan(slots * inputs.slot_bytes, slots, slots / n_total, ram_slots, ram_slots / n_total, hit, ram_hit,
-                source, disk_bytes, pcie_bytes, disk_s, pcie_s, compute_s, host_s, today, overlapped, bound,
+                source, keep_slots, kept_all, disk_bytes, pcie_bytes, disk_s, pcie_s, compute_s, host_s, today, overlapped, bound,
                 distinct, pre_disk, pre_pcie, pre_disk_s, pre_pcie_s, pre_compute_s, pre_host_s, pre_today,
                 pre_overlapped, pre_bound)
+
+
+def _keep_slots(ram_slots: int) -> int:
+    """The RAM-tier blocks one worker keeps under expertd's defaults: its keep share (the tier less
+    its hold share) less the sixteenth its cache leaves free for its fetches (ExpertCache._keep_target)."""
+    config = DaemonConfig()
+    keeps = config.ram_keep_share(ram_slots, config.ram_hold_share(config.client_slots, ram_slots))
+    return keeps - max(1, keeps // 16) if keeps else 0
 
 
 def _figures(disk_s: float, pcie_s: float, compute_s: float | None, host_s: float, tokens: int, flag: str
@@ -375,10 +395,16 @@ def render(inputs: Inputs, p: Plan) -> str:
         ("disk", f"{inputs.disk_gbps:.2f} GB/s", s["disk"]),
         ("PCIe", f"{inputs.pcie_gbps:.1f} GB/s", s["pcie"]),
         ("compute (resident decode)", f"{inputs.compute_tok_s} tok/s" if inputs.compute_tok_s else "-", s["compute"]),
-        ("worker host per miss", f"{inputs.miss_host_s * 1e3:.3g} ms: {p.host_s * 1e3:.1f} ms a token", s["host"]),
+        ("kept RAM-tier experts", f"{p.keep_slots} blocks: " + (
+            "with the VRAM cache, every expert (read once at start; no host work per miss)" if p.kept_all else
+            f"with the VRAM cache {p.slots + p.keep_slots} of {inputs.n_moe_layers * inputs.n_expert} experts: "
+            "misses wait for expertd"), "expertd's defaults (client_ram_keeps, protocol v8)"),
+        ("worker host per miss", f"{0 if p.kept_all else inputs.miss_host_s * 1e3:.3g} ms: {p.host_s * 1e3:.1f} ms a "
+                                 "token", "no miss asks expertd" if p.kept_all else s["host"]),
         ("read per token", f"{human_bytes(p.disk_bytes_per_token)} of blocks ({p.disk_s * 1e3:.1f} ms), "
                            f"{human_bytes(p.pcie_bytes_per_token)} copied ({p.pcie_s * 1e3:.1f} ms)", ""),
-        ("decode today", _rate(p.tok_s_today), "compute + host + max(disk, PCIe): misses wait"),
+        ("decode today", _rate(p.tok_s_today), "compute + PCIe: each layer's kept experts copied in, then computed"
+         if p.kept_all else "compute + host + max(disk, PCIe): misses wait"),
         ("decode, I/O overlapped", _rate(p.tok_s_overlapped), f"bound: {p.bound}"),
         ("prefill, read", f"{inputs.prompt_tokens} tokens: {p.prefill_experts_per_layer:.1f} experts a layer, "
                           f"{human_bytes(p.prefill_disk_bytes)} of blocks ({p.prefill_disk_s * 1e3:.1f} ms), "

@@ -16,6 +16,7 @@ from expertpack.daemon.config import load_config
 from expertpack.packtools.gguf_source import open_source
 from expertpack.packtools.layout import Manifest
 from expertpack.planner.cache_replay import pack_slot_bytes, replay, requests_of, tiered_hit_rates
+from expertpack.planner.plan import _keep_slots
 from expertpack.worker.experts.routing_trace import read_trace
 from expertpack.worker.serve import main as worker_main
 
@@ -90,6 +91,34 @@ def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     proc = run_cli("plan", tiny_pack, "--vram-gib", str((trunk + slot) / GIB), "--reserve-gib", "0",
                    "--disk-gbps", "1")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "top-" in proc.stderr
+
+
+def test_a_model_that_fits_vram_and_the_kept_tier_pays_no_host_time_per_miss(tiny_pack: Path) -> None:
+    """Issue 34: where the VRAM cache and the RAM-tier blocks expertd lets the worker keep hold every
+    expert, the worker reads each once at start and no step waits for expertd: every miss is a RAM
+    hit, the host term is 0, and a token takes compute plus the GPU's copies of its kept experts.
+    One block fewer in the tier and the misses wait for expertd again."""
+    m = Manifest.load(tiny_pack)
+    slot = pack_slot_bytes(m)
+    n_total = len(m.layers) * m.model.n_expert
+    k = m.model.n_expert_used
+    slots = n_total // 2 + 8
+    vram = m.trunk.size_bytes + slots * slot + 1000
+    common = ["--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5", "--pcie-gbps", "10",
+              "--compute-tok-s", "400", "--miss-host-ms", "0.5"]
+    got = plan_json(tiny_pack, *common, "--ram-gib", str(n_total * m.max_stride / GIB))["plan"]
+    # expertd's defaults: a hold share of half this tier, the rest kept, less a sixteenth (at least one)
+    keeps = n_total - max(16, n_total // 2)
+    assert got["keep_slots"] == keeps - max(1, keeps // 16) and slots + got["keep_slots"] >= n_total
+    assert got["kept_all"] and got["ram_hit_rate"] == 1.0 and got["host_s"] == 0 and got["disk_bytes_per_token"] == 0
+    payload = (1 - got["hit_rate"]) * sum(k * l.payload_bytes for l in m.layers)
+    assert got["pcie_bytes_per_token"] == pytest.approx(payload) and payload > 0
+    assert got["tok_s_today"] == pytest.approx(1 / (1 / 400 + payload / 10e9))
+    assert got["tok_s_overlapped"] == pytest.approx(1 / max(1 / 400, payload / 10e9))
+    short = max(r for r in range(n_total) if slots + _keep_slots(r) < n_total)  # the largest tier that falls short
+    fewer = plan_json(tiny_pack, *common, "--ram-gib", str((short + 0.5) * m.max_stride / GIB))["plan"]
+    assert fewer["ram_slots"] == short
+    assert not fewer["kept_all"] and fewer["host_s"] > 0 and fewer["ram_hit_rate"] < 1.0
 
 
 def test_the_disk_is_measured_with_o_direct(tiny_pack: Path) -> None:
