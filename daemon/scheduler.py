@@ -16,7 +16,8 @@ does READY name the slot: a block that fails the check is FAILed CORRUPT to ever
 on it, counted and logged once by (layer, expert), and every other key is served on. A read that
 comes back short because the pack was truncated under expertd is FAILed TRUNCATED (protocol v7),
 naming the pack's size now and its manifest's.
-Resident blocks are scrubbed: while no read is in flight, one at a time and at most SCRUB_BYTES_PER_S,
+Resident blocks are scrubbed: while no read is in flight and some client holds a session (an
+expertd nobody uses rests), one at a time and at most SCRUB_BYTES_PER_S,
 a block's bytes are checked against its crc32 again on a reader thread. Only expertd writes the
 segment (clients map it read-only), so a block that fails this was written by a process of
 expertd's own user or hit by a memory fault: it is counted in corrupt_blocks, condemned
@@ -86,6 +87,7 @@ class Scheduler:
         self.counters = counters
         self._send = send
         self.on_condemned: Callable[[int], None] = lambda index: None  # a RAM slot failed the scrub (the server tells its keepers)
+        self.has_clients: Callable[[], bool] = lambda: True  # whether anyone holds a session (the scrub rests otherwise)
         self.read_latency = Histogram()
         self.fetch_latency = Histogram()
         self.check_crc32 = pack.manifest.has_crc32
@@ -230,8 +232,9 @@ class Scheduler:
     # ---- the scrub of resident blocks ----------------------------------------------------------
     def scrub_wait_s(self, now: float) -> float | None:
         """Seconds until the scrub may check another block (the main loop wakes then), None while
-        it has nothing to do: no crc32s, or nothing resident."""
-        if not self.check_crc32 or not self.ram.resident_bytes:
+        it has nothing to do: no crc32s, nothing resident, or no client to serve (an idle expertd
+        rests; a block altered meanwhile is found once a client is back, before or after its hits)."""
+        if not self.check_crc32 or not self.ram.resident_bytes or not self.has_clients():
             return None
         return max(0.0, self._scrub_next - now)
 
@@ -239,7 +242,7 @@ class Scheduler:
         """Starts the check of the next resident block, when one is due, none is in flight and no
         read is: the scrub never competes with a read for a reader thread or the disk's time."""
         if (not self.check_crc32 or self._scrub is not None or self._reading or now < self._scrub_next
-                or not self.ram.resident_bytes):
+                or not self.ram.resident_bytes or not self.has_clients()):
             return
         slot = self._next_resident()
         if slot is None:

@@ -93,6 +93,7 @@ class ExpertDaemon:
             self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             self.scheduler = Scheduler(config, self.pack, self.layers, self.staging, self.ram, self.counters, self._send)
             self.scheduler.on_condemned = self._tell_keepers
+            self.scheduler.has_clients = lambda: bool(self.sessions.live)
         except BaseException:
             self.close()  # whatever was created so far: no shm or socket outlives a failed start
             raise

@@ -578,6 +578,36 @@ def test_clients_that_release_and_vanish_leave_no_holds_behind(tiny_pack: Path, 
     assert after["ram_hits"] - before["ram_hits"] == len(keys)
 
 
+def test_the_scrub_rests_while_no_client_is_connected(tiny_pack: Path, tmp_path: Path) -> None:
+    """An expertd nobody uses checks nothing (no reader work, no wake-ups for the scrub); it starts
+    again as soon as a client holds a session."""
+    m = Manifest.load(tiny_pack)
+    packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
+
+    def checks(sock: zmq.Socket) -> int:
+        sock.send(p.encode(p.Stats()))
+        assert sock.poll(5000)
+        reply = p.decode(sock.recv())
+        assert isinstance(reply, p.StatsReply)
+        return reply.stats["counters"]["ram_checks"]
+
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1") as d:
+        with ExpertClient(d.endpoint, name="filler") as client:
+            fetch_all(client, all_keys(m)[:8], m, packed)
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as probe:  # STATS needs no session
+            probe.setsockopt(zmq.LINGER, 0)
+            probe.connect(d.endpoint)
+            time.sleep(0.3)  # a check under way when the client left completes
+            idle = checks(probe)
+            time.sleep(1.5)
+            assert checks(probe) == idle, "the scrub ran with no client connected"
+            with raw_session(d.endpoint):
+                deadline = time.monotonic() + 10
+                while checks(probe) == idle:
+                    assert time.monotonic() < deadline, "the scrub did not start again with a client connected"
+                    time.sleep(0.05)
+
+
 def test_a_client_keeping_a_block_the_scrub_condemns_is_told(tiny_pack: Path, tmp_path: Path) -> None:
     """v8: a kept block is read by the client's GPU past any check of expertd's, so when the scrub
     finds it altered, expertd tells the client that keeps it (CONDEMNED, unasked) and no other;
