@@ -227,3 +227,50 @@ def test_steps_from_the_table_equal_the_eager_streaming_step(model: str, packs, 
             assert (any(kept) if not always_try else not all(kept)), kept
     finally:
         assert d.stop()[0] == 0
+
+
+@pytest.mark.parametrize("model", ["qwen3moe-a", "gptoss-a", "deepseek3-a"])
+def test_table_steps_over_kept_ram_tier_blocks_equal_the_eager_step(model: str, packs, tmp_path: Path) -> None:
+    """Issue 34 on the GPU: a cache of part of the experts over a RAM tier that holds the pack,
+    filled at start, keeps the rest in the tier (protocol v8). Every step then finds its experts in
+    VRAM or kept: with graphs, it runs as one graph whose lookup copies the kept blocks into VRAM on
+    the GPU; eagerly, the expert kernels read them where they lie, over PCIe. expertd is asked for
+    nothing after the fill, and the two give the same logits, bit for bit."""
+    pack = packs[model]
+    manifest = Manifest.load(pack)
+    every = len(manifest.layers) * manifest.model.n_expert
+    keeps = every - max(8, min(256, every // 2))  # expertd's keep share here: the tier less the hold share
+    slots = every - (keeps - max(1, keeps // 16)) + 1  # what the cache must hold beside the blocks it keeps
+    prompt = random.Random(2).choices(range(100), k=9)
+    d = start_daemon(pack, tmp_path, "--client-slots", "8", "--ram-cache-gib", "1")
+    d.wait_for("READY=1")
+    runs, ran = {}, []
+    try:
+        for graphs in (False, True):
+            engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=slots * slot_bytes(manifest),
+                                 prefetch=False)
+            engine.graphs = graphs
+            real_step = TableDecode.step
+
+            def counted(self: TableDecode, token: int) -> torch.Tensor | None:
+                logits = real_step(self, token)
+                at = self.staged[1] if self.graph is not None else self.record[1].cpu()
+                ran.append((logits is not None, bool(((at < 0) | (at >= self.source.slots_end)).any())))
+                return logits
+            try:
+                cache = engine.expert_cache
+                cache.fill()
+                assert len(cache.policy.slot_of) + len(cache.kept) >= every and len(cache.kept) > 0
+                fetches = cache.fetches
+                with pytest.MonkeyPatch.context() as m:
+                    m.setattr(TableDecode, "step", counted)
+                    runs[graphs] = decode(engine, prompt, 10)
+                assert cache.fetches == fetches  # nothing asked of expertd after the fill
+            finally:
+                engine.close()
+    finally:
+        assert d.stop()[0] == 0
+    (got, got_tokens), (want, want_tokens) = runs[True], runs[False]
+    assert ran and all(kept for kept, _ in ran) and any(tier for _, tier in ran), ran
+    assert got_tokens == want_tokens
+    assert torch.equal(got, want), f"{model}: max |diff| {(got - want).abs().max().item():.2e}"
