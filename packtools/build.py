@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,7 +33,7 @@ from . import gguf_stream
 from .build_plan import BuildPlan, plan_build
 from .build_state import BuildState, load_state, remove_state, save_state
 from .errors import BuildLockedError, DiskSpaceError, ExpertpackError, OutputExistsError
-from .gguf_source import SPLIT_NAME
+from .gguf_source import SPLIT_NAME, GGUFSource
 from .gguf_stream import string_field
 from .hashing import BlockHasher
 from .layout import (
@@ -71,7 +72,8 @@ def default_output(src: Path) -> Path:
     return src.with_name(stem + ".expertpack")
 
 
-def build_pack(src: Path, out: Path, options: BuildOptions = BuildOptions()) -> Manifest:
+def build_pack(src: Path | GGUFSource, out: Path, options: BuildOptions = BuildOptions()) -> Manifest:
+    """Builds the pack of `src` (a GGUF path, or a described source such as synth's) into `out`."""
     plan = plan_build(src)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +150,8 @@ class _Builder:
         existing = [n for n in OUTPUT_NAMES if self.path(n).exists()]
         if existing and not self.options.force and not had_state:
             raise OutputExistsError(
-                f"{self.out} already holds {', '.join(existing)}; pass --force to replace it, or choose another -o"
+                f"{self.out} already holds {', '.join(existing)}; pass --force to replace it, or choose another "
+                "output directory"
             )
         # The manifest goes first, so a half-removed pack never looks complete.
         for name in (MANIFEST_FILE, PACK_FILE, TRUNK_FILE):
@@ -198,7 +201,7 @@ class _Builder:
             raise DiskSpaceError(
                 f"not enough free space in {self.out}: need {human_bytes(needed)} for the pack and trunk plus "
                 f"{human_bytes(margin)} safety margin, but only {human_bytes(free)} is free "
-                "(free some space, build elsewhere with -o, or lower --safety-margin-gib)"
+                "(free some space, choose an output directory on another disk, or lower --safety-margin-gib)"
             )
 
     # ---- the copy ----------------------------------------------------------------------------
@@ -264,7 +267,8 @@ class _Builder:
                     with tqdm(total=start, unit="B", unit_scale=True, unit_divisor=1024,
                               desc="re-reading for the source digest", disable=not self.options.progress,
                               leave=False) as bar:
-                        hash_prefix(shard.path, start, digest, bar.update)
+                        with closing(self.plan.source.open_shard(shard_index)) as reader:
+                            hash_prefix(reader, start, digest, bar.update)
 
                 def on_segment_done(seg: Segment, sha: str | None) -> None:
                     nonlocal last_checkpoint, last_done
@@ -283,8 +287,9 @@ class _Builder:
                         self._checkpoint(state, fds, shard_index, seg.offset + seg.nbytes)
                         last_checkpoint = time.monotonic()
 
-                copy_shard(shard.path, shard.size_bytes, start, per_shard[shard_index], fds, digest, streamed,
-                           on_bytes, on_segment_done)
+                with closing(self.plan.source.open_shard(shard_index)) as reader:
+                    copy_shard(reader, shard.size_bytes, start, per_shard[shard_index], fds, digest, streamed,
+                               on_bytes, on_segment_done)
                 state.source_sha256.append(digest.hexdigest())
                 last_done = (shard_index + 1, 0)
                 self._checkpoint(state, fds, *last_done)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import ClassifyError
 from .experts import Classification, classify
-from .gguf_source import GGUFSource, MetadataField, file_identity, open_source
+from .gguf_source import GGUFSource, MetadataField, open_source
 from .gguf_stream import ARCH_KEY, TensorInfo
 from .layout import FORMAT_VERSION, TRUNK_FINGERPRINT_KEY, LayerLayout, RoleSpec, plan_layers
 
@@ -37,7 +37,7 @@ class BuildPlan:
         described = {
             "schema": PLAN_SCHEMA,
             "format_version": FORMAT_VERSION,
-            "source": file_identity(self.source.shards),
+            "source": self.source.identity(),
             "layers": [[l.layer, l.offset, l.stride, l.payload_bytes,
                         [[r.role, r.tensor, r.offset, r.nbytes] for r in l.roles]] for l in self.layers],
             "trunk": [[t.name, t.nbytes] for t in self.trunk_tensors],
@@ -45,8 +45,10 @@ class BuildPlan:
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
-def plan_build(src: Path | str) -> BuildPlan:
-    source = open_source(src)
+def plan_build(src: Path | str | GGUFSource) -> BuildPlan:
+    """The plan for a GGUF file (or split set), or for a source already described (synth's, whose
+    bytes are made as the build reads them)."""
+    source = src if isinstance(src, GGUFSource) else open_source(src)
     if TRUNK_FINGERPRINT_KEY in source.metadata:
         raise ClassifyError(f"{source.shards[0].path}: this is the trunk.gguf of an expert pack, not a model "
                             "source; build from the original GGUF")

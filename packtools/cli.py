@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ExpertpackError
-from .units import GIB, plain_number
+from .units import GIB, human_bytes, plain_number
+
+if TYPE_CHECKING:
+    from .synth.writer import SynthOptions
 
 EXIT_DAMAGED = 1
 
@@ -78,12 +83,26 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(run=_inspect)
 
-    s = sub.add_parser("synth", help="write a synthetic GGUF of a real architecture at a real model's shapes",
+    s = sub.add_parser("synth", help="write a synthetic GGUF (or its pack) of a real architecture at a real model's "
+                                     "shapes",
                        description="Write a GGUF with random (valid, finite) weights in the layout llama.cpp's "
                                    "converter uses for the preset's architecture, with a small trained tokenizer "
-                                   "in its metadata. For benchmarks and the demo; streams at disk speed.")
+                                   "in its metadata. For benchmarks and the demo; streams at disk speed. With "
+                                   "--pack instead of -o, write that GGUF's pack directly (what `expertpack build` "
+                                   "makes of it, byte for byte) without the GGUF ever being on disk: for models "
+                                   "whose GGUF and pack do not fit the disk together.")
     s.add_argument("--preset", help="model shape to imitate (see --list); required")
-    s.add_argument("-o", "--out", type=Path, help="output .gguf path (a split set when --shards > 1); required")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("-o", "--out", type=Path,
+                       help="output .gguf path (a split set when --shards > 1); this or --pack is required")
+    where.add_argument("--pack", type=Path, metavar="OUT",
+                       help="write experts.pack, manifest.json and trunk.gguf into the directory OUT instead: "
+                            "exactly what `expertpack build NAME.gguf -o OUT` writes from the GGUF `-o NAME.gguf` "
+                            "would write with the same flags, its manifest naming the source NAME.gguf (OUT's name "
+                            "without .expertpack, as build's default output has it). No GGUF is written; the disk "
+                            "needs room for the pack and trunk only. Follows build's rules for OUT: a finished pack "
+                            "is replaced only with --force, and a killed run resumes when rerun with the same flags "
+                            "(it makes the model again up to its last checkpoint, for the source digest, then goes on)")
     s.add_argument("--layers", type=int, metavar="N",
                    help="keep only the first N layers (fits real shapes on a small disk; default: all of the preset's)")
     s.add_argument("--type", dest="expert_type", metavar="T", help="ggml type of the routed experts (default: preset's)")
@@ -100,7 +119,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="Zipf-like expert popularity: in each layer the router row of the expert of (randomly "
                         "permuted) rank r is scaled by (r+1)**-S, so some experts are chosen far more often than "
                         "others (1 is strong); 0 (default) routes uniformly and writes the same bytes as before")
-    s.add_argument("--force", action="store_true", help="overwrite existing output files (default: refuse)")
+    s.add_argument("--force", action="store_true",
+                   help="overwrite existing output files (default: refuse); with --pack, as build's --force: replace "
+                        "a finished pack in OUT, or discard a resumable one")
+    s.add_argument("--safety-margin-gib", type=float, default=1.0, metavar="G",
+                   help="with --pack: refuse to start unless G GiB stay free after the pack and trunk are written "
+                        "(default 1), as build's flag")
     s.add_argument("--list", action="store_true", help="list presets with their sizes and exit")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(run=_synth)
@@ -154,14 +178,34 @@ def _synth(args: argparse.Namespace) -> int:
     if args.list:
         print(describe_presets())
         return 0
-    if not args.preset or not args.out:
-        raise ExpertpackError("synth needs --preset NAME and -o FILE.gguf (see --list for presets)")
+    if not args.preset or not (args.out or args.pack):
+        raise ExpertpackError("synth needs --preset NAME and either -o FILE.gguf or --pack OUT (see --list for "
+                              "presets)")
     if args.preset not in PRESETS:
         raise ExpertpackError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-    paths = write_synth(args.out, SynthOptions(
+    options = SynthOptions(
         preset=args.preset, n_layer=args.layers, expert_type=args.expert_type, trunk_type=args.trunk_type,
         expert_mix=args.expert_mix, shards=args.shards, seed=args.seed, force=args.force, progress=not args.quiet,
-        routing_skew=args.routing_skew))
-    for path in paths:
+        routing_skew=args.routing_skew)
+    if args.pack:
+        return _synth_pack(args.pack, options, int(args.safety_margin_gib * GIB))
+    for path in write_synth(args.out, options):
         print(path)
+    return 0
+
+
+def _synth_pack(out: Path, options: SynthOptions, safety_margin_bytes: int) -> int:
+    """synth --pack: the build of a source made as it is read (synth/stream.py), with build's defaults."""
+    from .build import BuildOptions, build_pack
+    from .synth.stream import source_name, synth_source
+
+    name = source_name(out)
+    source = synth_source(options, name)
+    logging.getLogger("expertpack.synth").info(
+        "synth %s straight into a pack: the GGUF %s (%s) is made as the build reads it, never written",
+        options.preset, name if options.shards == 1 else f"{options.shards} shards of {name}",
+        human_bytes(source.size_bytes))
+    manifest = build_pack(source, out, BuildOptions(force=options.force, progress=options.progress,
+                                                    safety_margin_bytes=safety_margin_bytes))
+    print(f"{out}  fingerprint {manifest.fingerprint}")
     return 0

@@ -1,7 +1,8 @@
 """Opens a source GGUF, one file or a llama.cpp split set given its first shard, through gguf-py's
 reader, and describes it as plain data: shards, metadata fields and tensors with absolute file
 offsets. It checks everything that can be checked without reading tensor data (shard count, order,
-identity, tensor ranges inside each file) and never reads tensor bytes itself."""
+identity, tensor ranges inside each file) and never reads tensor bytes itself: a build gets them
+from the reader `open_shard` hands out (a subclass, synth's SynthSource, makes them instead)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from .errors import SourceError
 from .quants import block_sizes
+from .source_pass import FileReader, ShardReader
 
 # llama.cpp's split naming (llama_split_path): <prefix>-00001-of-00003.gguf
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -77,6 +79,14 @@ class GGUFSource:
     def value(self, key: str, default: Any = None) -> Any:
         field = self.metadata.get(key)
         return default if field is None else field.value
+
+    def identity(self) -> list[dict[str, Any]]:
+        """What must be unchanged for a killed build of this source to resume (file_identity)."""
+        return file_identity(self.shards)
+
+    def open_shard(self, index: int) -> ShardReader:
+        """A reader of shard `index`'s bytes; the caller closes it."""
+        return FileReader(self.shards[index].path)
 
 
 def open_source(path: Path | str) -> GGUFSource:
@@ -281,6 +291,12 @@ def _field_int(reader: GGUFReader, key: str, path: Path) -> int:
     if field is None:
         raise SourceError(f"{path}: missing {key}; not a shard of a llama.cpp split set")
     return int(field.contents())
+
+
+def read_metadata(path: Path) -> dict[str, MetadataField]:
+    """The metadata of the GGUF at `path` as open_source gives it (a file of a header and no tensors
+    will do): how synth learns the values a build of its file would copy, float32 rounding included."""
+    return _metadata(_read(path), path)
 
 
 def _metadata(reader: GGUFReader, path: Path) -> dict[str, MetadataField]:

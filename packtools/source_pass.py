@@ -9,7 +9,11 @@ gathers each expert slice into an aligned buffer and writes it with one O_DIRECT
 at 4096-aligned offsets; the bytes up to the next 4096 boundary are the block's zero padding), and
 for layers streamed from their first role feeds each block's sha256 as the bytes pass (roles sit in
 the block in stream order, so no read-back). It knows nothing of manifests or resume state; it
-reports finished segments through a callback."""
+reports finished segments through a callback.
+
+Shard bytes come from a ShardReader: a file (FileReader), or bytes made as they are read (synth's
+stream.py, which packs a synthetic model without its GGUF ever being written); the pass cannot tell
+them apart."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 from .layout import ALIGNMENT as DIRECT  # O_DIRECT granularity: offsets, lengths, buffer addresses
 from .units import round_up as _round_up
@@ -73,6 +77,38 @@ class ExpertSegment:
 
 
 Segment = TrunkSegment | ExpertSegment
+
+
+class ShardReader(Protocol):
+    """One source shard's bytes. read_into is called from one thread at a time, at increasing
+    offsets; whoever opened the reader closes it."""
+
+    name: str  # what error messages call the shard (its path)
+    alignment: int  # a read starts at a multiple of this (O_DIRECT's block for a file; 1 for made bytes)
+
+    def read_into(self, buf: memoryview, at: int, want: int) -> int:
+        """Reads bytes [at, at + want) into buf[:want] (buf may be longer: an O_DIRECT read fills
+        whole blocks); returns how many it read, fewer only at the end of the shard."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class FileReader:
+    """A shard on disk, read with O_DIRECT where the filesystem takes it."""
+
+    alignment = DIRECT  # a file is read from block boundaries with or without O_DIRECT, as it always was
+
+    def __init__(self, path: Path) -> None:
+        self.name = str(path)
+        self.fd, self.direct = open_direct(path, os.O_RDONLY)
+
+    def read_into(self, buf: memoryview, at: int, want: int) -> int:
+        return os.preadv(self.fd, [buf[:round_up(want) if self.direct else want]], at)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class SliceWriter:
@@ -140,7 +176,7 @@ class SliceWriter:
 
 
 def copy_shard(
-    path: Path,
+    source: ShardReader,
     size_bytes: int,
     start: int,
     segments: list[Segment],
@@ -150,8 +186,8 @@ def copy_shard(
     on_bytes: Callable[[int], None],
     on_segment_done: Callable[[Segment, str | None], None],
 ) -> None:
-    """Streams shard bytes [start, size_bytes) through `digest` and routes segment bytes to the
-    outputs. `segments` are sorted, disjoint, and none straddles `start`. Expert bytes of a layer in
+    """Streams shard bytes [start, size_bytes) from `source` through `digest` and routes segment
+    bytes to the outputs. `segments` are sorted, disjoint, and none straddles `start`. Expert bytes of a layer in
     `block_hashers` feed its per-expert sha256 objects. `on_segment_done` gets a trunk segment's
     sha256 (None for expert segments)."""
     pending = [s for s in segments if s.offset >= start]
@@ -159,7 +195,7 @@ def copy_shard(
     index = 0
     trunk_digest = hashlib.sha256()
     try:
-        for chunk_offset, view in read_chunks(path, start, size_bytes, digest):
+        for chunk_offset, view in read_chunks(source, start, size_bytes, digest):
             chunk_end = chunk_offset + len(view)
             while index < len(pending) and pending[index].offset < chunk_end:
                 seg = pending[index]
@@ -185,20 +221,20 @@ def copy_shard(
     finally:
         writer.close()
     if index != len(pending):
-        raise OSError(f"{path}: ended before tensor {pending[index].name} was complete")
+        raise OSError(f"{source.name}: ended before tensor {pending[index].name} was complete")
 
 
-def hash_prefix(path: Path, end: int, digest: "hashlib._Hash", on_bytes: Callable[[int], None]) -> None:
+def hash_prefix(source: ShardReader, end: int, digest: "hashlib._Hash", on_bytes: Callable[[int], None]) -> None:
     """Feeds bytes [0, end) to `digest`: how a resumed build recovers the source digest."""
-    for _, view in read_chunks(path, 0, end, digest):
+    for _, view in read_chunks(source, 0, end, digest):
         on_bytes(len(view))
 
 
-def read_chunks(path: Path, start: int, end: int, digest: "hashlib._Hash") -> Iterator[tuple[int, memoryview]]:
+def read_chunks(source: ShardReader, start: int, end: int,
+                digest: "hashlib._Hash") -> Iterator[tuple[int, memoryview]]:
     """Yields (offset, bytes) covering [start, end) in order, through a three-stage pipeline over a
-    small ring of page-aligned buffers: a reader thread (O_DIRECT where the filesystem takes it), a
-    digest thread feeding `digest`, and the caller. A yielded view is valid until the next
-    iteration."""
+    small ring of page-aligned buffers: a reader thread calling `source`, a digest thread feeding
+    `digest`, and the caller. A yielded view is valid until the next iteration."""
     if start >= end:
         return
     free: queue.Queue[mmap.mmap] = queue.Queue()
@@ -209,26 +245,23 @@ def read_chunks(path: Path, start: int, end: int, digest: "hashlib._Hash") -> It
     stop = threading.Event()
 
     def reader() -> None:
-        fd = -1
         try:
-            fd, direct = open_direct(path, os.O_RDONLY)
-            at = start - start % DIRECT  # O_DIRECT reads start on a block boundary
+            at = start - start % source.alignment  # O_DIRECT reads start on a block boundary
             while at < end and not stop.is_set():
                 buf = free.get()
                 if stop.is_set():
                     return
                 want = min(CHUNK_BYTES, end - at)
-                got = os.preadv(fd, [memoryview(buf)[:round_up(want) if direct else want]], at)
+                got = source.read_into(memoryview(buf), at, want)
                 if got < want:
-                    raise OSError(f"{path}: short read at byte {at}: wanted {want}, got {got} (file truncated?)")
+                    raise OSError(f"{source.name}: short read at byte {at}: wanted {want}, got {got} "
+                                  "(file truncated?)")
                 skip = max(0, start - at)
                 read.put((at + skip, buf, skip, want))
                 at += want
         except BaseException as exc:  # handed down the pipeline to the caller, which raises it
             read.put(exc)
         finally:
-            if fd >= 0:
-                os.close(fd)
             read.put(None)
 
     def hasher() -> None:

@@ -1,6 +1,8 @@
 """`expertpack synth`: writes a synthetic GGUF (or a llama.cpp split set) of a preset's architecture
 and shapes, random valid weights, and a small tokenizer. Streams tensor by tensor in bounded memory,
-into `.partial` files renamed at the end, so an interrupted run never leaves a plausible model."""
+into `.partial` files renamed at the end, so an interrupted run never leaves a plausible model.
+What each shard holds (plan_shards) and each tensor's bytes in order (tensor_chunks) are shared with
+stream.py, which hands the same bytes to a build instead of a file (`synth --pack`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as T, GGUFValueType
@@ -179,10 +181,30 @@ def shard_paths(out: Path, shards: int) -> list[Path]:
     return [out.with_name(f"{stem}-{i:05d}-of-{shards:05d}.gguf") for i in range(1, shards + 1)]
 
 
+@dataclass(frozen=True)
+class SynthShard:
+    """One file of the output: the header write_header gets for it and its tensors, in file order."""
+
+    arch: str | None  # None: a split set's later shards carry no general.architecture
+    metadata: list[MetadataField]
+    tensors: list[SynthTensor]
+
+    def infos(self) -> list[TensorInfo]:
+        return [t.info() for t in self.tensors]
+
+
+def plan_shards(plan: SynthPlan, shards: int) -> list[SynthShard]:
+    """The `shards` files of the model, tensors in plan order, split into runs of about equal bytes."""
+    if shards < 1 or shards > len(plan.tensors):
+        raise ExpertpackError(f"--shards must be between 1 and the tensor count {len(plan.tensors)}")
+    return [SynthShard(plan.arch if index == 0 else None,
+                       _shard_metadata(plan.metadata, index, shards, len(plan.tensors)), group)
+            for index, group in enumerate(_balanced_groups(plan.tensors, shards))]
+
+
 def write_synth(out: Path, options: SynthOptions) -> list[Path]:
     plan = plan_synth(options)
-    if options.shards < 1 or options.shards > len(plan.tensors):
-        raise ExpertpackError(f"--shards must be between 1 and the tensor count {len(plan.tensors)}")
+    shards = plan_shards(plan, options.shards)
     paths = shard_paths(out, options.shards)
     existing = [str(p) for p in paths if p.exists()]
     if existing and not options.force:
@@ -195,18 +217,20 @@ def write_synth(out: Path, options: SynthOptions) -> list[Path]:
     log.info("synth %s (%s): %d tensors, %s, %d shard(s)", options.preset, plan.arch, len(plan.tensors),
              human_bytes(plan.total_bytes), options.shards)
     fill = RandomFill(options.seed)
-    groups = _balanced_groups(plan.tensors, options.shards)
     with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="synth",
               disable=not options.progress, mininterval=0.5, dynamic_ncols=True) as bar:
-        for index, (path, group) in enumerate(zip(paths, groups)):
+        for path, shard in zip(paths, shards):
             partial = path.with_name(path.name + ".partial")
-            metadata = _shard_metadata(plan.metadata, index, options.shards, len(plan.tensors))
-            layout = write_header(partial, plan.arch if index == 0 else None, metadata, [t.info() for t in group])
+            layout = write_header(partial, shard.arch, shard.metadata, shard.infos())
             fd = os.open(partial, os.O_RDWR)
             try:
-                os.ftruncate(fd, layout.size_bytes)
-                for t in group:
-                    _write_tensor(fd, layout.offsets[t.spec.name], t, plan, fill, bar.update)
+                os.ftruncate(fd, layout.size_bytes)  # the gaps between tensors read as the zeros GGUFWriter pads with
+                for t in shard.tensors:
+                    at = layout.offsets[t.spec.name]
+                    for data in tensor_chunks(t, plan, fill):
+                        _pwrite(fd, data, at)
+                        at += data.nbytes
+                        bar.update(data.nbytes)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -215,15 +239,17 @@ def write_synth(out: Path, options: SynthOptions) -> list[Path]:
     return paths
 
 
-def _write_tensor(fd: int, offset: int, t: SynthTensor, plan: SynthPlan, fill: RandomFill, on_bytes: Any) -> None:
+def tensor_chunks(t: SynthTensor, plan: SynthPlan, fill: RandomFill) -> Iterator[np.ndarray]:
+    """The bytes of tensor `t` (flat uint8 arrays of at most CHUNK_BYTES, a hash-routing table whole),
+    in order. `fill` is one random sequence over the whole model: tensors must be asked for in plan
+    order, each to its end, for the same seed to give the same bytes."""
     if t.spec.kind is Kind.INDEX:
         k, n_vocab = t.spec.shape
         data = fill.expert_ids(plan.n_expert, k, n_vocab).view(np.uint8)
         if plan.routing_skew:  # drawn anyway above, so that the weights after it stay the same
             data = skewed_expert_ids(plan.seed, _layer(t.spec.name), plan.n_expert, k, n_vocab,
                                      plan.routing_skew).view(np.uint8)
-        _pwrite(fd, data, offset)
-        on_bytes(len(data))
+        yield np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         return
     block_bytes = QUANTS[t.ggml_type].nbytes
     per_chunk = max(1, CHUNK_BYTES // block_bytes) * block_bytes
@@ -241,9 +267,9 @@ def _write_tensor(fd: int, offset: int, t: SynthTensor, plan: SynthPlan, fill: R
             data = fill.floats(t.ggml_type, n // block_bytes, std=0.02 * gain)
             if t.spec.kind is Kind.ROUTER and plan.routing_skew:
                 data = _skewed_router(data, done, t, plan)
-        _pwrite(fd, data, offset + done)
+        assert data.nbytes == n, (t.spec.name, data.nbytes, n)
+        yield np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         done += n
-        on_bytes(n)
 
 
 def _skewed_router(data: np.ndarray, done: int, t: SynthTensor, plan: SynthPlan) -> np.ndarray:

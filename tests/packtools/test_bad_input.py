@@ -265,10 +265,23 @@ def test_unwritable_output_is_one_line(tmp_path: Path) -> None:
 def test_a_source_that_cannot_be_read_fails_instead_of_hanging(tmp_path: Path) -> None:
     import hashlib
 
-    from expertpack.packtools.source_pass import read_chunks
+    from expertpack.packtools.source_pass import FileReader, read_chunks
 
     with pytest.raises(FileNotFoundError):
-        for _ in read_chunks(tmp_path / "gone.gguf", 0, 1 << 20, hashlib.sha256()):
+        for _ in read_chunks(FileReader(tmp_path / "gone.gguf"), 0, 1 << 20, hashlib.sha256()):
+            pass
+
+    class Failing:  # a reader whose read fails in the pipeline's reader thread
+        name, alignment = "failing", 1
+
+        def read_into(self, buf: memoryview, at: int, want: int) -> int:
+            raise OSError(5, "Input/output error")
+
+        def close(self) -> None:
+            pass
+
+    with pytest.raises(OSError, match="Input/output error"):
+        for _ in read_chunks(Failing(), 0, 1 << 20, hashlib.sha256()):
             pass
 
 
