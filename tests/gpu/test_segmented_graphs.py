@@ -274,3 +274,49 @@ def test_table_steps_over_kept_ram_tier_blocks_equal_the_eager_step(model: str, 
     assert ran and all(kept for kept, _ in ran) and any(tier for _, tier in ran), ran
     assert got_tokens == want_tokens
     assert torch.equal(got, want), f"{model}: max |diff| {(got - want).abs().max().item():.2e}"
+
+
+@pytest.mark.parametrize("model", ["qwen3moe-a", "gptoss-a", "deepseek3-a"])
+def test_prompts_from_the_table_equal_the_eager_prompt(model: str, packs, tmp_path: Path) -> None:
+    """Issue 35 on the GPU: a cache that holds every expert in VRAM, filled at start and warmed up
+    as expert-worker does (Engine.warm_up: a graph per short prompt length over the device table),
+    runs prompts of 9 and 33 tokens as those graphs and one of 70 as an eager pass over the table,
+    and gives the logits and greedy tokens of the same prompts run with the host's lookups (table
+    steps off), bit for bit, asking expertd for nothing after the fill."""
+    pack = packs[model]
+    manifest = Manifest.load(pack)
+    every = len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest)
+    rng = random.Random(3)
+    prompts = [rng.choices(range(100), k=n) for n in (9, 33, 70)]
+    d = daemon_on(pack, tmp_path)
+    runs, ran = {}, []
+    try:
+        for table in (False, True):
+            engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=every, prefetch=False)
+            engine.table_steps = table
+            real_step = TableDecode.step
+
+            def counted(self: TableDecode, tokens: int | list[int]) -> torch.Tensor | None:
+                logits = real_step(self, tokens)
+                if self.tokens > 1:
+                    ran.append((self.tokens, self.graph is not None, logits is not None))
+                return logits
+            try:
+                cache = engine.expert_cache
+                cache.fill()
+                assert cache.holds_every_expert
+                engine.warm_up(1)
+                fetches = cache.fetches
+                ran.clear()
+                with pytest.MonkeyPatch.context() as m:
+                    m.setattr(TableDecode, "step", counted)
+                    runs[table] = [decode(engine, prompt, 3) for prompt in prompts]
+                assert cache.fetches == fetches
+            finally:
+                engine.close()
+    finally:
+        assert d.stop()[0] == 0
+    assert ran == [(9, True, True), (33, True, True), (70, False, True)], ran
+    for (got, got_tokens), (want, want_tokens) in zip(runs[True], runs[False]):
+        assert got_tokens == want_tokens
+        assert torch.equal(got, want), f"{model}: max |diff| {(got - want).abs().max().item():.2e}"

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from expertpack.packtools.layout import Manifest
-from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.engine import STATIC_PROMPT_MAX_TOKENS, Engine
 from expertpack.worker.engine.graphs import TableDecode
-from expertpack.worker.experts.expert_cache import slot_bytes
+from expertpack.worker.experts.expert_cache import ExpertCache, slot_bytes
 from expertpack.worker.nn.backend import kernels_on_cpu
 
 from ..helpers.engine import assert_same, daemon_for, greedy_run, minimal_cache_bytes
@@ -125,3 +125,75 @@ def test_table_steps_read_kept_ram_tier_blocks_with_the_same_bits(fixture_packs,
     assert ran["from_tier"] >= 1, ran  # (a step choosing an expert never fetched before is dropped)
     assert ran["fetches"] <= eager["fetches"]
     assert_same(got, want, "steps from the table, kept blocks copied in on the device")
+
+
+def run_turns(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, try_prompts: bool = False
+              ) -> tuple[tuple[list[torch.Tensor], list[int]], tuple[int, ...], dict[str, int]]:
+    """A conversation's turns through expertd, prefetch off: a prompt and greedy steps, then a
+    second prompt continuing the sequence (static shapes, as a chat's next turn), then a prompt
+    longer than STATIC_PROMPT_MAX_TOKENS in a sequence of its own (eager shapes). The logits and
+    tokens, the counters, and how many prompts a table pass kept and dropped. `try_prompts`: every
+    prompt is tried from the table, whatever the cache holds."""
+    ran = {"kept": 0, "dropped": 0}
+    real_step = TableDecode.step
+
+    def counted(self: TableDecode, tokens: int | list[int]) -> torch.Tensor | None:
+        logits = real_step(self, tokens)
+        if self.tokens > 1:
+            ran["kept" if logits is not None else "dropped"] += 1
+        return logits
+
+    engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=False)
+    engine.table_steps = table_steps
+    try:
+        engine.expert_cache.fill()  # as expert-worker starts: where the slots hold every expert, all read once
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(TableDecode, "step", counted)
+            if try_prompts:
+                m.setattr(ExpertCache, "holds_every_expert", property(lambda self: True))
+                real = Engine._prompt_from_table
+
+                def always(self: Engine, cache) -> bool:
+                    self._found_all = True
+                    return real(self, cache)
+                m.setattr(Engine, "_prompt_from_table", always)
+            seq = engine.new_sequence()
+            logits, tokens = greedy_run(engine, PROMPT, N_STEPS, seq)
+            more, more_tokens = greedy_run(engine, [tokens[-1], 7, 3, 11, 2], 2, seq)
+            long_prompt = [(5 * i + 1) % 50 for i in range(STATIC_PROMPT_MAX_TOKENS + 6)]
+            last, last_tokens = greedy_run(engine, long_prompt, 1)
+        return (logits + more + last, tokens + more_tokens + last_tokens), counters(engine), ran
+    finally:
+        engine.close()
+
+
+def test_prompts_over_a_cache_holding_every_expert_run_from_the_table_with_the_same_bits(
+        fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs[PACK][1]
+    manifest = Manifest.load(pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest)
+    d = daemon_for(pack, tmp_path)
+    try:
+        with kernels_on_cpu():
+            want, want_counters, _ = run_turns(pack, d.endpoint, every_expert, table_steps=False)
+            got, got_counters, ran = run_turns(pack, d.endpoint, every_expert, table_steps=True)
+    finally:
+        assert d.stop()[0] == 0
+    assert ran == {"kept": 2, "dropped": 0}  # after the first, which runs before any step has found its experts
+    assert_same(got, want, "prompts from the table")
+    assert got_counters == want_counters
+
+
+def test_a_prompt_that_finds_an_expert_outside_the_vram_slots_is_never_kept(fixture_packs, tmp_path: Path) -> None:
+    pack = fixture_packs[PACK][1]
+    d = daemon_for(pack, tmp_path)
+    try:
+        with kernels_on_cpu():
+            want, want_counters, _ = run_turns(pack, d.endpoint, minimal_cache_bytes(pack), table_steps=False)
+            got, got_counters, ran = run_turns(pack, d.endpoint, minimal_cache_bytes(pack), table_steps=True,
+                                               try_prompts=True)
+    finally:
+        assert d.stop()[0] == 0
+    assert ran["dropped"] >= 2, ran  # a minimal cache holds one token's k: a prompt's picks are not all there
+    assert_same(got, want, "prompts tried from the table")
+    assert got_counters == want_counters

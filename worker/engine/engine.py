@@ -62,6 +62,8 @@ class Engine:
     # slot -> its decode step as one graph over the expert cache's device table, tried while few
     # recent steps needed a fetch (_found_all); SegmentedDecode runs the token where it did not
     _table_graphs: dict[int, TableDecode] = field(default_factory=dict, repr=False)
+    # (slot, prompt length) -> a short prompt as one graph over the device table (_table_prompt)
+    _table_prompts: dict[tuple[int, int], TableDecode] = field(default_factory=dict, repr=False)
     _found_all: bool = field(default=False, repr=False)
     _miss_share: float = field(default=TABLE_MISS_SHARE, repr=False)  # fading share of recent steps that fetched
 
@@ -154,6 +156,33 @@ class Engine:
         return self.arena.open()
 
     @torch.inference_mode()
+    def warm_up(self, token: int, steps: int = 8) -> int:
+        """Does what would make the first requests slow before they come: the kernels compiled for
+        a decode step and for short and long prompts, the decode step's graphs captured (in
+        segments, then over the expert table once a step has found every expert), and, where
+        prompts are captured (every expert resident on CUDA, or every expert in the cache's VRAM
+        slots), a graph for every static prompt length. All in slot 0, where a server's one request
+        at a time runs; the long prompt in slot 1, so that its buffers do not widen slot 0's
+        reservation. The logits are thrown away. Returns how many prompt graphs it captured."""
+        with self.new_sequence() as seq:
+            for _ in range(1 + steps):
+                self.forward([token], seq)
+            with self.new_sequence() as other:  # eager shapes, and a short prompt where not captured
+                self.forward([token] * (STATIC_PROMPT_MAX_TOKENS + 1), other, last=True)
+                self.forward([token] * 5, other, last=True)
+        if (self.device.type != "cuda" or not self.prompt_graphs or not self.static_steps
+                or not self.model.static_prompt or self.place.split):
+            return 0
+        with self.new_sequence() as seq:
+            if not (self._replayed_kind() is DecodeGraph or self._prompt_from_table(seq.kv)):
+                return 0
+        before = len(self._prompt_graphs) + len(self._table_prompts)
+        for t in range(2, STATIC_PROMPT_MAX_TOKENS + 1):
+            with self.new_sequence() as seq:
+                self.forward([token] * t, seq, last=True)
+        return len(self._prompt_graphs) + len(self._table_prompts) - before
+
+    @torch.inference_mode()
     def forward(self, tokens: list[int], seq: Sequence, last: bool = False) -> torch.Tensor:
         """Logits [len(tokens), n_vocab] (float32) after each token, continuing the sequence; with
         `last`, [1, n_vocab] after the last token only (what a generation's prefill needs)."""
@@ -166,6 +195,10 @@ class Engine:
                 if (last and 1 < len(tokens) <= STATIC_PROMPT_MAX_TOKENS and self.model.static_prompt
                         and not self.place.split and self._reserve_for_prompt(cache, len(tokens))):
                     return self._static_prompt(tokens, seq.slot, cache)
+            if len(tokens) > 1 and self._prompt_from_table(cache):
+                logits = self._table_prompt(tokens, seq.slot, cache, last, static=False)
+                if logits is not None:
+                    return logits
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, cache, last).to(torch.float32)
 
@@ -176,9 +209,10 @@ class Engine:
             self._graphs.pop(s, None)
             self._table_graphs.pop(s, None)
             self._captured_at.pop(s, None)
-            for key in [k for k in self._prompt_graphs if k[0] == s]:
-                del self._prompt_graphs[key]
-        if not self._prompt_graphs:
+            for graphs in (self._prompt_graphs, self._table_prompts):
+                for key in [k for k in graphs if k[0] == s]:
+                    del graphs[key]
+        if not self._prompt_graphs and not self._table_prompts:
             self._prompt_pool = None
 
     def _current_graphs(self, slot: int, cache: KVCache) -> None:
@@ -228,12 +262,57 @@ class Engine:
                     self._captured_at[slot] = _buffers_of(cache)  # an empty slot's buffers were just made
             if graph is not None:
                 return graph.step(tokens)
+        if self._prompt_from_table(cache):
+            logits = self._table_prompt(tokens, slot, cache, True, static=True)
+            if logits is not None:
+                return logits
         cache.step_positions = torch.arange(cache.length, cache.length + t, dtype=torch.int64, device=self.device)
         try:
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, cache, True).to(torch.float32)
         finally:
             cache.step_positions = None
+
+    def _prompt_from_table(self, cache: KVCache) -> bool:
+        """Whether a prompt is tried as one pass over the cache's device table: where every
+        expert sits in a VRAM slot (a prompt's T*k picks would otherwise seldom all be there, and
+        a pass that misses one is run again), once the steps before found theirs."""
+        source = self.files.experts
+        return (self.table_steps and self._found_all and isinstance(source, ExpertCache) and source.holds_every_expert
+                and self.place.ops.kernels and not self.place.split and self.model.moe.routing_log is None
+                and TableDecode.usable(self.model, cache))
+
+    def _table_prompt(self, tokens: list[int], slot: int, cache: KVCache, last: bool,
+                      static: bool) -> torch.Tensor | None:
+        """A prompt as one pass over the expert table (TableDecode): with the static shapes
+        (`cache` reserved for it), a CUDA graph per slot and prompt length where prompts are
+        captured, like a resident engine's; else eagerly. Its logits, or None where an expert was
+        not in VRAM (nothing of that pass is kept; the caller runs the prompt the usual way)."""
+        table = None
+        if static and self.prompt_graphs and self.device.type == "cuda":
+            self._current_graphs(slot, cache)
+            table = self._table_prompts.get((slot, len(tokens)))
+            if table is None:
+                if self._prompt_pool is None:
+                    self._prompt_pool = torch.cuda.graph_pool_handle()
+                try:
+                    table = TableDecode(self.model, cache, self.device, len(tokens), last=True, pool=self._prompt_pool)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except RuntimeError as exc:  # an operation CUDA cannot capture: eagerly
+                    log.warning("prompt over the expert table not captured as a CUDA graph (%s); prompts run "
+                                "eagerly", exc)
+                    self.prompt_graphs = False
+                    table = None
+                else:
+                    self._table_prompts[(slot, len(tokens))] = table
+                    self._captured_at[slot] = _buffers_of(cache)
+        if table is None:
+            table = TableDecode(self.model, cache, self.device, len(tokens), last, capture=False, static=static)
+        logits = table.step(tokens)
+        if logits is None:
+            self._note_step(missed=True)
+        return logits
 
     def _static_step(self, token: int, slot: int, cache: KVCache) -> torch.Tensor:
         """A decode step on the GPU with the same shapes at every position: the KV cache reserved

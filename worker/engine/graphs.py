@@ -242,19 +242,28 @@ class TableDecode:
     token again through SegmentedDecode, which fetches it and writes every position the discarded
     pass wrote. So only models whose steps write nothing else take it: no states updated in place
     (`usable`). A step that found everything tells the cache which experts it used (its policy's
-    touches). On the CPU nothing is captured: the same lookups run in an eager pass."""
+    touches). On the CPU nothing is captured: the same lookups run in an eager pass.
 
-    def __init__(self, model: Model, cache: KVCache, device: torch.device) -> None:
+    A prompt of `tokens` tokens (logits of its last with `last`) runs the same way, as the decode
+    step's static shapes (a graph per prompt length, `capture`) or eagerly with `static` off (a
+    long prompt), except that it takes experts from the VRAM slots only: the transit slots hold one
+    token's k, so a prompt that needs a kept block is run again the usual way, as one that needs
+    an absent expert is. Where the cache holds every expert that is never: a prompt costs a few
+    launches a layer instead of the host's work per expert (engine._table_prompt)."""
+
+    def __init__(self, model: Model, cache: KVCache, device: torch.device, tokens: int = 1, last: bool = False,
+                 pool: object = None, capture: bool | None = None, static: bool = True) -> None:
         self.model, self.cache, self.device = model, cache, device
+        self.tokens, self.last, self.static = tokens, last, static
         self.source: ExpertCache = model.moe.source
         self._index = {layer: i for i, layer in enumerate(self.source.served)}
-        k = self.source.manifest.model.n_expert_used
-        self.record = torch.zeros(2, len(self._index), k, dtype=torch.int64, device=device)  # ids, offsets
-        self.staged = torch.zeros(2, len(self._index), k, dtype=torch.int64, pin_memory=device.type == "cuda")
+        pairs = tokens * self.source.manifest.model.n_expert_used
+        self.record = torch.zeros(2, len(self._index), pairs, dtype=torch.int64, device=device)  # ids, offsets
+        self.staged = torch.zeros(2, len(self._index), pairs, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.graph: DecodeGraph | None = None
-        if device.type == "cuda":
+        if device.type == "cuda" if capture is None else capture:
             with self._looking_up():
-                self.graph = DecodeGraph(model, cache, device)
+                self.graph = DecodeGraph(model, cache, device, tokens, last, pool)
 
     @staticmethod
     def usable(model: Model, cache: KVCache) -> bool:
@@ -274,31 +283,50 @@ class TableDecode:
         """ExpertFFN's boundary: the layer's offsets from the table, recorded with its ids."""
         i = self._index[layer]
         source = self.source
-        offsets = self.model.moe.ops.expert_lookup(ids, source.table[layer], self.record[0, i], self.record[1, i],
-                                                   source.memory, source.slots_end, source.slot_bytes,
-                                                   source.layout(layer).payload_bytes)
+        if self.tokens == 1:
+            offsets = self.model.moe.ops.expert_lookup(ids, source.table[layer], self.record[0, i], self.record[1, i],
+                                                       source.memory, source.slots_end, source.slot_bytes,
+                                                       source.layout(layer).payload_bytes)
+        else:
+            offsets = slot_lookup(ids, source.table[layer], self.record[0, i], self.record[1, i], source.slots_end)
         return ExpertRows(source.memory, offsets)
 
-    def step(self, token: int) -> torch.Tensor | None:
-        """The logits after `token`, or None (the sequence as before) where an expert was absent."""
+    def step(self, tokens: int | list[int]) -> torch.Tensor | None:
+        """The logits after `tokens` (a decode step's token, or the prompt's), or None (the
+        sequence as before) where an expert was absent, or for a prompt not in a VRAM slot."""
         length = self.cache.length
         self.source.check_session()
         if self.graph is not None:
-            logits = self.graph.step(token)
+            logits = self.graph.step(tokens)
             self.staged.copy_(self.record, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
             record = self.staged
         else:
-            self.cache.step_positions = torch.full((1,), length, dtype=torch.int64, device=self.device)
+            ids = [tokens] if isinstance(tokens, int) else tokens
+            if self.static:
+                self.cache.step_positions = torch.arange(length, length + len(ids), dtype=torch.int64,
+                                                         device=self.device)
             try:
                 with self._looking_up():
-                    logits = self.model.forward(torch.full((1,), token, dtype=torch.int64, device=self.device),
-                                                self.cache).to(torch.float32)
+                    logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                                                self.cache, self.last).to(torch.float32)
             finally:
                 self.cache.step_positions = None
             record = self.record
-        if bool((record[1] == -1).any()):
+        at = record[1]
+        if bool((at == -1).any() if self.tokens == 1 else ((at < 0) | (at >= self.source.slots_end)).any()):
             self.cache.length = length
             return None
-        self.source.found(record[0].tolist(), record[1].tolist())
+        self.source.found(record[0].tolist(), at.tolist())
         return logits
+
+
+def slot_lookup(ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor,
+                slots_end: int) -> torch.Tensor:
+    """ops.expert_lookup for a prompt's experts `ids` [T, k], without transit: records ids and
+    offsets as it does, and returns the offsets of the ones in VRAM slots ([0, slots_end)) as they
+    are, 0 for the others (a pass the host drops reads only the cache). A few launches, no sync."""
+    inside = ids.reshape(-1).clamp(0, row.shape[0] - 1)  # past an absent expert the routing may read NaN
+    rec_ids.copy_(inside)
+    torch.index_select(row, 0, inside, out=rec_offsets)
+    return torch.where((rec_offsets >= 0) & (rec_offsets < slots_end), rec_offsets, 0)

@@ -192,6 +192,12 @@ class ExpertCache:
         return self._counters
 
     @property
+    def holds_every_expert(self) -> bool:
+        """Whether every expert the cache serves sits in a VRAM slot now (after fill(), where the
+        slots hold them all): then no step's experts can be absent, however many it picks."""
+        return not self._evicts and len(self.policy.slot_of) == self.n_slots
+
+    @property
     def fetches(self) -> int:
         """How many times a step has waited for misses: unchanged over a step, it found every expert."""
         return self._fetches
