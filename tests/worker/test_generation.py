@@ -45,3 +45,17 @@ def test_a_request_whose_client_left_never_runs(generator: Generator) -> None:
     req = Request(generator.tokenizer.encode("hello"), 10, Sampler())
     done = generator.run(req, cancelled=lambda: True)
     assert done.finish_reason == "cancelled" and done.token_ids == [] and done.text == ""
+
+
+def test_a_warm_up_leaves_no_trace_in_later_requests() -> None:
+    """Generator.warm_up (what expert-worker runs before it says ready) runs prompts and steps in
+    the engine's arena slots and sampled generations: the next request's tokens and text are
+    those of an engine that never warmed up."""
+    engine = Engine.load(FIXTURES / "gguf" / "qwen3moe-a" / "qwen3moe-a.Q4_K_M.gguf")
+    cold = Generator(engine, load_tokenizer(engine.files.metadata))
+    want = run(cold, n=12)
+    warm = Generator(Engine.load(FIXTURES / "gguf" / "qwen3moe-a" / "qwen3moe-a.Q4_K_M.gguf"), cold.tokenizer)
+    assert warm.warm_up() == "prompts run eagerly"  # on the CPU nothing is captured
+    assert warm.engine.arena.in_use == 0
+    got = run(warm, n=12)
+    assert (got.token_ids, got.text) == (want.token_ids, want.text)

@@ -119,6 +119,15 @@ class Generator:
         arch = engine.files.arch
         self.n_ctx = int(engine.files.metadata.get(f"{arch}.context_length", 4096))
 
+    def warm_up(self) -> str:
+        """Engine.warm_up, then two short generations (greedy and sampled, with penalties) through
+        this generator, so that the first request compiles and captures nothing. -> what it did."""
+        token = self.tokenizer.bos_id or 0
+        captured = self.engine.warm_up(token)
+        for sampler in (Sampler(), Sampler(temperature=0.7, top_k=40, top_p=0.9, frequency_penalty=0.1)):
+            self.run(Request([token] * 4, 4, sampler, ignore_eos=True))
+        return f"{captured} prompt graphs captured" if captured else "prompts run eagerly"
+
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.n_ctx:
             raise ContextExceeded(

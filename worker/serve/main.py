@@ -285,8 +285,11 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
                 engine.expert_cache.fill()
         except CorruptExpert as exc:  # it fails the requests that need it; the experts not read yet come with use
             log.error("reading every expert at start: %s", exc)
-        try:
-            engine.forward([tokenizer.bos_id or 0], engine.new_sequence())  # warm-up: kernels, allocator, first experts
+        try:  # before /health says ready: the first request then pays no compiling nor capturing
+            warmed = time.perf_counter()
+            log.info("warming up: kernels, the decode step's graphs, short prompts' graphs")
+            done = generator.warm_up()
+            log.info("warmed up in %.1f s: %s", time.perf_counter() - warmed, done)
         except CorruptExpert as exc:  # the pack's damage fails the requests that need it; /health says degraded
             log.error("warm-up: %s", exc)
         trace = None
