@@ -36,6 +36,11 @@ STATIC_PROMPT_MAX_TOKENS = 64
 # ... while its reservation holds at most this many positions: beyond, its attention over the whole
 # reservation (torch's, above layers.DECODE_MAX_QUERIES queries) would cost more than its launches.
 STATIC_PROMPT_MAX_CAPACITY = 4096
+# Long prompts (eager shapes) a warm-up runs, so that a request's prompt compiles no kernel: their
+# lengths cross the MoE paths' thresholds (moe.fused_path: tiles, then dense from 6 pairs an expert)
+# and the kernels' block sizes, which grow with the prompt up to a few hundred tokens.
+WARM_UP_LONG_PROMPTS = (STATIC_PROMPT_MAX_TOKENS + 1, 2 * STATIC_PROMPT_MAX_TOKENS, 4 * STATIC_PROMPT_MAX_TOKENS,
+                        8 * STATIC_PROMPT_MAX_TOKENS)
 # Over the expert cache, a decode step runs from the device table (one graph, no host stop) while
 # fewer than this share of recent steps needed a fetch: a step that finds an expert absent is run
 # twice (its table pass dropped, then in segments), one that finds all of them is 2-3x faster.
@@ -162,14 +167,17 @@ class Engine:
         segments, then over the expert table once a step has found every expert), and, where
         prompts are captured (every expert resident on CUDA, or every expert in the cache's VRAM
         slots), a graph for every static prompt length. All in slot 0, where a server's one request
-        at a time runs; the long prompt in slot 1, so that its buffers do not widen slot 0's
+        at a time runs; the long prompts in slot 1, so that their buffers do not widen slot 0's
         reservation. The logits are thrown away. Returns how many prompt graphs it captured."""
         with self.new_sequence() as seq:
             for _ in range(1 + steps):
                 self.forward([token], seq)
-            with self.new_sequence() as other:  # eager shapes, and a short prompt where not captured
-                self.forward([token] * (STATIC_PROMPT_MAX_TOKENS + 1), other, last=True)
+            with self.new_sequence() as other:  # a short prompt where not captured, then eager shapes
                 self.forward([token] * 5, other, last=True)
+                n_ctx = int(self.files.metadata.get(f"{self.files.arch}.context_length", 4096))
+                for n in (n for n in WARM_UP_LONG_PROMPTS if n <= n_ctx):  # past the MoE paths' thresholds
+                    other.kv.clear()
+                    self.forward([token] * n, other, last=True)
         if (self.device.type != "cuda" or not self.prompt_graphs or not self.static_steps
                 or not self.model.static_prompt or self.place.split):
             return 0
