@@ -36,11 +36,14 @@ STATIC_PROMPT_MAX_TOKENS = 64
 # ... while its reservation holds at most this many positions: beyond, its attention over the whole
 # reservation (torch's, above layers.DECODE_MAX_QUERIES queries) would cost more than its launches.
 STATIC_PROMPT_MAX_CAPACITY = 4096
-# Long prompts (eager shapes) a warm-up runs, so that a request's prompt compiles no kernel: their
-# lengths cross the MoE paths' thresholds (moe.fused_path: tiles, then dense from 6 pairs an expert)
-# and the kernels' block sizes, which grow with the prompt up to a few hundred tokens.
-WARM_UP_LONG_PROMPTS = (STATIC_PROMPT_MAX_TOKENS + 1, 2 * STATIC_PROMPT_MAX_TOKENS, 4 * STATIC_PROMPT_MAX_TOKENS,
-                        8 * STATIC_PROMPT_MAX_TOKENS)
+# Long prompts (eager shapes) a warm-up runs, so that a request's prompt compiles no kernel. Which
+# kernels and variants a length takes depends on the MoE paths' thresholds (moe.fused_path: tiles,
+# then dense from 6 pairs an expert), on block sizes that grow with the prompt, and on what Triton
+# compiles apart (a length, and its pair count, divisible by 16 or not): every length up to twice
+# the static prompts' (where the paths change), then a few of each class in each doubling above.
+WARM_UP_LONG_PROMPTS = (tuple(range(STATIC_PROMPT_MAX_TOKENS + 1, 2 * STATIC_PROMPT_MAX_TOKENS + 1))
+                        + tuple(n + d for n in (2 * STATIC_PROMPT_MAX_TOKENS, 4 * STATIC_PROMPT_MAX_TOKENS,
+                                                8 * STATIC_PROMPT_MAX_TOKENS) for d in (1, 2, 4, 8, 16, n)))
 # Over the expert cache, a decode step runs from the device table (one graph, no host stop) while
 # fewer than this share of recent steps needed a fetch: a step that finds an expert absent is run
 # twice (its table pass dropped, then in segments), one that finds all of them is 2-3x faster.
@@ -175,7 +178,8 @@ class Engine:
             with self.new_sequence() as other:  # a short prompt where not captured, then eager shapes
                 self.forward([token] * 5, other, last=True)
                 n_ctx = int(self.files.metadata.get(f"{self.files.arch}.context_length", 4096))
-                for n in (n for n in WARM_UP_LONG_PROMPTS if n <= n_ctx):  # past the MoE paths' thresholds
+                compiled = WARM_UP_LONG_PROMPTS if self.place.ops.kernels else ()  # torch's path compiles nothing
+                for n in (n for n in compiled if n <= n_ctx):
                     other.kv.clear()
                     self.forward([token] * n, other, last=True)
         if (self.device.type != "cuda" or not self.prompt_graphs or not self.static_steps
