@@ -47,7 +47,8 @@ print(f"  answer: {r['choices'][0]['message']['content']!r}")
 print(f"  tokens: {u['prompt_tokens']} prompt, {u['completion_tokens']} completion "
       f"({r['choices'][0]['finish_reason']})")
 print(f"  prefill {t['prompt_per_second']:.1f} tok/s, decode {t['predicted_per_second']:.1f} tok/s, "
-      f"unique-key hit rate {x['hit_rate']:.1%}, {x['ssd_bytes'] / 1e6:.1f} MB read by expertd, "
+      f"unique-key hit rate {'-' if x['hit_rate'] is None else format(x['hit_rate'], '.1%')}, "
+      f"{x['fetched_bytes'] / 1e6:.1f} MB of experts fetched from expertd, "
       f"{x['cache']['evictions']} evictions")
 PY
 "$bin/expertctl" stats --endpoint "$endpoint"
