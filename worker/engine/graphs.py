@@ -259,9 +259,10 @@ class TableDecode:
         self._index = {layer: i for i, layer in enumerate(self.source.served)}
         pairs = tokens * self.source.manifest.model.n_expert_used
         self.record = torch.zeros(2, len(self._index), pairs, dtype=torch.int64, device=device)  # ids, offsets
-        self.staged = torch.zeros(2, len(self._index), pairs, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.graph: DecodeGraph | None = None
+        self.staged: torch.Tensor | None = None  # the record's copy on the host, for a replay (pinned)
         if device.type == "cuda" if capture is None else capture:
+            self.staged = torch.zeros(2, len(self._index), pairs, dtype=torch.int64, pin_memory=device.type == "cuda")
             with self._looking_up():
                 self.graph = DecodeGraph(model, cache, device, tokens, last, pool)
 
