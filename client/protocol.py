@@ -35,6 +35,7 @@ msgpack map with an integer `op`:
     daemon shutting down              -> BYE{reason} to every client
     a kept block fails the scrub      -> CONDEMNED{slots} to every client keeping it (v8, unasked): read
                                          it no more and RELEASE it; the key is read again at its next FETCH
+                                         (a KEEP of a block that failed it already is answered so at once)
     session silent too long           -> ERROR{code=NO_SESSION, message: why} (v4, unasked)
 
 Liveness (v4): a client holding a session sends a message, HEARTBEAT when it has nothing else to

@@ -315,6 +315,11 @@ class ExpertDaemon:
         if refused is not None:
             self._error(session.identity, p.ErrorCode.BAD_FIELD, f"KEEP.slots: {refused}")
             return
+        condemned = tuple(sorted({i for i in msg.slots if self.ram.slot(i).state is RamState.CONDEMNED}))
+        if condemned:  # the scrub found it altered between its READY and this KEEP: nobody told this client
+            log.warning("telling client %r (pid %s), which keeps RAM slots %s condemned already, to stop reading them",
+                        session.name, session.pid, list(condemned))
+            self._send(session.identity, p.Condemned(condemned))
         self.scheduler.dispatch(session)  # its fetches have the room the kept holds took
 
     def _cancel(self, session: Session, msg: p.Cancel) -> None:

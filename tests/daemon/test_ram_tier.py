@@ -642,6 +642,40 @@ def test_a_client_keeping_a_block_the_scrub_condemns_is_told(tiny_pack: Path, tm
     assert after["corrupt_blocks"] == 1 and after["pack_read_bytes"] - before["pack_read_bytes"] == m.max_stride
 
 
+def test_a_keep_of_a_block_the_scrub_condemned_already_is_told_at_once(tiny_pack: Path, tmp_path: Path) -> None:
+    """The race CI met: the scrub's check of a block completes before expertd reads the KEEP that a
+    client sent for it (its READY came first). Nobody kept it when it was condemned, so the KEEP
+    itself is answered with CONDEMNED: else the client's GPU would read the altered bytes for good."""
+    m = Manifest.load(tiny_pack)
+    key = ExpertKey(2, 7)
+    with ram_daemon(tiny_pack, tmp_path, "--ram-cache-gib", "1", "--heartbeat-timeout-s", "120") as d:
+        with raw_session(d.endpoint) as (keeper, w):
+            keeper.send(p.encode(p.Fetch(1, (key,))))
+            ready = recv(keeper)
+            assert isinstance(ready, p.Ready)
+            fd = os.open(Path("/dev/shm") / w.shm, os.O_RDWR)  # as expertd's user may
+            try:
+                with mmap.mmap(fd, w.shm_bytes) as writable:
+                    writable[ready.slot * w.slot_bytes + m.layer(key.layer).payload_bytes // 2] ^= 0x10
+            finally:
+                os.close(fd)
+            deadline = time.monotonic() + 60
+            while True:
+                keeper.send(p.encode(p.Stats()))
+                stats = recv(keeper)
+                assert isinstance(stats, p.StatsReply)
+                if stats.stats["counters"]["corrupt_blocks"]:
+                    break
+                assert time.monotonic() < deadline, "the scrub did not find the altered block in 60 s"
+                time.sleep(0.05)
+            keeper.send(p.encode(p.Keep((ready.slot,))))
+            assert keeper.poll(10_000), "a KEEP of a condemned block was not answered"
+            assert recv(keeper) == p.Condemned((ready.slot,))
+            keeper.send(p.encode(p.Release((ready.slot,))))
+            keeper.send(p.encode(p.Ping()))
+            assert isinstance(recv(keeper), p.Pong)
+
+
 def test_the_scrub_finds_a_tier_block_altered_in_memory_and_it_is_read_again(tiny_pack: Path, tmp_path: Path) -> None:
     """Issue 37: the client library maps the segment read-only, but a process of expertd's own user
     can still open it writable and alter a resident block. expertd's scrub checks resident blocks
