@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The files the tests read, carried in the repository; EXPERTPACK_FIXTURES points them at another
 # copy of the same layout (the full set the carried files were cut from, say).
 FIXTURES = Path(os.environ.get("EXPERTPACK_FIXTURES", REPO / "tests" / "fixtures"))
+IQ_FIXTURES = REPO / "tests" / "fixtures" / "iq"  # made here with llama.cpp's tools (its README.md): always the repository's
 BIN = Path(sys.executable).parent  # the venv's console scripts; else they are found on PATH
 if not (BIN / "expertd").exists() and shutil.which("expertd"):
     BIN = Path(shutil.which("expertd")).parent

@@ -14,10 +14,9 @@ import torch
 from gguf import GGMLQuantizationType as T, GGUFReader, quants
 
 from expertpack.packtools.errors import ExpertpackError
-from expertpack.packtools.gguf_source import open_source
-from expertpack.packtools.gguf_stream import TensorInfo, write_header
-from expertpack.packtools.quants import nbytes_of
 from expertpack.packtools.synth.writer import SynthOptions, plan_synth, write_synth
+
+from ..helpers.gguf_float import float_copy
 
 N_LAYER = 2
 # id -> (--type, --mix, the expected type of each (layer, role))
@@ -93,25 +92,6 @@ def test_mixed_model_packs_verifies_and_inspect_shows_each_mix(models: dict[str,
     assert "layers 0: gate,up,down IQ3_XXS;" in text and "layers 1: gate,up IQ1_S  down IQ2_XXS;" in text
 
 
-def float_copy(src: Path, out: Path) -> Path:
-    """src with every routed expert tensor replaced by gguf-py's dequantization of it as F32, every
-    other tensor and key as it is: the reference the engine's own dequantization is held to."""
-    source = open_source(src)
-    reader = GGUFReader(src)
-    data = {t.name: t for t in reader.tensors}
-    infos = [TensorInfo(t.name, t.shape, T.F32 if expert_role(t.name) else t.ggml_type,
-                        nbytes_of(T.F32, t.shape) if expert_role(t.name) else t.nbytes) for t in source.tensors]
-    layout = write_header(out, source.arch, source.metadata.values(), infos)
-    with open(out, "r+b") as f:
-        f.truncate(layout.size_bytes)
-        for info in infos:
-            t = data[info.name]
-            raw = quants.dequantize(t.data, t.tensor_type).astype(np.float32) if expert_role(info.name) else t.data
-            f.seek(layout.offsets[info.name])
-            f.write(np.ascontiguousarray(raw).tobytes())
-    return out
-
-
 @pytest.mark.parametrize("case", ["IQ2_XXS", "IQ1_S-dynamic"])
 def test_cpu_logits_equal_gguf_py_dequantized_reference(models: dict[str, Path], case: str, tmp_path: Path) -> None:
     from expertpack.worker.engine.engine import Engine
@@ -123,7 +103,7 @@ def test_cpu_logits_equal_gguf_py_dequantized_reference(models: dict[str, Path],
         return engine.forward(tokens, engine.new_sequence()).float()
 
     got = logits(models[case])
-    want = logits(float_copy(models[case], tmp_path / "f32.gguf"))
+    want = logits(float_copy(models[case], tmp_path / "f32.gguf", lambda name, _: expert_role(name) is not None))
     assert torch.isfinite(got).all() and got.std() > 0.01
     diff = (got - want).abs()
     assert diff.max() < 1e-3 * want.abs().max(), f"max {diff.max():.3g} mean {diff.mean():.3g}"
