@@ -35,8 +35,7 @@ class Quant:
     ggml_type: T
     values: int
     parts: tuple[Part, ...]
-    decoded: bool = True  # the worker decodes it to floats; False: read as integers
-    kernel: bool = True  # the Triton kernels decode it too; False: the torch reference only (where decoded)
+    decoded: bool = True  # the worker decodes it to floats (in torch and in the Triton kernels); False: read as integers
 
     @property
     def nbytes(self) -> int:
@@ -58,8 +57,8 @@ class Quant:
                        f"{', '.join(p.name for p in self.parts)}")
 
 
-def _quant(ggml_type: T, values: int, *, decoded: bool = True, kernel: bool = True, **parts: int) -> Quant:
-    return Quant(ggml_type, values, tuple(Part(name, n) for name, n in parts.items()), decoded, kernel)
+def _quant(ggml_type: T, values: int, *, decoded: bool = True, **parts: int) -> Quant:
+    return Quant(ggml_type, values, tuple(Part(name, n) for name, n in parts.items()), decoded)
 
 
 # ggml-common.h's block structs, field by field.
@@ -78,29 +77,28 @@ QUANTS: dict[T, Quant] = {q.ggml_type: q for q in (
     _quant(T.Q5_K, QK_K, d=2, dmin=2, scales=K_SCALE_SIZE, qh=QK_K // 8, qs=QK_K // 2),
     _quant(T.Q6_K, QK_K, ql=QK_K // 2, qh=QK_K // 4, scales=QK_K // 16, d=2),
     _quant(T.MXFP4, QK, e=1, qs=QK // 2),  # e: an E8M0 exponent shared by the block
-    # The i-quants and ternary quants: decoded in torch only for now (no Triton decoder yet, so the
-    # fused expert kernels refuse them and the ops fall back to torch). Where ggml's struct packs two
+    # The i-quants and ternary quants (their Triton decoders read the grids through a table
+    # pointer: weights.quant_iq.kernel_tables). Where ggml's struct packs two
     # fields in one array, they are two parts here, named as ggml's decoders name them: IQ2_S's
     # qs[QK_K/4] is grid indices, then signs; IQ3_XXS's qs[3*QK_K/8] is grid indices, then per 32
     # values a uint32 of signs and scale. IQ2_XXS's qs: per 32 values, 4 grid indices and such a
     # uint32; IQ2_XS's: uint16 each, a 9-bit index and 7 sign bits; IQ1_S's qh: uint16 each;
     # IQ1_M has no d: its f16 scale is spread over the top nibbles of its scales.
-    _quant(T.IQ2_XXS, QK_K, kernel=False, d=2, qs=QK_K // 4),
-    _quant(T.IQ2_XS, QK_K, kernel=False, d=2, qs=QK_K // 4, scales=QK_K // 32),
-    _quant(T.IQ2_S, QK_K, kernel=False, d=2, qs=QK_K // 8, signs=QK_K // 8, qh=QK_K // 32, scales=QK_K // 32),
-    _quant(T.IQ3_XXS, QK_K, kernel=False, d=2, qs=QK_K // 4, scales_and_signs=QK_K // 8),
-    _quant(T.IQ3_S, QK_K, kernel=False, d=2, qs=QK_K // 4, qh=QK_K // 32, signs=QK_K // 8, scales=QK_K // 64),
-    _quant(T.IQ1_S, QK_K, kernel=False, d=2, qs=QK_K // 8, qh=QK_K // 16),
-    _quant(T.IQ1_M, QK_K, kernel=False, qs=QK_K // 8, qh=QK_K // 16, scales=QK_K // 32),
-    _quant(T.IQ4_NL, QK4_NL, kernel=False, d=2, qs=QK4_NL // 2),
-    _quant(T.IQ4_XS, QK_K, kernel=False, d=2, scales_h=2, scales_l=QK_K // 64, qs=QK_K // 2),
+    _quant(T.IQ2_XXS, QK_K, d=2, qs=QK_K // 4),
+    _quant(T.IQ2_XS, QK_K, d=2, qs=QK_K // 4, scales=QK_K // 32),
+    _quant(T.IQ2_S, QK_K, d=2, qs=QK_K // 8, signs=QK_K // 8, qh=QK_K // 32, scales=QK_K // 32),
+    _quant(T.IQ3_XXS, QK_K, d=2, qs=QK_K // 4, scales_and_signs=QK_K // 8),
+    _quant(T.IQ3_S, QK_K, d=2, qs=QK_K // 4, qh=QK_K // 32, signs=QK_K // 8, scales=QK_K // 64),
+    _quant(T.IQ1_S, QK_K, d=2, qs=QK_K // 8, qh=QK_K // 16),
+    _quant(T.IQ1_M, QK_K, qs=QK_K // 8, qh=QK_K // 16, scales=QK_K // 32),
+    _quant(T.IQ4_NL, QK4_NL, d=2, qs=QK4_NL // 2),
+    _quant(T.IQ4_XS, QK_K, d=2, scales_h=2, scales_l=QK_K // 64, qs=QK_K // 2),
     # TQ1_0 packs five trits a byte in qs and four in qh; TQ2_0 four 2-bit values a byte.
-    _quant(T.TQ1_0, QK_K, kernel=False, qs=(QK_K - 4 * QK_K // 64) // 5, qh=QK_K // 64, d=2),
-    _quant(T.TQ2_0, QK_K, kernel=False, qs=QK_K // 4, d=2),
+    _quant(T.TQ1_0, QK_K, qs=(QK_K - 4 * QK_K // 64) // 5, qh=QK_K // 64, d=2),
+    _quant(T.TQ2_0, QK_K, qs=QK_K // 4, d=2),
     _quant(T.I32, 1, value=4, decoded=False),  # hash-routing tables (tid2eid)
 )}
 DECODED: tuple[T, ...] = tuple(t for t, q in QUANTS.items() if q.decoded)
-KERNEL_DECODED: tuple[T, ...] = tuple(t for t in DECODED if QUANTS[t].kernel)
 
 
 def block_sizes(ggml_type: T) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import torch
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.nn.backend import kernels_on_cpu
 
-from ..conftest import FIXTURES
+from ..conftest import FIXTURES, IQ_FIXTURES
 
 MODELS = [  # one of each expert activation and weight family the fixtures hold
     "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",  # SwiGLU, Q4_K/Q6_K, GQA with q/k norms
@@ -19,6 +19,10 @@ MODELS = [  # one of each expert activation and weight family the fixtures hold
     pytest.param("gguf/deepseek3-a/deepseek3-a.Q2_K.gguf", marks=pytest.mark.slow),  # MLA, shared experts, Q2_K/Q3_K
     pytest.param("flagship/deepseek4/dsv4-tiny.Q2_K.gguf", marks=pytest.mark.slow),  # clamped SwiGLU per layer, mHC
     pytest.param("flagship/kimi-k3/k3-tiny.Q2_K.gguf", marks=pytest.mark.slow),  # situ, latent MoE, KDA
+    # llama.cpp's i-quant mixes (tests/fixtures/iq, the repository's own): every IQ and TQ type
+    pytest.param(str(IQ_FIXTURES / "qwen3moe-a.IQ-mix.gguf"), marks=pytest.mark.slow),  # IQ1_S .. IQ3_XXS
+    pytest.param(str(IQ_FIXTURES / "deepseek3-a.IQ-mix.gguf"), marks=pytest.mark.slow),  # IQ3_S, IQ4, TQ
+    pytest.param(str(IQ_FIXTURES / "mixtral-a.IQ-mix.gguf"), marks=pytest.mark.slow),  # IQ1_M, IQ2_S
 ]
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu runs these models through "
                                                                   "the kernels on CUDA; the interpreter is for CPUs"),

@@ -88,8 +88,16 @@ CASES = [  # every activation once, every block layout once (the interpreter is 
 ]
 
 
-@pytest.mark.parametrize("act,types,fused,biases", CASES, ids=["swiglu-q4k-q6k", "clamped-q8-fused", "oai-mxfp4-biases",
-                                                            "situ-q2k-q3k"])
+# The i-quants through each launch shape's table pointer (test_linear_kernels checks every type's
+# decoder exactly), gate/up and down of different types as the dynamic quants mix them.
+IQ_PAIR_CASE = (ACTS[0], (T.IQ2_XXS, T.IQ1_S), False, False)
+IQ_TILE_CASE = (ACTS[0], (T.IQ3_S, T.IQ2_S), False, False)
+IQ_DENSE_CASE = (ACTS[1], (T.IQ1_M, T.IQ4_XS), True, False)
+
+
+@pytest.mark.parametrize("act,types,fused,biases", CASES + [IQ_PAIR_CASE],
+                         ids=["swiglu-q4k-q6k", "clamped-q8-fused", "oai-mxfp4-biases", "situ-q2k-q3k",
+                              "swiglu-iq2xxs-iq1s"])
 def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
                                                   device: torch.device) -> None:
     lay, ids, args, want = prompt_case(act, types, fused, biases, 8, (1, 3), device)
@@ -101,7 +109,8 @@ def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused:
                                       torch.arange(0, ids.numel(), 2, dtype=torch.int32, device=device))
 
 
-@pytest.mark.parametrize("act,types,fused,biases", [CASES[0], CASES[2]], ids=["swiglu-q4k-q6k", "oai-mxfp4-biases"])
+@pytest.mark.parametrize("act,types,fused,biases", [CASES[0], CASES[2], IQ_TILE_CASE],
+                         ids=["swiglu-q4k-q6k", "oai-mxfp4-biases", "swiglu-iq3s-iq2s"])
 def test_expert_tiles_equal_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
                                           device: torch.device) -> None:
     """A short prompt's pairs in tiles of one expert (several tiles for an expert with more pairs
@@ -160,7 +169,8 @@ def test_gate_up_split_over_k_equals_the_reference(monkeypatch: pytest.MonkeyPat
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("act,types,fused,biases", [CASES[1], CASES[2]], ids=["clamped-q8-fused", "oai-mxfp4-biases"])
+@pytest.mark.parametrize("act,types,fused,biases", [CASES[1], CASES[2], IQ_DENSE_CASE],
+                         ids=["clamped-q8-fused", "oai-mxfp4-biases", "clamped-iq1m-fused-iq4xs"])
 def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act: Activation, types: tuple[T, T],
                                             fused: bool, biases: bool, device: torch.device) -> None:
     """A prefill's experts dequantized once each and multiplied by all their tokens, in groups of

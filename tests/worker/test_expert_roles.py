@@ -34,8 +34,8 @@ def test_fused_gate_up_is_read_as_two_matrices() -> None:
       ("gate.bias", "F16", (64,)), ("up.bias", "F16", (64,))), "float32"),
     ((("gate", "Q4_K", (256, 64)), ("up", "Q4_K", (256, 64)), ("down", "Q4_K", (64, 256)),
       ("gate.bias", "F32", (64,))), "only one of gate and up"),
-    ((("gate", "IQ2_XXS", (256, 64)), ("up", "IQ2_XXS", (256, 64)), ("down", "Q4_K", (64, 256))),
-     "blk.3.ffn_gate is IQ2_XXS; blk.3.ffn_up is IQ2_XXS, a type no fused expert kernel decodes"),
+    ((("gate", "NVFP4", (256, 64)), ("up", "NVFP4", (256, 64)), ("down", "Q4_K", (64, 256))),
+     "blk.3.ffn_gate is NVFP4; blk.3.ffn_up is NVFP4, a type this worker does not decode"),
 ])
 def test_what_the_kernels_cannot_run_is_refused_by_name(roles, needle: str) -> None:
     with pytest.raises(UnsupportedExperts, match=needle) as refused:

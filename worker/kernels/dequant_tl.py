@@ -1,4 +1,4 @@
-"""GGUF blocks decoded inside Triton kernels: `chunk(QT, rowp, c, j, m)` turns chunk `c` of a row
+"""GGUF blocks decoded inside Triton kernels: `chunk(QT, rowp, c, j, m, tab)` turns chunk `c` of a row
 (256 values: one K-quant superblock, eight 32-value blocks, or 256 plain floats) into float32
 registers, straight from the GGUF bytes; no float copy of a weight is written anywhere.
 
@@ -9,7 +9,10 @@ tests/kernels check for every type against quant.py's decoders, which split bloc
 the hot types (Q4_K, Q8_0, MXFP4: the `_rows` decoders) are written per block instead, each byte
 loaded once. The f16 scales sit at even offsets of blocks of even size, so they load as float16;
 everything else loads as bytes. One layout is not ggml's: Q8_0R (weights.quant.Q8_0_REGROUPED), Q8_0
-rows regrouped where the kernels run (weights.regroup_q8_0).
+rows regrouped where the kernels run (weights.regroup_q8_0). The i-quants' values come from grids
+(weights/quant_iq.py, gguf-py's tables): every kernel takes one pointer `tab` to all of them, flat
+on the device (quant_iq.kernel_tables), and reads an entry per value; the arithmetic on scales is
+quant_iq's, so the values are its bits.
 `rowp` [BN, 1] points at each row's first byte, `m` [BN, CH] masks rows and values past the row's
 end (only the 32-value and float types can end inside a chunk)."""
 
@@ -20,12 +23,21 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
 from ..weights.quant import Q8_0_REGROUPED
+from ..weights.quant_iq import IQ1_DELTA, KERNEL_TABLE_OFFSETS
 
 # ggml type ids, as kernel constants.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (tl.constexpr(int(t)) for t in (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0,
                                                                           T.Q5_1, T.Q8_0))
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = (tl.constexpr(int(t)) for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
                                                                             T.BF16, T.MXFP4))
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = (tl.constexpr(int(t)) for t in (
+    T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M))
+IQ4_NL, IQ4_XS, TQ1_0, TQ2_0 = (tl.constexpr(int(t)) for t in (T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0))
+# Where each lookup table starts in the float32 array `tab` points at (weights.quant_iq.kernel_tables).
+TAB_KSIGNS, TAB_IQ2XXS, TAB_IQ2XS, TAB_IQ2S, TAB_IQ3XXS, TAB_IQ3S, TAB_IQ1S, TAB_IQ4NL = (
+    tl.constexpr(KERNEL_TABLE_OFFSETS[name]) for name in ("ksigns", "iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s",
+                                                          "iq4nl"))
+IQ1_DELTA_C = tl.constexpr(IQ1_DELTA)
 Q8_0R = tl.constexpr(Q8_0_REGROUPED)  # Q8_0 regrouped (weights.regroup_q8_0): per chunk 8 f16 scales, then 256 quants
 CHUNK = 256  # values decoded per step along a row, for every type
 
@@ -276,9 +288,149 @@ def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
     return tl.reshape(scale * q.to(tl.float32) - offset, (BN, 256))
 
 
+# ---- the i-quants and ternary quants: weights/quant_iq.py per value, its tables read through `tab` ----
 @triton.jit
-def chunk(QT: tl.constexpr, rowp, c, j, m):
-    """Values [BN, 256] of chunk c of the rows at rowp (uint8 pointers [BN, 1]); j [1, 256]."""
+def _u16(p, m):
+    return _u8(p, m) | (_u8(p + 1, m) << 8)
+
+
+@triton.jit
+def _u32(p, m):
+    """A little-endian uint32 as int32 bits: callers mask what they shift out of it."""
+    return _u16(p, m) | (_u16(p + 2, m) << 16)
+
+
+@triton.jit
+def _tab(tab, i, m):
+    return tl.load(tab + i, mask=m, other=0.0)
+
+
+@triton.jit
+def _ksign(tab, aux, l, v, m):
+    """The sign factor (+1 / -1) of value v (0..7) of grid entry l of a group whose signs are 4 x 7
+    bits of aux (IQ2_XXS, IQ3_XXS; IQ2_XS passes its 7 bits with l = 0)."""
+    return _tab(tab, TAB_KSIGNS + ((aux >> (7 * l)) & 127) * 8 + v, m)
+
+
+@triton.jit
+def _half_scale(bp, code, step, m):
+    """quant_iq._half_scales: d * (0.5 + code) * step, in the reference's order."""
+    return (_f16(bp, m) * (0.5 + code.to(tl.float32))) * step
+
+
+@triton.jit
+def _sign_bit(sp, j, m):
+    """1 - 2 * bit j of the plain sign bits at sp (IQ2_S, IQ3_S)."""
+    return 1.0 - 2.0 * ((_u8(sp + j // 8, m) >> (j % 8)) & 1).to(tl.float32)
+
+
+@triton.jit
+def _iq2_xxs(bp, j, m, tab):  # d, qs[64]: per 32 values 4 grid indices, then signs and scale in a uint32
+    g = j // 32
+    aux = _u32(bp + 2 + 8 * g + 4, m)
+    db = _half_scale(bp, (aux >> 28) & 15, 0.25, m)
+    grid = _tab(tab, TAB_IQ2XXS + _u8(bp + 2 + 8 * g + (j % 32) // 8, m) * 8 + j % 8, m)
+    return db * grid * _ksign(tab, aux, (j % 32) // 8, j % 8, m)
+
+
+@triton.jit
+def _iq2_xs(bp, j, m, tab):  # d, qs[32] uint16 (9-bit index, 7 sign bits), scales[8]
+    q = _u16(bp + 2 + 2 * (j // 8), m)
+    s = j // 16
+    db = _half_scale(bp, (_u8(bp + 66 + s // 2, m) >> ((s % 2) * 4)) & 15, 0.25, m)
+    grid = _tab(tab, TAB_IQ2XS + (q & 511) * 8 + j % 8, m)
+    return db * grid * _ksign(tab, q >> 9, 0, j % 8, m)
+
+
+@triton.jit
+def _iq2_s(bp, j, m, tab):  # d, qs[32], signs[32], qh[8], scales[8]
+    e = j // 8
+    index = _u8(bp + 2 + e, m) | (((_u8(bp + 66 + e // 4, m) >> ((e % 4) * 2)) & 3) << 8)
+    s = j // 16
+    db = _half_scale(bp, (_u8(bp + 74 + s // 2, m) >> ((s % 2) * 4)) & 15, 0.25, m)
+    return db * _tab(tab, TAB_IQ2S + index * 8 + j % 8, m) * _sign_bit(bp + 34, j, m)
+
+
+@triton.jit
+def _iq3_xxs(bp, j, m, tab):  # d, qs[64] grid indices, then per 32 values signs and scale in a uint32
+    g = j // 32
+    aux = _u32(bp + 66 + 4 * g, m)
+    db = _half_scale(bp, (aux >> 28) & 15, 0.5, m)
+    grid = _tab(tab, TAB_IQ3XXS + _u8(bp + 2 + j // 4, m) * 4 + j % 4, m)
+    return db * grid * _ksign(tab, aux, (j % 32) // 8, j % 8, m)
+
+
+@triton.jit
+def _iq3_s(bp, j, m, tab):  # d, qs[64], qh[8], signs[32], scales[4]
+    e = j // 4
+    index = _u8(bp + 2 + e, m) | (((_u8(bp + 66 + e // 8, m) >> (e % 8)) & 1) << 8)
+    s = j // 32
+    sc = (_u8(bp + 106 + s // 2, m) >> ((s % 2) * 4)) & 15
+    db = _f16(bp, m) * (1 + 2 * sc).to(tl.float32)
+    return db * _tab(tab, TAB_IQ3S + index * 4 + j % 4, m) * _sign_bit(bp + 74, j, m)
+
+
+@triton.jit
+def _iq1_value(tab, qs, high, negative, j, m):
+    """IQ1_S/IQ1_M: grid[qs | high << 8][j % 8] + delta, -delta where `negative`."""
+    grid = _tab(tab, TAB_IQ1S + (qs | (high << 8)) * 8 + j % 8, m)
+    return grid + tl.where(negative, -IQ1_DELTA_C, IQ1_DELTA_C)
+
+
+@triton.jit
+def _iq1_s(bp, j, m, tab):  # d, qs[32], qh[8] uint16: 4 x 3 high index bits, a 3-bit scale, delta's sign
+    qh = _u16(bp + 34 + 2 * (j // 32), m)
+    dl = _f16(bp, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+    high = (qh >> (3 * ((j // 8) % 4))) & 7
+    return dl * _iq1_value(tab, _u8(bp + 2 + j // 8, m), high, (qh & 0x8000) != 0, j, m)
+
+
+@triton.jit
+def _iq1_m(bp, j, m, tab):  # qs[32], qh[16], scales[4] uint16 (3-bit scales; d in their top nibbles)
+    d_bits = ((_u16(bp + 48, m) >> 12) | ((_u16(bp + 50, m) >> 8) & 0xF0) | ((_u16(bp + 52, m) >> 4) & 0xF00)
+              | (_u16(bp + 54, m) & 0xF000))
+    d = d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    s = j // 16
+    sub = (_u16(bp + 48 + 2 * (s // 4), m) >> (3 * (s % 4))) & 7
+    dl = d * (2 * sub + 1).to(tl.float32)
+    e = j // 8
+    half = (_u8(bp + 32 + e // 2, m) >> ((e % 2) * 4)) & 15
+    return dl * _iq1_value(tab, _u8(bp + e, m), half & 7, (half & 8) != 0, j, m)
+
+
+@triton.jit
+def _iq4_nl(bp, jj, m, tab):  # d, qs[16]: Q4_0's nibbles, through a table
+    return _f16(bp, m) * _tab(tab, TAB_IQ4NL + _nibble32(bp + 2, jj, m), m)
+
+
+@triton.jit
+def _iq4_xs(bp, j, m, tab):  # d, scales_h uint16, scales_l[4], qs[128]
+    g = j // 32
+    high = (_u16(bp + 2, m) >> (2 * g)) & 3
+    low = (_u8(bp + 4 + g // 2, m) >> ((g % 2) * 4)) & 15
+    dl = _f16(bp, m) * ((low | (high << 4)) - 32).to(tl.float32)
+    return dl * _tab(tab, TAB_IQ4NL + _nibble32(bp + 8 + 16 * g, j % 32, m), m)
+
+
+@triton.jit
+def _tq1_0(bp, j, m):  # qs[48] (five trits a byte), qh[4] (four), d
+    at = tl.where(j < 160, j % 32, tl.where(j < 240, 32 + (j - 160) % 16, 48 + (j - 240) % 4))
+    power = tl.where(j < 160, j // 32, tl.where(j < 240, (j - 160) // 16, (j - 240) // 4))
+    p3 = tl.where(power == 0, 1, tl.where(power == 1, 3, tl.where(power == 2, 9, tl.where(power == 3, 27, 81))))
+    trit = (((_u8(bp + at, m) * p3) & 255) * 3) >> 8
+    return _f16(bp + 52, m) * (trit - 1).to(tl.float32)
+
+
+@triton.jit
+def _tq2_0(bp, j, m):  # qs[64] (four 2-bit values a byte), d
+    q = (_u8(bp + 32 * (j // 128) + j % 32, m) >> (2 * ((j % 128) // 32))) & 3
+    return _f16(bp + 64, m) * (q - 1).to(tl.float32)
+
+
+@triton.jit
+def chunk(QT: tl.constexpr, rowp, c, j, m, tab):
+    """Values [BN, 256] of chunk c of the rows at rowp (uint8 pointers [BN, 1]); j [1, 256]; `tab`
+    the i-quants' tables (weights.quant_iq.kernel_tables), unused by the other types."""
     if QT == F32:
         w = tl.load((rowp + (c * 256 + j) * 4).to(tl.pointer_type(tl.float32)), mask=m, other=0)
     elif QT == F16:
@@ -307,6 +459,28 @@ def chunk(QT: tl.constexpr, rowp, c, j, m):
         w = _q4_k_rows(rowp, c, m, rowp.shape[0])
     elif QT == Q5_K:
         w = _q5_k(rowp + c * 176, j, m)
+    elif QT == IQ2_XXS:
+        w = _iq2_xxs(rowp + c * 66, j, m, tab)
+    elif QT == IQ2_XS:
+        w = _iq2_xs(rowp + c * 74, j, m, tab)
+    elif QT == IQ2_S:
+        w = _iq2_s(rowp + c * 82, j, m, tab)
+    elif QT == IQ3_XXS:
+        w = _iq3_xxs(rowp + c * 98, j, m, tab)
+    elif QT == IQ3_S:
+        w = _iq3_s(rowp + c * 110, j, m, tab)
+    elif QT == IQ1_S:
+        w = _iq1_s(rowp + c * 50, j, m, tab)
+    elif QT == IQ1_M:
+        w = _iq1_m(rowp + c * 56, j, m, tab)
+    elif QT == IQ4_NL:
+        w = _iq4_nl(rowp + (c * 8 + j // 32) * 18, j % 32, m, tab)
+    elif QT == IQ4_XS:
+        w = _iq4_xs(rowp + c * 136, j, m, tab)
+    elif QT == TQ1_0:
+        w = _tq1_0(rowp + c * 54, j, m)
+    elif QT == TQ2_0:
+        w = _tq2_0(rowp + c * 66, j, m)
     else:
         tl.static_assert(QT == Q6_K, "unsupported ggml type")
         w = _q6_k(rowp + c * 210, j, m)

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from expertpack.packtools.quants import nbytes_of
 
 from ..weights.quant import Q8_0_REGROUPED
+from ..weights.quant_iq import kernel_tables
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN_MATVEC = 16  # rows of W per program
@@ -33,7 +34,7 @@ def row_bytes(ggml_type: int, k: int) -> int:
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split, H,
+def _matvec_kernel(x_ptr, w_ptr, y_ptr, tab, N, K, row_bytes, chunks_per_split, H,
                    QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
     """y[t, s, n] = sum over the chunks of split s of x[t, k] * W[h, n, k], h = t % H (a matrix per
     head for H > 1: x's rows are (token, head) pairs); grid (N/BN, T*H, splits)."""
@@ -50,7 +51,7 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split, H,
             acc += block_dot(QT, rowp, c, (n < N)[:, None], K, tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)[None, :])
         else:
             m = (n < N)[:, None] & (k < K)[None, :]
-            w = chunk(QT, rowp, c, j[None, :], m)
+            w = chunk(QT, rowp, c, j[None, :], m, tab)
             xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)
             acc += tl.sum(w * xv[None, :], axis=1)
     tl.store(y_ptr + (t * S + s) * N + n, acc, mask=n < N)
@@ -93,7 +94,7 @@ def _matvec_q8_0r_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split,
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
+def _dequant_kernel(w_ptr, out_ptr, tab, N, K, row_bytes, QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
     """out[n, k] = W[n, k] as float32; grid (N/BN, K/CH)."""
     pid_n, c = tl.program_id(0), tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -101,7 +102,7 @@ def _dequant_kernel(w_ptr, out_ptr, N, K, row_bytes, QT: tl.constexpr, BN: tl.co
     k = c * CH + j
     m = (n < N)[:, None] & (k < K)[None, :]
     rowp = w_ptr + n.to(tl.int64)[:, None] * row_bytes
-    w = chunk(QT, rowp, c, j[None, :], m)
+    w = chunk(QT, rowp, c, j[None, :], m, tab)
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w, mask=m)
 
 
@@ -147,7 +148,7 @@ def _launch_matvec(x: torch.Tensor, raw: torch.Tensor, y: torch.Tensor, ggml_typ
         _matvec_q8_0r_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, heads, BN=bn,
                                    num_warps=MATVEC_WARPS)
     else:
-        _matvec_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, heads,
+        _matvec_kernel[grid](x, raw, y, kernel_tables(x.device), n, k, row_bytes(ggml_type, k), per_split, heads,
                              QT=ggml_type, BN=bn, CH=CHUNK, num_warps=MATVEC_WARPS)
 
 
@@ -170,7 +171,7 @@ def dequantize(raw: torch.Tensor, ggml_type: int, k: int, n: int) -> torch.Tenso
     """The [N, K] float32 matrix at raw."""
     out = torch.empty((n, k), dtype=torch.float32, device=raw.device)
     grid = (triton.cdiv(n, BN_DEQUANT), triton.cdiv(k, CHUNK))
-    _dequant_kernel[grid](raw, out, n, k, row_bytes(ggml_type, k), QT=ggml_type, BN=BN_DEQUANT, CH=CHUNK,
+    _dequant_kernel[grid](raw, out, kernel_tables(raw.device), n, k, row_bytes(ggml_type, k), QT=ggml_type, BN=BN_DEQUANT, CH=CHUNK,
                           num_warps=4)
     return out
 

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..nn.activation import Activation
 from ..weights.expert_roles import ExpertRoles, MatrixRole
+from ..weights.quant_iq import kernel_tables
 from .dequant_tl import CHUNK, chunk
 from .expert_tiles import expert_tiles, tile_at
 from .moe_tl import _act
@@ -39,7 +40,7 @@ PRECISION = "tf32x3"
 
 
 @triton.jit
-def _dequant_blocks_kernel(pool_ptr, block_ptr, n_ptr, first, out_ptr, role_off, N, K, row_bytes, expert_stride,
+def _dequant_blocks_kernel(pool_ptr, block_ptr, n_ptr, first, out_ptr, tab, role_off, N, K, row_bytes, expert_stride,
                            QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
     """out[e, n, k] (at out_ptr + e * expert_stride, rows of K floats) = the role's matrix in the
     block of expert rank first + e (at pool + block[first + e]), for the ranks below n[0] (the
@@ -52,7 +53,7 @@ def _dequant_blocks_kernel(pool_ptr, block_ptr, n_ptr, first, out_ptr, role_off,
     k = c * CH + j
     m = (n < N)[:, None] & (k < K)[None, :]
     base = pool_ptr + tl.multiple_of(tl.load(block_ptr + first + e), 16) + role_off
-    w = chunk(QT, base + n.to(tl.int64)[:, None] * row_bytes, c, j[None, :], m)
+    w = chunk(QT, base + n.to(tl.int64)[:, None] * row_bytes, c, j[None, :], m, tab)
     tl.store(out_ptr + e.to(tl.int64) * expert_stride + n.to(tl.int64)[:, None] * K + k[None, :], w, mask=m)
 
 
@@ -119,7 +120,7 @@ def _dequantize_into(out: torch.Tensor, pool: torch.Tensor, blocks: torch.Tensor
     """out [E, >=N rows, K] (rows contiguous, any expert stride) <- the role's matrix of the
     experts of ranks first .. first+E-1 (those below n_experts[0])."""
     grid = (triton.cdiv(role.n, BN_DEQUANT), triton.cdiv(role.k, CHUNK), out.shape[0])
-    _dequant_blocks_kernel[grid](pool, blocks, n_experts, first, out, role.offset, role.n, role.k, role.row_bytes,
+    _dequant_blocks_kernel[grid](pool, blocks, n_experts, first, out, kernel_tables(out.device), role.offset, role.n, role.k, role.row_bytes,
                                  out.stride(0), QT=role.ggml_type, BN=BN_DEQUANT, CH=CHUNK, num_warps=4)
 
 

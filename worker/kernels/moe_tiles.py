@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..nn.activation import Activation
 from ..weights.expert_roles import ExpertRoles
+from ..weights.quant_iq import kernel_tables
 from .dequant_tl import CHUNK, chunk
 from .expert_tiles import expert_tiles
 from .moe_tl import _act
@@ -33,7 +34,7 @@ def _tile_rows(table_ptr, t):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, table_ptr, gu_ptr, gate_off, up_off, gate_rb, up_rb, F, K,
+def _gate_up_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, table_ptr, gu_ptr, tab, gate_off, up_off, gate_rb, up_rb, F, K,
                     QG: tl.constexpr, QU: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
     """gu[r, 0, n] = gate[n] . x[tok[r]] and gu[r, 1, n] = up[n] . x[tok[r]] for the sorted rows r
     of a tile; grid (tiles, F/BN)."""
@@ -52,8 +53,8 @@ def _gate_up_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, table_ptr, gu_ptr, gate
     for c in range(0, tl.cdiv(K, CH)):
         k = c * CH + j
         m = (n < F)[:, None] & (k < K)[None, :]
-        wg = chunk(QG, grow, c, j[None, :], m)
-        wu = chunk(QU, urow, c, j[None, :], m)
+        wg = chunk(QG, grow, c, j[None, :], m, tab)
+        wu = chunk(QU, urow, c, j[None, :], m, tab)
         for g in tl.static_range(G):
             here = r0 + g < r1
             tok = tl.load(tok_ptr + r0 + g, mask=here, other=0).to(tl.int64)
@@ -68,7 +69,7 @@ def _gate_up_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, table_ptr, gu_ptr, gate
 
 
 @triton.jit
-def _down_kernel(gu_ptr, pool_ptr, block_ptr, table_ptr, order_ptr, w_ptr, y_ptr, gate_b, up_b, down_off, down_rb,
+def _down_kernel(gu_ptr, pool_ptr, block_ptr, table_ptr, order_ptr, w_ptr, y_ptr, tab, gate_b, up_b, down_off, down_rb,
                  down_b, D, F, limit, alpha, beta, linear_beta, QD: tl.constexpr, ACT: tl.constexpr,
                  GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
                  CH: tl.constexpr):
@@ -86,7 +87,7 @@ def _down_kernel(gu_ptr, pool_ptr, block_ptr, table_ptr, order_ptr, w_ptr, y_ptr
     for c in range(0, tl.cdiv(F, CH)):
         k = c * CH + j
         km = k < F
-        wd = chunk(QD, drow, c, j[None, :], (n < D)[:, None] & km[None, :])
+        wd = chunk(QD, drow, c, j[None, :], (n < D)[:, None] & km[None, :], tab)
         for g in tl.static_range(G):
             here = r0 + g < r1
             row = gu_ptr + (r0 + g).to(tl.int64) * (2 * F)
@@ -121,11 +122,11 @@ def experts_in_tiles(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
     n_tiles = t.table.shape[0]
     gu = torch.empty((t.order.shape[0], 2, f), dtype=torch.float32, device=x.device)
     _gate_up_kernel[(n_tiles, triton.cdiv(f, BN))](
-        x, t.tokens, pool, t.blocks, t.table, gu, roles.gate.offset, roles.up.offset, roles.gate.row_bytes,
+        x, t.tokens, pool, t.blocks, t.table, gu, kernel_tables(x.device), roles.gate.offset, roles.up.offset, roles.gate.row_bytes,
         roles.up.row_bytes, f, k, QG=roles.gate.ggml_type, QU=roles.up.ggml_type, G=G, BN=BN, CH=CHUNK,
         num_warps=WARPS)
     _down_kernel[(n_tiles, triton.cdiv(d, BN))](
-        gu, pool, t.blocks, t.table, t.order, weights, out, roles.gate_bias or 0, roles.up_bias or 0,
+        gu, pool, t.blocks, t.table, t.order, weights, out, kernel_tables(x.device), roles.gate_bias or 0, roles.up_bias or 0,
         roles.down.offset, roles.down.row_bytes, roles.down_bias or 0, d, f, act.limit, act.alpha, act.beta,
         act.linear_beta, QD=roles.down.ggml_type, ACT=int(act.kind), GU_BIAS=roles.gate_bias is not None,
         DOWN_BIAS=roles.down_bias is not None, G=G, BN=BN, CH=CHUNK, num_warps=WARPS)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..nn.activation import Activation
 from ..weights.expert_roles import ExpertRoles
+from ..weights.quant_iq import kernel_tables
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
 
 BN = 16  # rows of an expert's matrix per program
@@ -52,7 +53,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, gate_off, up_off, gate_rb, up_rb, F, K, k_top,
+def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, tab, gate_off, up_off, gate_rb, up_rb, F, K, k_top,
                     P, chunks_per_split, QG: tl.constexpr, QU: tl.constexpr, HAS_PAIRS: tl.constexpr,
                     BN: tl.constexpr, CH: tl.constexpr):
     """gu[s, p, 0, n] = gate[n] . x[t] and gu[s, p, 1, n] = up[n] . x[t] over the chunks of K that
@@ -80,18 +81,18 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, gate_off, up_off
         if QG == MXFP4 or QG == Q8_0:
             acc_g += block_dot(QG, grow, c, (n < F)[:, None], K, xv)
         else:
-            acc_g += tl.sum(chunk(QG, grow, c, j[None, :], m) * xv, axis=1)
+            acc_g += tl.sum(chunk(QG, grow, c, j[None, :], m, tab) * xv, axis=1)
         if QU == MXFP4 or QU == Q8_0:
             acc_u += block_dot(QU, urow, c, (n < F)[:, None], K, xv)
         else:
-            acc_u += tl.sum(chunk(QU, urow, c, j[None, :], m) * xv, axis=1)
+            acc_u += tl.sum(chunk(QU, urow, c, j[None, :], m, tab) * xv, axis=1)
     out = gu_ptr + ((s * P + p) * 2) * F + n
     tl.store(out, acc_g, mask=n < F)
     tl.store(out + F, acc_u, mask=n < F)
 
 
 @triton.jit
-def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, gate_b, up_b, down_off, down_rb, down_b,
+def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, tab, gate_b, up_b, down_off, down_rb, down_b,
                  D, F, P, limit, alpha, beta, linear_beta, QD: tl.constexpr, ACT: tl.constexpr,
                  SPLITS: tl.constexpr, GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, HAS_PAIRS: tl.constexpr, BN: tl.constexpr,
                  CH: tl.constexpr):
@@ -123,7 +124,7 @@ def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, gate_b, up_b
             acc += block_dot(QD, drow, c, (n < D)[:, None], F, av[None, :])
         else:
             m = (n < D)[:, None] & (k < F)[None, :]
-            acc += tl.sum(chunk(QD, drow, c, j[None, :], m) * av[None, :], axis=1)
+            acc += tl.sum(chunk(QD, drow, c, j[None, :], m, tab) * av[None, :], axis=1)
     y = acc
     if DOWN_BIAS:
         y += tl.load((base + down_b).to(tl.pointer_type(tl.float32)) + n, mask=n < D, other=0.0)
@@ -159,12 +160,12 @@ def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
         out = torch.empty((total, d), dtype=torch.float32, device=x.device)
     pair_arg = pairs if pairs is not None else offsets  # unused when HAS_PAIRS is false
     _gate_up_kernel[(n_pairs, triton.cdiv(f, BN), splits)](
-        x, pool, offsets, pair_arg, gu, roles.gate.offset, roles.up.offset, roles.gate.row_bytes,
+        x, pool, offsets, pair_arg, gu, kernel_tables(x.device), roles.gate.offset, roles.up.offset, roles.gate.row_bytes,
         roles.up.row_bytes, f, k, k_top, total, per_split,
         QG=roles.gate.ggml_type, QU=roles.up.ggml_type, HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK,
         num_warps=WARPS)
     _down_kernel[(n_pairs, triton.cdiv(d, BN))](
-        gu, pool, offsets, pair_arg, weights, out, roles.gate_bias or 0, roles.up_bias or 0, roles.down.offset,
+        gu, pool, offsets, pair_arg, weights, out, kernel_tables(x.device), roles.gate_bias or 0, roles.up_bias or 0, roles.down.offset,
         roles.down.row_bytes, roles.down_bias or 0, d, f, total, act.limit, act.alpha, act.beta, act.linear_beta,
         QD=roles.down.ggml_type, ACT=int(act.kind), SPLITS=splits, GU_BIAS=roles.gate_bias is not None,
         DOWN_BIAS=roles.down_bias is not None,

@@ -1,7 +1,7 @@
 """TorchOps through the Triton kernels: a quantized matrix is decoded in registers where it is
 multiplied (kernels/linear_tl.py), pointwise chains are one launch each, and a decode step's
 attention, routing and experts are fused kernels. Where a kernel does not cover a shape (many
-queries, another dtype, a ggml type no kernel decodes: packtools.quants' KERNEL_DECODED) the
+queries, another dtype, a 1-D weight) the
 reference formula runs, on the same device. Imported once, by ops.ops_for, when a model loads onto
 a device that runs the kernels."""
 
@@ -13,8 +13,6 @@ from typing import Callable
 
 import torch
 from gguf import GGMLQuantizationType as T
-
-from expertpack.packtools.quants import KERNEL_DECODED
 
 from ..kernels import moe_grouped
 from ..kernels import hyper_tl
@@ -32,18 +30,11 @@ from .layers import DECODE_MAX_QUERIES, Rope, RopeStyle
 from .ops import TorchOps
 
 
-def _kernel_decodes(w: QTensor) -> bool:
-    """Whether the kernels decode w's blocks; the others (the i-quants) run torch's decoders."""
-    return w.ggml_type in KERNEL_DECODED
-
-
 class TritonOps(TorchOps):
     kernels = True
 
-    # -- quantized matrices (a type no kernel decodes runs through torch's reference decoder)
+    # -- quantized matrices: every type a model may load (weights.quant.check_supported) has a decoder in the kernels
     def linear(self, x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
-        if not _kernel_decodes(w):
-            return super().linear(x, w, bias)
         k, n = w.shape[0], math.prod(w.shape[1:])
         y = matmul(x.reshape(-1, k).to(torch.float32).contiguous(), w.raw, w.kernel_type, k, n)
         y = y.reshape(*x.shape[:-1], n)
@@ -52,21 +43,21 @@ class TritonOps(TorchOps):
         return y.to(x.dtype)
 
     def linear_parts(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= MATVEC_MAX_ROWS and _kernel_decodes(w):
+        if x.dim() == 2 and x.shape[0] <= MATVEC_MAX_ROWS:
             k, n = w.shape[0], math.prod(w.shape[1:])
             return matvec_parts(x.to(torch.float32).contiguous(), w.raw, w.kernel_type, k, n)
         return self.linear(x, w)
 
     def head_linear(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
         t, h, k = x.shape
-        if t <= MATVEC_MAX_ROWS and _kernel_decodes(w):
+        if t <= MATVEC_MAX_ROWS:
             return matvec_heads(x.to(torch.float32), w.raw, w.kernel_type, k, math.prod(w.shape[1:]) // h).to(x.dtype)
         return super().head_linear(x, w)
 
     def dequant(self, w: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One launch, and nothing a CUDA graph cannot capture; an aligned float32 matrix is a view
         of its bytes (read-only, as every caller uses it)."""
-        if len(w.shape) == 1 or not _kernel_decodes(w):
+        if len(w.shape) == 1:
             return w.dequant(dtype)
         if w.ggml_type is T.F32 and w.raw.data_ptr() % 4 == 0:
             values = w.raw.view(torch.float32).reshape(tuple(reversed(w.shape)))
@@ -76,8 +67,6 @@ class TritonOps(TorchOps):
         return values if dtype is torch.float32 else values.to(dtype)
 
     def rows(self, w: QTensor, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if not _kernel_decodes(w):
-            return super().rows(w, ids, dtype)
         row_bytes = w.raw.numel() // w.shape[1]
         picked = w.raw.reshape(w.shape[1], row_bytes)[ids.reshape(-1)]
         out = dequantize(picked, w.kernel_type, w.shape[0], picked.shape[0])

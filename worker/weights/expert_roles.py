@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType
 
 from expertpack.packtools.layout import LayerLayout, RoleLayout
-from expertpack.packtools.quants import KERNEL_DECODED, nbytes_of
+from expertpack.packtools.quants import DECODED, nbytes_of
 
 
 MATRICES = ("gate", "up", "gate_up", "down")  # the roles that are matrices (the others: biases)
@@ -53,10 +53,9 @@ def expert_roles(layout: LayerLayout) -> ExpertRoles:
     if "down" not in roles or not ("gate_up" in roles or {"gate", "up"} <= set(roles)):
         raise UnsupportedExperts(f"{where}: experts need gate and up (or gate_up) and down; found {sorted(roles)}")
     undecoded = sorted(f"{r.tensor} is {r.ggml_type}" for name, r in roles.items()
-                       if name in MATRICES and GGMLQuantizationType[r.ggml_type] not in KERNEL_DECODED)
-    if undecoded:  # the i-quants: torch's decoders (the CPU path) run them, no fused kernel yet
-        raise UnsupportedExperts(f"{where}: {'; '.join(undecoded)}, a type no fused expert kernel decodes "
-                                 f"(the CPU path runs it)")
+                       if name in MATRICES and GGMLQuantizationType[r.ggml_type] not in DECODED)
+    if undecoded:
+        raise UnsupportedExperts(f"{where}: {'; '.join(undecoded)}, a type this worker does not decode")
     down = _matrix(roles["down"])
     if "gate_up" in roles:
         fused = _matrix(roles["gate_up"])

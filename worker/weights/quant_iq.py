@@ -45,6 +45,21 @@ _HOST_TABLES: dict[str, torch.Tensor] = {
 }
 IQ1_DELTA = float(quants.IQ1_S.delta)  # the offset IQ1_S/IQ1_M add to a grid value, sign per group
 
+# The same tables end to end in one float32 array for the Triton decoders (kernels/dequant_tl.py),
+# which take one pointer and find each table at its offset here.
+KERNEL_TABLE_OFFSETS: dict[str, int] = {}
+_at = 0
+for _name, _t in _HOST_TABLES.items():
+    KERNEL_TABLE_OFFSETS[_name] = _at
+    _at += _t.numel()
+_HOST_KERNEL_TABLE = torch.cat([t.reshape(-1) for t in _HOST_TABLES.values()])
+
+
+@lru_cache(maxsize=None)
+def kernel_tables(device: torch.device) -> torch.Tensor:
+    """Every table, flat, on `device` (copied once): what the kernels' `tab` pointer points at."""
+    return _HOST_KERNEL_TABLE.to(device)
+
 
 @lru_cache(maxsize=None)
 def _table(name: str, device: torch.device) -> torch.Tensor:
