@@ -312,3 +312,53 @@ def test_a_non_streamed_client_that_leaves_is_logged_once_and_its_generation_sto
     assert ok.usage.completion_tokens >= 1
     time.sleep(0.5)
     assert len([line for line in worker.log.splitlines() if note in line]) == 1
+
+
+def test_past_the_queue_a_request_gets_503_at_once_and_its_place_comes_back(served, tmp_path) -> None:
+    """--max-queue 1: a streamed request generating and one waiting behind it take every place; a
+    third gets 503 queue_full with Retry-After at once (the gauge in /metrics says 2 meanwhile).
+    The streaming client leaving gives its place back, the waiting one is then answered, and a
+    new request is admitted again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..helpers.worker import metric_values, start_worker
+
+    pack, daemon, _ = served
+    w = start_worker(pack, daemon.endpoint, tmp_path, "--max-queue", "1")
+    try:
+        body = json.dumps({"model": "fixture", "prompt": "hold the line", "max_tokens": 3000, "temperature": 0,
+                           "ignore_eos": True, "stream": True}).encode()
+        small = json.dumps({"model": "fixture", "prompt": "wait", "max_tokens": 2, "temperature": 0}).encode()
+        with socket.create_connection(("127.0.0.1", w.port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            seen = b""
+            while b"data: " not in seen:  # the headers, then the first token: generating
+                piece = s.recv(4096)
+                assert piece, "the stream ended before its first token"
+                seen += piece
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(w.post, "/v1/completions", small)
+                deadline = time.monotonic() + 30
+                while metric_values(w)["expertpack_requests_in_flight"] < 2:
+                    assert time.monotonic() < deadline and not waiting.done(), "the second request was not queued"
+                    time.sleep(0.05)
+                req = urllib.request.Request(w.url + "/v1/completions", small, {"Content-Type": "application/json"})
+                started = time.monotonic()
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(req, timeout=30)
+                assert time.monotonic() - started < 5, "refused only after a wait"
+                assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "1"
+                error = json.loads(refused.value.read())["error"]
+                assert error["code"] == "queue_full" and "--max-queue 1" in error["message"], error
+                s.close()  # the streaming client leaves: its generation stops, the waiting one runs
+                status, answer = waiting.result(timeout=120)
+        assert status == 200 and answer["usage"]["completion_tokens"] >= 1
+        deadline = time.monotonic() + 30
+        while metric_values(w)["expertpack_requests_in_flight"] != 0:
+            assert time.monotonic() < deadline, "a place was never given back"
+            time.sleep(0.05)
+        assert w.post("/v1/completions", small)[0] == 200
+        assert 'expertpack_requests_total{endpoint="/v1/completions",code="503"} 1\n' in w.get("/metrics")[1]
+    finally:
+        assert w.stop() == 0, w.log

@@ -2,7 +2,9 @@
 /v1/chat/completions, streamed (server-sent events) or not, /v1/models, /health and /metrics.
 
 One generation runs at a time, on the service's own one-thread executor so the event loop (and
-/health, /metrics) keeps answering; others wait their turn, nothing is dropped. A request whose
+/health, /metrics) keeps answering; up to --max-queue others wait their turn, and a request past
+them gets 503 queue_full at once, with Retry-After (OpenAI's clients retry it), rather than a wait
+nobody bounded. A request whose
 client went away stops at its next token (or never starts); at shutdown every generation stops.
 Bad requests get OpenAI-style errors (400 invalid_request_error, 404 for an unknown model). A
 daemon that stays away fails the request waiting for it with 503 after --daemon-down-timeout-s,
@@ -100,6 +102,19 @@ class WorkerService:
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, run_choices)
 
+    def admit(self) -> None:
+        """Counts a request in for generation, or refuses it when the one generating and the
+        --max-queue waiting behind it are all taken; `leave` ends what this began."""
+        if self.counters.in_flight > self.limits.max_queue:  # the event loop's count: no lock
+            waiting = self.counters.in_flight - 1
+            raise ApiError(503, f"the server is busy: a request is generating and {waiting} wait behind it, the "
+                                f"most it queues (--max-queue {self.limits.max_queue}); retry later",
+                           kind="server_error", code="queue_full", headers={"Retry-After": "1"})
+        self.counters.in_flight += 1
+
+    def leave(self) -> None:
+        self.counters.in_flight -= 1
+
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.text_executor, fn, *args)
 
@@ -142,6 +157,21 @@ class WorkerService:
         return None if cache is None else cache.link.own_client(cache.link.stats())
 
 
+
+class _AdmittedStream(StreamingResponse):
+    """A streamed answer that gives its place in the queue back however it ends: done, failed, or
+    the client gone (starlette skips a response's background task then)."""
+
+    def __init__(self, events: AsyncIterator[str], leave: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._leave = leave
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._leave()
+
 def create_app(service: WorkerService) -> FastAPI:
     app = FastAPI(title="expert-worker", description="OpenAI-compatible API of an expertpack worker")
     app.add_middleware(BodyLimit, max_bytes=service.limits.max_body_bytes,
@@ -162,7 +192,7 @@ def create_app(service: WorkerService) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         service.counters.count(request.url.path, exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
@@ -285,13 +315,17 @@ def create_app(service: WorkerService) -> FastAPI:
         rid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
         head = {"id": rid, "created": created, "model": service.model_name}
         shape = _Shape(kind == "chat.completion", req.logprobs is not None, texts)
+        service.admit()
         if not body.stream:
-            completions = await run_turn(request, req, body.n)
+            try:
+                completions = await run_turn(request, req, body.n)
+            finally:
+                service.leave()
             choices = [shape.choice(i, c) for i, c in enumerate(completions)]
             return JSONResponse({**head, "object": kind, "choices": choices, **_usage_fields(completions)})
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream(request, head, kind + (".chunk" if shape.chat else ""), shape, req, body.n,
-                                        include_usage), media_type="text/event-stream")
+        events = stream(request, head, kind + (".chunk" if shape.chat else ""), shape, req, body.n, include_usage)
+        return _AdmittedStream(events, service.leave)
 
     async def run_turn(request: Request, req: GenRequest, n: int) -> list[Completion]:
         start = time.perf_counter()

@@ -16,6 +16,7 @@ class ServeCounters:
     request_seconds_count: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    in_flight: int = 0  # generation requests admitted: the one generating and those queued behind it
 
     def count(self, endpoint: str, status: int) -> None:
         key = (endpoint, str(status))
@@ -59,6 +60,8 @@ def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon
 
     metric("expertpack_requests", "counter", "HTTP requests answered, by endpoint and status code.",
            [(n, {"endpoint": e, "code": c}) for (e, c), n in sorted(serve.requests.items())], "_total")
+    metric("expertpack_requests_in_flight", "gauge", "Generation requests admitted: generating or queued "
+           "(at most 1 + --max-queue).", [(serve.in_flight, None)])
     metric("expertpack_prompt_tokens", "counter", "Prompt tokens prefilled.", [(serve.prompt_tokens, None)], "_total")
     metric("expertpack_completion_tokens", "counter", "Tokens generated.", [(serve.completion_tokens, None)], "_total")
     out.append("# HELP expertpack_request_seconds Wall time of generation requests, queueing included.")

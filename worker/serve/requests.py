@@ -19,9 +19,10 @@ from ..engine.sampling import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS_VALUE, MAX_PENALT
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -36,16 +37,21 @@ JSON_BYTES_PER_CHAR = 6
 BODY_SLACK_BYTES = 1 << 20  # the rest of the request: messages' structure, stop strings, options
 
 
+DEFAULT_MAX_QUEUE = 64  # requests waiting behind the one generating; past them, 503 at once
+
+
 @dataclass(frozen=True)
 class Limits:
     max_prompt_chars: int
     max_body_bytes: int
+    max_queue: int = DEFAULT_MAX_QUEUE
 
     @classmethod
-    def for_context(cls, n_ctx: int, max_prompt_chars: int = 0, max_body_bytes: int = 0) -> "Limits":
-        """0 means: sized from the context."""
+    def for_context(cls, n_ctx: int, max_prompt_chars: int = 0, max_body_bytes: int = 0,
+                    max_queue: int = DEFAULT_MAX_QUEUE) -> "Limits":
+        """0 means: sized from the context (max_queue 0: no request waits)."""
         chars = max_prompt_chars or n_ctx * MAX_CHARS_PER_TOKEN
-        return cls(chars, max_body_bytes or chars * JSON_BYTES_PER_CHAR + BODY_SLACK_BYTES)
+        return cls(chars, max_body_bytes or chars * JSON_BYTES_PER_CHAR + BODY_SLACK_BYTES, max_queue)
 
 
 class BodyTooLarge(HTTPException):
