@@ -37,6 +37,8 @@ IQ4_NL, IQ4_XS, TQ1_0, TQ2_0 = (tl.constexpr(int(t)) for t in (T.IQ4_NL, T.IQ4_X
 TAB_KSIGNS, TAB_IQ2XXS, TAB_IQ2XS, TAB_IQ2S, TAB_IQ3XXS, TAB_IQ3S, TAB_IQ1S, TAB_IQ4NL = (
     tl.constexpr(KERNEL_TABLE_OFFSETS[name]) for name in ("ksigns", "iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s",
                                                           "iq4nl"))
+TAB_IQ2XXS_I8, TAB_IQ1S_I8, TAB_KSIGNS_U8 = (tl.constexpr(KERNEL_TABLE_OFFSETS[name])
+                                             for name in ("iq2xxs_i8", "iq1s_i8", "ksigns_u8"))
 IQ1_DELTA_C = tl.constexpr(IQ1_DELTA)
 Q8_0R = tl.constexpr(Q8_0_REGROUPED)  # Q8_0 regrouped (weights.regroup_q8_0): per chunk 8 f16 scales, then 256 quants
 CHUNK = 256  # values decoded per step along a row, for every type
@@ -325,15 +327,6 @@ def _sign_bit(sp, j, m):
 
 
 @triton.jit
-def _iq2_xxs(bp, j, m, tab):  # d, qs[64]: per 32 values 4 grid indices, then signs and scale in a uint32
-    g = j // 32
-    aux = _u32(bp + 2 + 8 * g + 4, m)
-    db = _half_scale(bp, (aux >> 28) & 15, 0.25, m)
-    grid = _tab(tab, TAB_IQ2XXS + _u8(bp + 2 + 8 * g + (j % 32) // 8, m) * 8 + j % 8, m)
-    return db * grid * _ksign(tab, aux, (j % 32) // 8, j % 8, m)
-
-
-@triton.jit
 def _iq2_xs(bp, j, m, tab):  # d, qs[32] uint16 (9-bit index, 7 sign bits), scales[8]
     q = _u16(bp + 2 + 2 * (j // 8), m)
     s = j // 16
@@ -371,18 +364,62 @@ def _iq3_s(bp, j, m, tab):  # d, qs[64], qh[8], signs[32], scales[4]
 
 
 @triton.jit
+def _grid8_rows(tab, at: tl.constexpr, index, m3):
+    """Entries `index` [BN, 8, 4] of a packed 8-value grid (quant_iq._packed) at word `at` of the
+    table: [BN, 8, 4, 8] exact float32, one 64-bit load an entry, its bytes sign-extended."""
+    word = tl.load((tab + at).to(tl.pointer_type(tl.int64)) + index, mask=m3, other=0)
+    v = tl.arange(0, 8)[None, None, None, :].to(tl.int64)
+    byte = (word[:, :, :, None] >> (v * 8)) & 0xFF
+    return ((byte ^ 0x80) - 0x80).to(tl.float32)
+
+
+@triton.jit
+def _row_mask(m, BN: tl.constexpr):
+    """A superblock type's [BN, 1] row mask from the values' [BN, 256] (a row ends at a chunk)."""
+    return tl.reshape(tl.max(m.to(tl.int32), axis=1), (BN, 1)) > 0
+
+
+@triton.jit
+def _iq2_xxs_rows(rowp, c, m, BN: tl.constexpr, tab):
+    """IQ2_XXS as [BN, 8, 4, 8] (group, grid entry, value), loads per entry rather than per value:
+    its index byte, its packed grid entry, its sign byte (ggml's ksigns); the group's scale and
+    signs word as two 16-bit halves (a 66-byte block keeps only 2-byte alignment)."""
+    mr = _row_mask(m, BN)
+    bp = rowp + c * 66
+    gp = bp + 2 + 8 * tl.arange(0, 8)[None, :]  # [BN, 8]: each group's 8 bytes
+    aux = _u16(gp + 4, mr) | (_u16(gp + 6, mr) << 16)
+    db = (_f16(bp, mr) * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.25  # [BN, 8]
+    m3 = mr[:, :, None]
+    l = tl.arange(0, 4)[None, None, :]
+    grid = _grid8_rows(tab, TAB_IQ2XXS_I8, _u8(gp[:, :, None] + l, m3), m3)
+    sbits = tl.load((tab + TAB_KSIGNS_U8).to(tl.pointer_type(tl.uint8)) + ((aux[:, :, None] >> (7 * l)) & 127),
+                    mask=m3, other=0).to(tl.int32)
+    sign = 1.0 - 2.0 * ((sbits[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1).to(tl.float32)
+    return tl.reshape(db[:, :, None, None] * grid * sign, (BN, 256))
+
+
+@triton.jit
+def _iq1_s_rows(rowp, c, m, BN: tl.constexpr, tab):
+    """IQ1_S as [BN, 8, 4, 8], as _iq2_xxs_rows: an index byte and a packed grid entry per 8 values,
+    a 16-bit word (high index bits, scale, the delta's sign) per group."""
+    mr = _row_mask(m, BN)
+    bp = rowp + c * 50
+    g = tl.arange(0, 8)[None, :]
+    qh = _u16(bp + 34 + 2 * g, mr)  # [BN, 8]
+    dl = _f16(bp, mr) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+    delta = tl.where((qh & 0x8000) != 0, -IQ1_DELTA_C, IQ1_DELTA_C)
+    m3 = mr[:, :, None]
+    l = tl.arange(0, 4)[None, None, :]
+    index = _u8((bp + 2 + 4 * g)[:, :, None] + l, m3) | (((qh[:, :, None] >> (3 * l)) & 7) << 8)
+    grid = _grid8_rows(tab, TAB_IQ1S_I8, index, m3)
+    return tl.reshape(dl[:, :, None, None] * (grid + delta[:, :, None, None]), (BN, 256))
+
+
+@triton.jit
 def _iq1_value(tab, qs, high, negative, j, m):
     """IQ1_S/IQ1_M: grid[qs | high << 8][j % 8] + delta, -delta where `negative`."""
     grid = _tab(tab, TAB_IQ1S + (qs | (high << 8)) * 8 + j % 8, m)
     return grid + tl.where(negative, -IQ1_DELTA_C, IQ1_DELTA_C)
-
-
-@triton.jit
-def _iq1_s(bp, j, m, tab):  # d, qs[32], qh[8] uint16: 4 x 3 high index bits, a 3-bit scale, delta's sign
-    qh = _u16(bp + 34 + 2 * (j // 32), m)
-    dl = _f16(bp, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
-    high = (qh >> (3 * ((j // 8) % 4))) & 7
-    return dl * _iq1_value(tab, _u8(bp + 2 + j // 8, m), high, (qh & 0x8000) != 0, j, m)
 
 
 @triton.jit
@@ -460,7 +497,7 @@ def chunk(QT: tl.constexpr, rowp, c, j, m, tab):
     elif QT == Q5_K:
         w = _q5_k(rowp + c * 176, j, m)
     elif QT == IQ2_XXS:
-        w = _iq2_xxs(rowp + c * 66, j, m, tab)
+        w = _iq2_xxs_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ2_XS:
         w = _iq2_xs(rowp + c * 74, j, m, tab)
     elif QT == IQ2_S:
@@ -470,7 +507,7 @@ def chunk(QT: tl.constexpr, rowp, c, j, m, tab):
     elif QT == IQ3_S:
         w = _iq3_s(rowp + c * 110, j, m, tab)
     elif QT == IQ1_S:
-        w = _iq1_s(rowp + c * 50, j, m, tab)
+        w = _iq1_s_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ1_M:
         w = _iq1_m(rowp + c * 56, j, m, tab)
     elif QT == IQ4_NL:

@@ -33,6 +33,15 @@ def _sign_table(ksigns: bytes) -> torch.Tensor:
     return 1.0 - 2.0 * bits(table, 8).to(torch.float32)
 
 
+def _packed(values: torch.Tensor) -> torch.Tensor:
+    """A grid [entries, 4 or 8] of small integers (|v| < 128) as int8 bytes, an entry per 32- or
+    64-bit word, viewed as float32 words to sit in the kernels' one table array: the per-block
+    decoders load an entry with one load and take its values apart in registers, exactly."""
+    as_int8 = values.to(torch.int8)
+    assert torch.equal(as_int8.to(values.dtype), values)
+    return as_int8.contiguous().view(torch.float32).reshape(-1)
+
+
 _HOST_TABLES: dict[str, torch.Tensor] = {
     "iq2xxs": _grid(quants.IQ2_XXS),
     "iq2xs": _grid(quants.IQ2_XS),
@@ -46,13 +55,22 @@ _HOST_TABLES: dict[str, torch.Tensor] = {
 IQ1_DELTA = float(quants.IQ1_S.delta)  # the offset IQ1_S/IQ1_M add to a grid value, sign per group
 
 # The same tables end to end in one float32 array for the Triton decoders (kernels/dequant_tl.py),
-# which take one pointer and find each table at its offset here.
+# which take one pointer and find each table at its offset here (in float32 words, each table
+# 16-byte aligned), with the 8-value grids packed (_packed) and ggml's ksigns as its 128 bytes.
+_KERNEL_ONLY = {
+    "iq2xxs_i8": _packed(_HOST_TABLES["iq2xxs"]),
+    "iq1s_i8": _packed(_HOST_TABLES["iq1s"]),
+    "ksigns_u8": torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8).view(torch.float32),
+}
 KERNEL_TABLE_OFFSETS: dict[str, int] = {}
+_pieces: list[torch.Tensor] = []
 _at = 0
-for _name, _t in _HOST_TABLES.items():
+for _name, _t in {**_HOST_TABLES, **_KERNEL_ONLY}.items():
     KERNEL_TABLE_OFFSETS[_name] = _at
-    _at += _t.numel()
-_HOST_KERNEL_TABLE = torch.cat([t.reshape(-1) for t in _HOST_TABLES.values()])
+    _n = -(-_t.numel() // 4) * 4
+    _pieces.append(torch.cat([_t.reshape(-1), torch.zeros(_n - _t.numel())]))
+    _at += _n
+_HOST_KERNEL_TABLE = torch.cat(_pieces)
 
 
 @lru_cache(maxsize=None)
