@@ -11,8 +11,9 @@ loaded once. The f16 scales sit at even offsets of blocks of even size, so they 
 everything else loads as bytes. One layout is not ggml's: Q8_0R (weights.quant.Q8_0_REGROUPED), Q8_0
 rows regrouped where the kernels run (weights.regroup_q8_0). The i-quants' values come from grids
 (weights/quant_iq.py, gguf-py's tables): every kernel takes one pointer `tab` to all of them, flat
-on the device (quant_iq.kernel_tables), and reads an entry per value; the arithmetic on scales is
-quant_iq's, so the values are its bits.
+on the device (quant_iq.kernel_tables), the grids packed as int8 bytes so that one 32- or 64-bit
+load gives an entry's 4 or 8 values; the arithmetic on scales is quant_iq's, so the values are its
+bits.
 `rowp` [BN, 1] points at each row's first byte, `m` [BN, CH] masks rows and values past the row's
 end (only the 32-value and float types can end inside a chunk)."""
 
@@ -34,11 +35,10 @@ IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = (tl.constexpr(int(t)) for
     T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M))
 IQ4_NL, IQ4_XS, TQ1_0, TQ2_0 = (tl.constexpr(int(t)) for t in (T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0))
 # Where each lookup table starts in the float32 array `tab` points at (weights.quant_iq.kernel_tables).
-TAB_KSIGNS, TAB_IQ2XXS, TAB_IQ2XS, TAB_IQ2S, TAB_IQ3XXS, TAB_IQ3S, TAB_IQ1S, TAB_IQ4NL = (
-    tl.constexpr(KERNEL_TABLE_OFFSETS[name]) for name in ("ksigns", "iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s",
-                                                          "iq4nl"))
-TAB_IQ2XXS_I8, TAB_IQ1S_I8, TAB_KSIGNS_U8 = (tl.constexpr(KERNEL_TABLE_OFFSETS[name])
-                                             for name in ("iq2xxs_i8", "iq1s_i8", "ksigns_u8"))
+TAB_IQ4NL = tl.constexpr(KERNEL_TABLE_OFFSETS["iq4nl"])
+TAB_IQ2XXS_I8, TAB_IQ2XS_I8, TAB_IQ2S_I8, TAB_IQ3XXS_I8, TAB_IQ3S_I8, TAB_IQ1S_I8, TAB_KSIGNS_U8 = (
+    tl.constexpr(KERNEL_TABLE_OFFSETS[name]) for name in ("iq2xxs_i8", "iq2xs_i8", "iq2s_i8", "iq3xxs_i8", "iq3s_i8",
+                                                          "iq1s_i8", "ksigns_u8"))
 IQ1_DELTA_C = tl.constexpr(IQ1_DELTA)
 Q8_0R = tl.constexpr(Q8_0_REGROUPED)  # Q8_0 regrouped (weights.regroup_q8_0): per chunk 8 f16 scales, then 256 quants
 CHUNK = 256  # values decoded per step along a row, for every type
@@ -290,16 +290,10 @@ def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
     return tl.reshape(scale * q.to(tl.float32) - offset, (BN, 256))
 
 
-# ---- the i-quants and ternary quants: weights/quant_iq.py per value, its tables read through `tab` ----
+# ---- the i-quants and ternary quants: weights/quant_iq.py's arithmetic, its tables read through `tab` ----
 @triton.jit
 def _u16(p, m):
     return _u8(p, m) | (_u8(p + 1, m) << 8)
-
-
-@triton.jit
-def _u32(p, m):
-    """A little-endian uint32 as int32 bits: callers mask what they shift out of it."""
-    return _u16(p, m) | (_u16(p + 2, m) << 16)
 
 
 @triton.jit
@@ -308,69 +302,28 @@ def _tab(tab, i, m):
 
 
 @triton.jit
-def _ksign(tab, aux, l, v, m):
-    """The sign factor (+1 / -1) of value v (0..7) of grid entry l of a group whose signs are 4 x 7
-    bits of aux (IQ2_XXS, IQ3_XXS; IQ2_XS passes its 7 bits with l = 0)."""
-    return _tab(tab, TAB_KSIGNS + ((aux >> (7 * l)) & 127) * 8 + v, m)
-
-
-@triton.jit
-def _half_scale(bp, code, step, m):
-    """quant_iq._half_scales: d * (0.5 + code) * step, in the reference's order."""
-    return (_f16(bp, m) * (0.5 + code.to(tl.float32))) * step
-
-
-@triton.jit
-def _sign_bit(sp, j, m):
-    """1 - 2 * bit j of the plain sign bits at sp (IQ2_S, IQ3_S)."""
-    return 1.0 - 2.0 * ((_u8(sp + j // 8, m) >> (j % 8)) & 1).to(tl.float32)
-
-
-@triton.jit
-def _iq2_xs(bp, j, m, tab):  # d, qs[32] uint16 (9-bit index, 7 sign bits), scales[8]
-    q = _u16(bp + 2 + 2 * (j // 8), m)
-    s = j // 16
-    db = _half_scale(bp, (_u8(bp + 66 + s // 2, m) >> ((s % 2) * 4)) & 15, 0.25, m)
-    grid = _tab(tab, TAB_IQ2XS + (q & 511) * 8 + j % 8, m)
-    return db * grid * _ksign(tab, q >> 9, 0, j % 8, m)
-
-
-@triton.jit
-def _iq2_s(bp, j, m, tab):  # d, qs[32], signs[32], qh[8], scales[8]
-    e = j // 8
-    index = _u8(bp + 2 + e, m) | (((_u8(bp + 66 + e // 4, m) >> ((e % 4) * 2)) & 3) << 8)
-    s = j // 16
-    db = _half_scale(bp, (_u8(bp + 74 + s // 2, m) >> ((s % 2) * 4)) & 15, 0.25, m)
-    return db * _tab(tab, TAB_IQ2S + index * 8 + j % 8, m) * _sign_bit(bp + 34, j, m)
-
-
-@triton.jit
-def _iq3_xxs(bp, j, m, tab):  # d, qs[64] grid indices, then per 32 values signs and scale in a uint32
-    g = j // 32
-    aux = _u32(bp + 66 + 4 * g, m)
-    db = _half_scale(bp, (aux >> 28) & 15, 0.5, m)
-    grid = _tab(tab, TAB_IQ3XXS + _u8(bp + 2 + j // 4, m) * 4 + j % 4, m)
-    return db * grid * _ksign(tab, aux, (j % 32) // 8, j % 8, m)
-
-
-@triton.jit
-def _iq3_s(bp, j, m, tab):  # d, qs[64], qh[8], signs[32], scales[4]
-    e = j // 4
-    index = _u8(bp + 2 + e, m) | (((_u8(bp + 66 + e // 8, m) >> (e % 8)) & 1) << 8)
-    s = j // 32
-    sc = (_u8(bp + 106 + s // 2, m) >> ((s % 2) * 4)) & 15
-    db = _f16(bp, m) * (1 + 2 * sc).to(tl.float32)
-    return db * _tab(tab, TAB_IQ3S + index * 4 + j % 4, m) * _sign_bit(bp + 74, j, m)
-
-
-@triton.jit
-def _grid8_rows(tab, at: tl.constexpr, index, m3):
-    """Entries `index` [BN, 8, 4] of a packed 8-value grid (quant_iq._packed) at word `at` of the
-    table: [BN, 8, 4, 8] exact float32, one 64-bit load an entry, its bytes sign-extended."""
-    word = tl.load((tab + at).to(tl.pointer_type(tl.int64)) + index, mask=m3, other=0)
-    v = tl.arange(0, 8)[None, None, None, :].to(tl.int64)
-    byte = (word[:, :, :, None] >> (v * 8)) & 0xFF
+def _entries(tab, at: tl.constexpr, index, me, W: tl.constexpr):
+    """Entries `index` [BN, E] of a packed grid of W = 8 or 4 values (quant_iq._packed) at word
+    `at` of the table: [BN, E, W] exact float32, one 64- or 32-bit load an entry, its bytes
+    sign-extended."""
+    if W == 8:
+        word = tl.load((tab + at).to(tl.pointer_type(tl.int64)) + index, mask=me, other=0)
+    else:
+        word = tl.load((tab + at).to(tl.pointer_type(tl.int32)) + index, mask=me, other=0).to(tl.int64)
+    byte = (word[:, :, None] >> (tl.arange(0, W)[None, None, :].to(tl.int64) * 8)) & 0xFF
     return ((byte ^ 0x80) - 0x80).to(tl.float32)
+
+
+@triton.jit
+def _signs(sbits, first: tl.constexpr, W: tl.constexpr):
+    """Factors 1 - 2 * bit for bits first .. first+W-1 of each of sbits [BN, E]: [BN, E, W]."""
+    return 1.0 - 2.0 * ((sbits[:, :, None] >> (first + tl.arange(0, W)[None, None, :])) & 1).to(tl.float32)
+
+
+@triton.jit
+def _ksigns(tab, index, me):
+    """ggml's ksigns byte (8 sign bits) of 7-bit indices [BN, E]."""
+    return tl.load((tab + TAB_KSIGNS_U8).to(tl.pointer_type(tl.uint8)) + index, mask=me, other=0).to(tl.int32)
 
 
 @triton.jit
@@ -380,59 +333,112 @@ def _row_mask(m, BN: tl.constexpr):
 
 
 @triton.jit
+def _nibble(p, i, m):
+    """Nibble i (low first) of the bytes at p."""
+    return (_u8(p + i // 2, m) >> ((i % 2) * 4)) & 15
+
+
+# The i-quants per grid entry (8 or 4 values), not per value: an entry's index, grid word and
+# signs are loaded once for all its values, a group's scale once for its entries. quant_iq's
+# arithmetic in its order, so the values are its bits. The 16- and 32-bit fields load as bytes or
+# 16-bit halves: these blocks keep only 2-byte alignment.
+@triton.jit
 def _iq2_xxs_rows(rowp, c, m, BN: tl.constexpr, tab):
-    """IQ2_XXS as [BN, 8, 4, 8] (group, grid entry, value), loads per entry rather than per value:
-    its index byte, its packed grid entry, its sign byte (ggml's ksigns); the group's scale and
-    signs word as two 16-bit halves (a 66-byte block keeps only 2-byte alignment)."""
+    """d, then per 32 values 4 index bytes and a word of 4 x 7 sign bits and a 4-bit scale."""
     mr = _row_mask(m, BN)
     bp = rowp + c * 66
-    gp = bp + 2 + 8 * tl.arange(0, 8)[None, :]  # [BN, 8]: each group's 8 bytes
+    e = tl.arange(0, 32)[None, :]  # grid entries: group e // 4
+    gp = bp + 2 + 8 * (e // 4)
     aux = _u16(gp + 4, mr) | (_u16(gp + 6, mr) << 16)
-    db = (_f16(bp, mr) * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.25  # [BN, 8]
-    m3 = mr[:, :, None]
-    l = tl.arange(0, 4)[None, None, :]
-    grid = _grid8_rows(tab, TAB_IQ2XXS_I8, _u8(gp[:, :, None] + l, m3), m3)
-    sbits = tl.load((tab + TAB_KSIGNS_U8).to(tl.pointer_type(tl.uint8)) + ((aux[:, :, None] >> (7 * l)) & 127),
-                    mask=m3, other=0).to(tl.int32)
-    sign = 1.0 - 2.0 * ((sbits[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1).to(tl.float32)
-    return tl.reshape(db[:, :, None, None] * grid * sign, (BN, 256))
+    db = (_f16(bp, mr) * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.25
+    sign = _signs(_ksigns(tab, (aux >> (7 * (e % 4))) & 127, mr), 0, 8)
+    grid = _entries(tab, TAB_IQ2XXS_I8, _u8(gp + e % 4, mr), mr, 8)
+    return tl.reshape(db[:, :, None] * grid * sign, (BN, 256))
+
+
+@triton.jit
+def _iq2_xs_rows(rowp, c, m, BN: tl.constexpr, tab):
+    """d, 32 uint16 (a 9-bit index, 7 sign bits), 16 4-bit scales."""
+    mr = _row_mask(m, BN)
+    bp = rowp + c * 74
+    e = tl.arange(0, 32)[None, :]
+    q = _u16(bp + 2 + 2 * e, mr)
+    db = (_f16(bp, mr) * (0.5 + _nibble(bp + 66, e // 2, mr).to(tl.float32))) * 0.25
+    grid = _entries(tab, TAB_IQ2XS_I8, q & 511, mr, 8)
+    return tl.reshape(db[:, :, None] * grid * _signs(_ksigns(tab, q >> 9, mr), 0, 8), (BN, 256))
+
+
+@triton.jit
+def _iq2_s_rows(rowp, c, m, BN: tl.constexpr, tab):
+    """d, 32 index bytes, 32 sign bytes, 2 high index bits each in qh, 16 4-bit scales."""
+    mr = _row_mask(m, BN)
+    bp = rowp + c * 82
+    e = tl.arange(0, 32)[None, :]
+    index = _u8(bp + 2 + e, mr) | (((_u8(bp + 66 + e // 4, mr) >> ((e % 4) * 2)) & 3) << 8)
+    db = (_f16(bp, mr) * (0.5 + _nibble(bp + 74, e // 2, mr).to(tl.float32))) * 0.25
+    grid = _entries(tab, TAB_IQ2S_I8, index, mr, 8)
+    return tl.reshape(db[:, :, None] * grid * _signs(_u8(bp + 34 + e, mr), 0, 8), (BN, 256))
+
+
+@triton.jit
+def _iq3_xxs_rows(rowp, c, m, BN: tl.constexpr, tab):
+    """d, 64 index bytes (4-value entries), per 32 values a word of 4 x 7 sign bits and a scale."""
+    mr = _row_mask(m, BN)
+    bp = rowp + c * 98
+    e = tl.arange(0, 64)[None, :]  # group e // 8; its 8 sign bits for entries e and e ^ 1
+    ap = bp + 66 + 4 * (e // 8)
+    aux = _u16(ap, mr) | (_u16(ap + 2, mr) << 16)
+    db = (_f16(bp, mr) * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.5
+    sbits = _ksigns(tab, (aux >> (7 * ((e % 8) // 2))) & 127, mr)
+    grid = _entries(tab, TAB_IQ3XXS_I8, _u8(bp + 2 + e, mr), mr, 4)
+    sign = tl.where((e % 2 == 0)[:, :, None], _signs(sbits, 0, 4), _signs(sbits, 4, 4))
+    return tl.reshape(db[:, :, None] * grid * sign, (BN, 256))
+
+
+@triton.jit
+def _iq3_s_rows(rowp, c, m, BN: tl.constexpr, tab):
+    """d, 64 index bytes (4-value entries), a 9th index bit each in qh, 32 sign bytes, 8 4-bit scales."""
+    mr = _row_mask(m, BN)
+    bp = rowp + c * 110
+    e = tl.arange(0, 64)[None, :]
+    index = _u8(bp + 2 + e, mr) | (((_u8(bp + 66 + e // 8, mr) >> (e % 8)) & 1) << 8)
+    db = _f16(bp, mr) * (1 + 2 * _nibble(bp + 106, e // 8, mr)).to(tl.float32)
+    sbits = _u8(bp + 74 + e // 2, mr)
+    sign = tl.where((e % 2 == 0)[:, :, None], _signs(sbits, 0, 4), _signs(sbits, 4, 4))
+    grid = _entries(tab, TAB_IQ3S_I8, index, mr, 4)
+    return tl.reshape(db[:, :, None] * grid * sign, (BN, 256))
 
 
 @triton.jit
 def _iq1_s_rows(rowp, c, m, BN: tl.constexpr, tab):
-    """IQ1_S as [BN, 8, 4, 8], as _iq2_xxs_rows: an index byte and a packed grid entry per 8 values,
-    a 16-bit word (high index bits, scale, the delta's sign) per group."""
+    """d, 32 index bytes, per 32 values a uint16: 4 x 3 high index bits, a 3-bit scale, the delta's sign."""
     mr = _row_mask(m, BN)
     bp = rowp + c * 50
-    g = tl.arange(0, 8)[None, :]
-    qh = _u16(bp + 34 + 2 * g, mr)  # [BN, 8]
+    e = tl.arange(0, 32)[None, :]
+    qh = _u16(bp + 34 + 2 * (e // 4), mr)
     dl = _f16(bp, mr) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
     delta = tl.where((qh & 0x8000) != 0, -IQ1_DELTA_C, IQ1_DELTA_C)
-    m3 = mr[:, :, None]
-    l = tl.arange(0, 4)[None, None, :]
-    index = _u8((bp + 2 + 4 * g)[:, :, None] + l, m3) | (((qh[:, :, None] >> (3 * l)) & 7) << 8)
-    grid = _grid8_rows(tab, TAB_IQ1S_I8, index, m3)
-    return tl.reshape(dl[:, :, None, None] * (grid + delta[:, :, None, None]), (BN, 256))
+    index = _u8(bp + 2 + e, mr) | (((qh >> (3 * (e % 4))) & 7) << 8)
+    grid = _entries(tab, TAB_IQ1S_I8, index, mr, 8)
+    return tl.reshape(dl[:, :, None] * (grid + delta[:, :, None]), (BN, 256))
 
 
 @triton.jit
-def _iq1_value(tab, qs, high, negative, j, m):
-    """IQ1_S/IQ1_M: grid[qs | high << 8][j % 8] + delta, -delta where `negative`."""
-    grid = _tab(tab, TAB_IQ1S + (qs | (high << 8)) * 8 + j % 8, m)
-    return grid + tl.where(negative, -IQ1_DELTA_C, IQ1_DELTA_C)
-
-
-@triton.jit
-def _iq1_m(bp, j, m, tab):  # qs[32], qh[16], scales[4] uint16 (3-bit scales; d in their top nibbles)
-    d_bits = ((_u16(bp + 48, m) >> 12) | ((_u16(bp + 50, m) >> 8) & 0xF0) | ((_u16(bp + 52, m) >> 4) & 0xF00)
-              | (_u16(bp + 54, m) & 0xF000))
-    d = d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    s = j // 16
-    sub = (_u16(bp + 48 + 2 * (s // 4), m) >> (3 * (s % 4))) & 7
-    dl = d * (2 * sub + 1).to(tl.float32)
-    e = j // 8
-    half = (_u8(bp + 32 + e // 2, m) >> ((e % 2) * 4)) & 15
-    return dl * _iq1_value(tab, _u8(bp + e, m), half & 7, (half & 8) != 0, j, m)
+def _iq1_m_rows(rowp, c, m, BN: tl.constexpr, tab):
+    """32 index bytes, per entry a nibble (3 high index bits, the delta's sign), 4 uint16 of 3-bit
+    scales whose top nibbles hold d."""
+    mr = _row_mask(m, BN)
+    bp = rowp + c * 56
+    d_bits = ((_u16(bp + 48, mr) >> 12) | ((_u16(bp + 50, mr) >> 8) & 0xF0) | ((_u16(bp + 52, mr) >> 4) & 0xF00)
+              | (_u16(bp + 54, mr) & 0xF000))
+    d = d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, 1]
+    e = tl.arange(0, 32)[None, :]
+    s = e // 2  # a scale per 16 values
+    dl = d * (2 * ((_u16(bp + 48 + 2 * (s // 4), mr) >> (3 * (s % 4))) & 7) + 1).to(tl.float32)
+    half = _nibble(bp + 32, e, mr)
+    delta = tl.where((half & 8) != 0, -IQ1_DELTA_C, IQ1_DELTA_C)
+    grid = _entries(tab, TAB_IQ1S_I8, _u8(bp + e, mr) | ((half & 7) << 8), mr, 8)
+    return tl.reshape(dl[:, :, None] * (grid + delta[:, :, None]), (BN, 256))
 
 
 @triton.jit
@@ -499,17 +505,17 @@ def chunk(QT: tl.constexpr, rowp, c, j, m, tab):
     elif QT == IQ2_XXS:
         w = _iq2_xxs_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ2_XS:
-        w = _iq2_xs(rowp + c * 74, j, m, tab)
+        w = _iq2_xs_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ2_S:
-        w = _iq2_s(rowp + c * 82, j, m, tab)
+        w = _iq2_s_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ3_XXS:
-        w = _iq3_xxs(rowp + c * 98, j, m, tab)
+        w = _iq3_xxs_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ3_S:
-        w = _iq3_s(rowp + c * 110, j, m, tab)
+        w = _iq3_s_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ1_S:
         w = _iq1_s_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ1_M:
-        w = _iq1_m(rowp + c * 56, j, m, tab)
+        w = _iq1_m_rows(rowp, c, m, rowp.shape[0], tab)
     elif QT == IQ4_NL:
         w = _iq4_nl(rowp + (c * 8 + j // 32) * 18, j % 32, m, tab)
     elif QT == IQ4_XS:

@@ -56,16 +56,16 @@ IQ1_DELTA = float(quants.IQ1_S.delta)  # the offset IQ1_S/IQ1_M add to a grid va
 
 # The same tables end to end in one float32 array for the Triton decoders (kernels/dequant_tl.py),
 # which take one pointer and find each table at its offset here (in float32 words, each table
-# 16-byte aligned), with the 8-value grids packed (_packed) and ggml's ksigns as its 128 bytes.
-_KERNEL_ONLY = {
-    "iq2xxs_i8": _packed(_HOST_TABLES["iq2xxs"]),
-    "iq1s_i8": _packed(_HOST_TABLES["iq1s"]),
+# 16-byte aligned): the grids packed (_packed), ggml's ksigns as its 128 bytes, IQ4_NL's values.
+_KERNEL_TABLES = {
+    **{f"{name}_i8": _packed(_HOST_TABLES[name]) for name in ("iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s")},
     "ksigns_u8": torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8).view(torch.float32),
+    "iq4nl": _HOST_TABLES["iq4nl"],
 }
 KERNEL_TABLE_OFFSETS: dict[str, int] = {}
 _pieces: list[torch.Tensor] = []
 _at = 0
-for _name, _t in {**_HOST_TABLES, **_KERNEL_ONLY}.items():
+for _name, _t in _KERNEL_TABLES.items():
     KERNEL_TABLE_OFFSETS[_name] = _at
     _n = -(-_t.numel() // 4) * 4
     _pieces.append(torch.cat([_t.reshape(-1), torch.zeros(_n - _t.numel())]))
