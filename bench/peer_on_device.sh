@@ -20,6 +20,9 @@
 # --dest .peer/llama.cpp; that machine reaches no registry). E.g. run qwen3-30b-a3b 12, gpt-oss-20b 24.
 # COMMIT=<hash> names expertpack's commit in the JSON where the copy there has no .git. DEVICE=cpu
 # (both calls) builds without CUDA and measures on the CPU: a smoke test off the GPU machine.
+# TYPE=IQ2_XXS (any ggml type synth writes) gives the routed experts that type instead of the
+# preset's, MIX=SPEC a per-role/per-layer mix as synth's --mix: run's GGUF is then
+# bench-out/PRESET-LAYERSL-TYPE[-MIX].gguf (issue 36's i-quant targets).
 set -euo pipefail
 device=${DEVICE:-cuda}
 src=/tmp/llama-src
@@ -65,10 +68,16 @@ run | offload)
     export PYTHONPATH=/tmp/site PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
     out=${OUT:-/tmp}
     gguf="bench-out/$preset-${layers}L.gguf"  # the name bench/decode_streaming.py gives it
+    types=()
+    if [ -n "${TYPE:-}" ]; then
+        types=(--type "$TYPE")
+        gguf="bench-out/$preset-${layers}L-$TYPE${MIX:+-${MIX//[=,]/_}}.gguf"
+        [ -n "${MIX:-}" ] && types+=(--mix "$MIX")
+    fi
     if [ ! -f "$gguf" ]; then  # while the build runs
         mkdir -p bench-out
-        expertpack synth --preset "$preset" --layers "$layers" -o "bench-out/partial-$preset.gguf" -q --force \
-            > /dev/null
+        expertpack synth --preset "$preset" --layers "$layers" "${types[@]}" -o "bench-out/partial-$preset.gguf" -q \
+            --force > /dev/null
         mv "bench-out/partial-$preset.gguf" "$gguf"
     fi
     waited=0
