@@ -303,9 +303,10 @@ class ExpertDaemon:
 
     def _tell_keepers(self, index: int) -> None:
         """CONDEMNED to every client keeping RAM slot `index`, whose block failed the scrub: its GPU
-        reads kept blocks in place, past any check of ours, until it lets them go."""
-        for session in self.sessions.live.values():
-            if session.ram_kept[index] > 0:
+        reads kept blocks in place, past any check of ours, until it lets them go. A keeper a send
+        fails to reach is dropped meanwhile (_send): the sessions are walked from a copy."""
+        for session in list(self.sessions.live.values()):
+            if not session.closed and session.ram_kept[index] > 0:
                 log.warning("telling client %r (pid %s), which keeps RAM slot %d, to stop reading it", session.name,
                             session.pid, index)
                 self._send(session.identity, p.Condemned((index,)))

@@ -676,6 +676,30 @@ def test_a_keep_of_a_block_the_scrub_condemned_already_is_told_at_once(tiny_pack
             assert isinstance(recv(keeper), p.Pong)
 
 
+def test_telling_the_keepers_goes_on_past_a_keeper_dropped_meanwhile() -> None:
+    """A CONDEMNED that cannot be sent (the keeper gone: EHOSTUNREACH; not reading: EAGAIN) drops
+    that keeper's session while expertd walks the keepers: the others are still told, and the walk
+    does not fail (it did: the live sessions changed size under it, and expertd stopped)."""
+    from collections import Counter, deque
+    from types import SimpleNamespace
+
+    from expertpack.daemon.server import ExpertDaemon
+    from expertpack.daemon.sessions import Session
+
+    live = {name: Session(name, 3, name.decode(), [], deque(), ram_kept=Counter({5: 1})) for name in (b"gone", b"here")}
+    live[b"other"] = Session(b"other", 4, "other", [], deque())  # keeps nothing
+    told = []
+
+    def send(identity: bytes, msg: p.Message) -> None:
+        if identity == b"gone":  # as _send does when the router refuses it
+            live.pop(identity).closed = True
+            return
+        told.append((identity, msg))
+
+    ExpertDaemon._tell_keepers(SimpleNamespace(sessions=SimpleNamespace(live=live), _send=send), 5)
+    assert told == [(b"here", p.Condemned((5,)))] and set(live) == {b"here", b"other"}
+
+
 def test_the_scrub_finds_a_tier_block_altered_in_memory_and_it_is_read_again(tiny_pack: Path, tmp_path: Path) -> None:
     """Issue 37: the client library maps the segment read-only, but a process of expertd's own user
     can still open it writable and alter a resident block. expertd's scrub checks resident blocks
