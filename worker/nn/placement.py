@@ -20,6 +20,7 @@ import torch
 
 from ..weights.model_files import ModelFiles, expert_layers
 from ..weights.qtensor import QTensor
+from ..weights.quant_iq import kernel_tables
 from .backend import ops_for
 from .ops import TorchOps
 
@@ -172,8 +173,13 @@ class Placement:
     @cached_property
     def ops(self) -> TorchOps:
         """The ops every layer runs (the devices are of one kind: parse_devices), chosen once, as the
-        model loads onto them."""
-        return ops_for(self.first)
+        model loads onto them. With the kernels, the i-quants' tables go to every device now, never
+        first inside a CUDA graph's capture (keyed as tensors name their device: cuda:N)."""
+        ops = ops_for(self.first)
+        if ops.kernels:
+            for device in self.devices:
+                kernel_tables(torch.empty(0, device=device).device)
+        return ops
 
     @property
     def first(self) -> torch.device:

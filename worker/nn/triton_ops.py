@@ -26,19 +26,12 @@ from ..kernels.pointwise_tl import add_rms_norm, qkv_rope_store, rms_norm, rope
 from ..kernels.routing_tl import expert_lookup, softmax_topk, sqrtsoftplus_route
 from ..weights.expert_roles import ExpertRoles
 from ..weights.qtensor import QTensor
-from ..weights.quant_iq import kernel_tables
 from .layers import DECODE_MAX_QUERIES, Rope, RopeStyle
 from .ops import TorchOps
 
 
 class TritonOps(TorchOps):
     kernels = True
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        # The i-quants' tables go to the device now, never first inside a CUDA graph's capture
-        # (keyed as tensors name their device: cuda:N).
-        kernel_tables(torch.empty(0, device=device).device)
 
     # -- quantized matrices: every type a model may load (weights.quant.check_supported) has a decoder in the kernels
     def linear(self, x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
