@@ -18,7 +18,7 @@ from ..experts.daemon_link import DaemonLink
 from ..experts.expert_cache import ExpertCache
 from ..experts.split_experts import CacheGroup, SplitExperts
 from ..models import Model, model_module
-from ..nn.layers import KVCache
+from ..nn.layers import BatchKV, KVCache
 from ..nn.placement import Placement, parse_devices, plan
 from ..weights.model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .arena import KVArena, Sequence
@@ -49,6 +49,10 @@ WARM_UP_LONG_PROMPTS = (tuple(range(STATIC_PROMPT_MAX_TOKENS + 1, 2 * STATIC_PRO
 # twice (its table pass dropped, then in segments), one that finds all of them is 2-3x faster.
 TABLE_MISS_SHARE = 0.5
 MISS_FADE = 0.75  # the weight of the steps before in that share, per step
+
+
+class BatchUnsupported(ValueError):
+    """A batched decode step asked of a model whose forward runs one sequence at a time."""
 
 
 @dataclass
@@ -213,6 +217,26 @@ class Engine:
                     return logits
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, cache, last).to(torch.float32)
+
+    @torch.inference_mode()
+    def decode_batch(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
+        """One decode step of several sequences together, continuous batching's step: row i of the
+        logits [len(seqs), n_vocab] (float32) follows tokens[i], the next token of seqs[i]. The
+        matrices and the experts run on every row at once (a layer's experts fetched once for the
+        union of the rows' picks), each row's attention in its own sequence. Eager (no CUDA graph
+        yet), for the architectures whose models take a BatchKV (Model.batched_decode). A row's
+        logits equal that sequence's own eager step's where the kernels compute each row apart
+        (the fast path, up to linear_tl.MATVEC_MAX_ROWS rows); the torch path multiplies all rows
+        in one matrix product, whose rounding may differ in the last bits."""
+        if not getattr(self.model, "batched_decode", False):
+            raise BatchUnsupported(f"{self.files.arch}: its model runs one sequence a step; batched decode steps are "
+                                   "written for qwen3moe, qwen2moe, llama (Mixtral) and gpt-oss so far")
+        if len(seqs) != len(tokens) or not seqs:
+            raise ValueError(f"a batched step takes a token for each sequence: {len(seqs)} sequences, {len(tokens)} "
+                             "tokens")
+        with self.place.running():
+            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            return self.model.forward(ids, BatchKV([s.kv for s in seqs])).to(torch.float32)
 
     def _drop_graphs(self, slot: int | None = None) -> None:
         """A slot's graphs (every slot's without one) and their memory go, before a new capture."""

@@ -182,5 +182,5 @@ class Model:
             x, cos, sin = self.place.hop(i, x, cos, sin)
             x = x + self.attention(layer, i, ops.rms_norm(x, ops.dequant(layer.attn_norm), a.eps), cos, sin, cache)
             x = x + self.ffn(layer, i, ops.rms_norm(x, ops.dequant(layer.ffn_norm), a.eps))
-        cache.length += t
+        cache.advance(t)
         return ops.output_logits(ops.rms_norm(x, ops.dequant(self.output_norm), a.eps), self.output, last)

@@ -194,7 +194,7 @@ class Model:
             pre, post, comb = layer.hc_ffn.weights(ops, streams)
             h = layer.hc_ffn.block_input(ops, streams, pre, ops.dequant(layer.ffn_norm))
             streams = ops.hc_expand(streams, self._moe(i, h, tokens), post, comb)
-        cache.length += len(tokens)
+        cache.advance(len(tokens))
         x = ops.rms_norm(self.hc_head.head(ops, streams), ops.dequant(self.output_norm), a.eps)
         return ops.output_logits(x, self.output, last)
 

@@ -58,6 +58,7 @@ KEYS = {
 
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
+    batched_decode = True  # forward takes a BatchKV: several sequences' next tokens in one step (gqa.py)
     static_prompt = True  # a short prompt too (no state but the KV cache): a CUDA graph per prompt length
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
@@ -87,7 +88,7 @@ class Model:
             x, h = ops.add_rms_norm(x, attn, ops.dequant(layer.ffn_norm), a.eps)
             ids, weights = self.route(i, h)
             x, h = ops.add_rms_norm(x, self.moe(i, h, ids, weights, summed=False), ops.dequant(layer.norm_after), a.eps)
-        cache.length += t
+        cache.advance(t)
         return ops.output_logits(h, self.output, last)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

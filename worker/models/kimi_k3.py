@@ -223,6 +223,6 @@ class Model:
             x = out if banked else x + out
             h = ops.rms_norm(self._mix(x, bank, ops.dequant(layer.ffn_res_score)), ops.dequant(layer.ffn_norm), a.eps)
             x = x + self._ffn(layer, i, h)
-        cache.length += len(tokens)
+        cache.advance(len(tokens))
         x = self._mix(x, bank, ops.dequant(self.output_res_score))
         return ops.output_logits(ops.rms_norm(x, ops.dequant(self.output_norm), a.eps), self.output, last)

@@ -62,6 +62,7 @@ class Layer:
 
 class Model:
     static_decode = True  # a one-token step has the same shapes at every position (a CUDA graph can replay it)
+    batched_decode = True  # forward takes a BatchKV: several sequences' next tokens in one step (gqa.py)
     static_prompt = True  # a short prompt too (no state but the KV cache): a CUDA graph per prompt length
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
@@ -94,7 +95,7 @@ class Model:
             h = ops.rms_norm(x, ops.dequant(layer.ffn_norm), a.eps)
             ids, weights = self.route(i, h)
             x = x + self.moe(i, h, ids, weights) + self.shared_expert(layer, h)
-        cache.length += t
+        cache.advance(t)
         return ops.output_logits(ops.rms_norm(x, ops.dequant(self.output_norm), a.eps), self.output, last)
 
     def route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

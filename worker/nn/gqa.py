@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..weights.qtensor import QTensor, stacked_rows
-from .layers import KVCache, Rope, RopeStyle
+from .layers import BatchKV, KVCache, Rope, RopeStyle
 from .ops import TorchOps
 
 if TYPE_CHECKING:
@@ -89,13 +89,20 @@ _NAMES = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "out
           "sinks": "attn_sinks.weight"}
 
 
-def gqa_attention(ops: TorchOps, a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
-                  head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+def gqa_attention(ops: TorchOps, a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache | BatchKV, n_head: int,
+                  n_head_kv: int, head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                   window: int | None = None, parts: bool = False) -> torch.Tensor:
     """h [T, D] -> [T, D]; with `parts`, a decode step on the fast path may answer [T, S, D],
-    partial sums for add_rms_norm."""
+    partial sums for add_rms_norm. With a BatchKV the rows are several sequences' tokens: the
+    projections run on all of them, the cache writes and the attention row by row, each in its
+    own sequence's cache."""
+    rows = [(cache, slice(None))] if not isinstance(cache, BatchKV) else [
+        (c, slice(i, i + 1)) for i, c in enumerate(cache.caches)]
     if a.qkv is not None and ops.kernels and h.dtype == torch.float32:
-        return _fused_gqa(ops, a, h, layer, cache, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window, parts)
+        o = _fused_gqa(ops, a, h, layer, rows, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window)
+        if parts and a.output_bias is None:
+            return ops.linear_parts(o, a.output)
+        return ops.linear(o, a.output, a.output_bias)
     t = h.shape[0]
     q = ops.linear(h, a.q, a.q_bias).reshape(t, n_head, head_dim)
     k = ops.linear(h, a.k, a.k_bias).reshape(t, n_head_kv, head_dim)
@@ -104,29 +111,36 @@ def gqa_attention(ops: TorchOps, a: GqaWeights, h: torch.Tensor, layer: int, cac
         q = ops.rms_norm(q, ops.dequant(a.q_norm), eps)
         k = ops.rms_norm(k, ops.dequant(a.k_norm), eps)
     q, k = ops.rope(q, rope, cos, sin), ops.rope(k, rope, cos, sin)
-    k, v = cache.append(layer, k, v)
     sinks = ops.dequant(a.sinks) if a.sinks is not None else None
-    o = ops.attention(q, k, v, cache.positions(t, q.device), head_dim ** -0.5, window=window, sinks=sinks)
+    out = []
+    for c, r in rows:
+        keys, values = c.append(layer, k[r], v[r])
+        out.append(ops.attention(q[r], keys, values, c.positions(q[r].shape[0], q.device), head_dim ** -0.5,
+                                 window=window, sinks=sinks))
+    o = out[0] if len(out) == 1 else torch.cat(out)
     return ops.linear(o.reshape(t, -1), a.output, a.output_bias)
 
 
-def _fused_gqa(ops: TritonOps, a: GqaWeights, h: torch.Tensor, layer: int, cache: KVCache, n_head: int, n_head_kv: int,
-               head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float, window: int | None,
-               parts: bool) -> torch.Tensor:
-    """gqa_attention on the fast path: one launch for q/k/v, one for their norms, RoPE and the
-    cache write, two for attention, one for the output projection (whose split-K partial sums,
-    with `parts`, are left for add_rms_norm to add)."""
+def _fused_gqa(ops: TritonOps, a: GqaWeights, h: torch.Tensor, layer: int, rows: list[tuple[KVCache, slice]],
+               n_head: int, n_head_kv: int, head_dim: int, rope: Rope, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+               window: int | None) -> torch.Tensor:
+    """gqa_attention on the fast path up to the output projection (attention's output [T, H * d]):
+    one launch for q/k/v, then for each sequence's rows one for their norms, RoPE and the cache
+    write, and two for attention."""
     t = h.shape[0]
     qkv = ops.linear(h, a.qkv, a.qkv_bias) if a.qkv_bias is not None else ops.linear_parts(h, a.qkv)
     shape = torch.Size((n_head_kv, head_dim))
-    keys, values, seen = cache.buffers(layer, t, shape, shape, qkv)
-    positions = cache.positions(t, h.device)
     q_norm = ops.dequant(a.q_norm) if a.q_norm is not None else None
     k_norm = ops.dequant(a.k_norm) if q_norm is not None else None
-    q = ops.qkv_rope_store(qkv, n_head, n_head_kv, q_norm, k_norm, eps, cos, sin, rope.dim,
-                       rope.style is RopeStyle.NEOX, keys, values, positions)
     sinks = ops.dequant(a.sinks) if a.sinks is not None else None
-    o = ops.attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window, sinks=sinks)
-    if parts and a.output_bias is None:
-        return ops.linear_parts(o.reshape(t, -1), a.output)
-    return ops.linear(o.reshape(t, -1), a.output, a.output_bias)
+    out = []
+    for c, r in rows:
+        n = qkv[r].shape[0]
+        keys, values, seen = c.buffers(layer, n, shape, shape, qkv)
+        positions = c.positions(n, h.device)
+        q = ops.qkv_rope_store(qkv[r], n_head, n_head_kv, q_norm, k_norm, eps, cos[r], sin[r], rope.dim,
+                               rope.style is RopeStyle.NEOX, keys, values, positions)
+        out.append(ops.attention(q, keys[:seen], values[:seen], positions, head_dim ** -0.5, window=window,
+                                 sinks=sinks))
+    o = out[0] if len(out) == 1 else torch.cat(out)
+    return o.reshape(t, -1)

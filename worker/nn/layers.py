@@ -230,6 +230,40 @@ class KVCache:
         which a step updates in place."""
         return [t for layer in sorted(self.state) for t in self.state[layer].tensors()]
 
+    def advance(self, t: int) -> None:
+        """The pass's T tokens are in: the next pass starts after them."""
+        self.length += t
+
+
+class BatchKV:
+    """One eager decode step of several sequences together, a token each: row i of the step is the
+    next token of `caches[i]`. What the models that take it (Model.batched_decode) read of a
+    KVCache: each row's position is its own sequence's length; its keys and values go into, and
+    its attention reads, its own cache only (gqa.gqa_attention attends row by row). Everything
+    else in the step (the matrices, the experts) runs on all rows at once."""
+
+    def __init__(self, caches: list[KVCache]) -> None:
+        if any(c.step_positions is not None for c in caches):
+            raise ValueError("a batched step runs eagerly: no cache may be inside a static pass")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a sequence appears twice in one batched step")
+        self.caches = caches
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        return torch.tensor([c.length for c in self._rows(t)], dtype=torch.int64, device=device)
+
+    def bound(self, t: int) -> int:
+        return max(c.length for c in self._rows(t)) + 1
+
+    def advance(self, t: int) -> None:
+        for c in self._rows(t):
+            c.length += 1
+
+    def _rows(self, t: int) -> list[KVCache]:
+        if t != len(self.caches):
+            raise ValueError(f"a batched step of {len(self.caches)} sequences got {t} tokens (one each)")
+        return self.caches
+
 
 def _grown(buffer: torch.Tensor, size: int) -> torch.Tensor:
     if buffer.shape[0] >= size:

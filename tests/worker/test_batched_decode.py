@@ -1,0 +1,103 @@
+"""Batched decode steps (Engine.decode_batch, issue 35's continuous batching): several sequences'
+next tokens in one step, sequences joining after their own prefill and leaving when done, a slot
+given back and taken by a newcomer mid-run. Each sequence's greedy tokens equal its run alone and
+its logits equal its own eager steps': bit for bit on the fast path (the kernels compute each row
+apart), within float32 rounding on the torch path (all rows in one matrix product), on the GQA
+architectures of the fixtures (qwen3moe, Mixtral, gpt-oss with its sliding window and sinks)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from expertpack.worker.engine.engine import BatchUnsupported, Engine
+from expertpack.worker.engine.arena import Sequence
+from expertpack.worker.nn.backend import kernels_on_cpu
+
+from ..conftest import FIXTURES
+
+MODELS = {
+    "qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",
+    "mixtral": "gguf/mixtral-a/mixtral-a.Q4_K_M.gguf",
+    "gpt-oss": "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
+}
+PROMPTS = {"a": [1, 5, 9, 200, 33, 17], "b": [4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19], "c": [250, 6],
+           "d": [7, 7, 1000, 42], "e": [42]}
+# name -> (the batched step at which it joins, after its prefill; its decode steps): a leaves after
+# step 5 and d takes its slot at step 7. Triton's interpreter takes ~5 s a token of these models
+# (prompt tokens too, up to 8): the kernels' run is one step of two rows at different positions.
+SCENARIOS = {"torch": {"a": (0, 6), "b": (2, 8), "c": (3, 5), "d": (7, 4)}, "kernels": {"c": (0, 1), "e": (0, 1)}}
+
+
+def eager_step(engine: Engine, seq: Sequence, token: int) -> torch.Tensor:
+    """One sequence's own decode step, eager (the reference a batched row is held to)."""
+    with torch.inference_mode(), engine.place.running():
+        ids = torch.tensor([token], dtype=torch.int64, device=engine.device)
+        return engine.model.forward(ids, seq.kv).to(torch.float32)[0]
+
+
+def prefill(engine: Engine, seq: Sequence, prompt: list[int]) -> int:
+    with torch.inference_mode(), engine.place.running():
+        ids = torch.tensor(prompt, dtype=torch.int64, device=engine.device)
+        return int(engine.model.forward(ids, seq.kv).to(torch.float32)[-1].argmax())
+
+
+def alone(engine: Engine, name: str, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    with engine.new_sequence() as seq:
+        token = prefill(engine, seq, PROMPTS[name])
+        tokens, logits = [token], []
+        for _ in range(steps):
+            logits.append(eager_step(engine, seq, tokens[-1]))
+            tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def batched(engine: Engine, scenario: dict[str, tuple[int, int]]) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+    running: dict[str, Sequence] = {}
+    out: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+    step = 0
+    while len(out) < len(scenario) or running:
+        for name, (at, _) in scenario.items():
+            if at == step:
+                seq = running[name] = engine.new_sequence()
+                out[name] = ([prefill(engine, seq, PROMPTS[name])], [])
+        if running:
+            names = list(running)
+            rows = engine.decode_batch([running[n] for n in names], [out[n][0][-1] for n in names])
+            for name, row in zip(names, rows):
+                tokens, logits = out[name]
+                logits.append(row)
+                tokens.append(int(row.argmax()))
+                if len(logits) == scenario[name][1]:
+                    running.pop(name).close()  # done: its slot goes back (d takes a's)
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("model,fast", [(m, False) for m in sorted(MODELS)]
+                         + [pytest.param("qwen3moe", True, marks=[pytest.mark.slow, pytest.mark.filterwarnings(
+                             "ignore:Conversion of an array with ndim > 0:DeprecationWarning")])],
+                         ids=[f"{m}-torch" for m in sorted(MODELS)] + ["qwen3moe-kernels"])
+def test_batched_steps_give_each_sequence_its_own_tokens(model: str, fast: bool) -> None:
+    scenario = SCENARIOS["kernels" if fast else "torch"]
+    with kernels_on_cpu() if fast else contextlib.nullcontext():
+        engine = Engine.load(FIXTURES / MODELS[model], resident_experts=True)
+        assert engine.place.ops.kernels == fast
+        want = {name: alone(engine, name, steps) for name, (_, steps) in scenario.items()}
+        got = batched(engine, scenario)
+    assert engine.arena.in_use == 0 and len(engine.arena.slots) == (2 if fast else 3)  # d reused a's slot
+    for name in scenario:
+        assert got[name][0] == want[name][0], f"{model} {name}: greedy tokens differ"
+        for step, (g, w) in enumerate(zip(got[name][1], want[name][1], strict=True)):
+            if fast:
+                assert torch.equal(g, w), f"{model} {name} step {step}: max |diff| {(g - w).abs().max():.3g}"
+            else:
+                torch.testing.assert_close(g, w, rtol=0, atol=2e-5, msg=f"{model} {name} step {step}")
+
+
+def test_a_model_of_one_sequence_a_step_says_so() -> None:
+    engine = Engine.load(FIXTURES / "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf", resident_experts=True)
+    with engine.new_sequence() as seq, pytest.raises(BatchUnsupported, match="deepseek2: .*qwen3moe"):
+        engine.decode_batch([seq], [1])
