@@ -1,9 +1,10 @@
 """Batched decode steps (Engine.decode_batch, issue 35's continuous batching): several sequences'
 next tokens in one step, sequences joining after their own prefill and leaving when done, a slot
 given back and taken by a newcomer mid-run. Each sequence's greedy tokens equal its run alone and
-its logits equal its own eager steps': bit for bit on the fast path (the kernels compute each row
-apart), within float32 rounding on the torch path (all rows in one matrix product), on the GQA
-architectures of the fixtures (qwen3moe, Mixtral, gpt-oss with its sliding window and sinks)."""
+its logits equal its own eager steps': bit for bit through the kernels under Triton's interpreter
+(each row computed apart; the fixtures' experts are one chunk of K, never split), within float32
+rounding on the torch path (all rows in one matrix product), on the GQA architectures of the
+fixtures (qwen3moe, Mixtral, gpt-oss with its sliding window and sinks). tests/gpu runs it on CUDA."""
 
 from __future__ import annotations
 

@@ -225,9 +225,11 @@ class Engine:
         matrices and the experts run on every row at once (a layer's experts fetched once for the
         union of the rows' picks), each row's attention in its own sequence. Eager (no CUDA graph
         yet), for the architectures whose models take a BatchKV (Model.batched_decode). A row's
-        logits equal that sequence's own eager step's where the kernels compute each row apart
-        (the fast path, up to linear_tl.MATVEC_MAX_ROWS rows); the torch path multiplies all rows
-        in one matrix product, whose rounding may differ in the last bits."""
+        logits equal that sequence's own eager step's within float32 rounding: the torch path
+        multiplies all rows in one matrix product, and on a GPU the experts' kernel splits
+        gate/up's K by the step's pairs (moe_tl.gate_up_splits), so a row's sums may be ordered
+        otherwise than alone. Bit for bit where neither applies (the kernels under Triton's
+        interpreter on one-chunk experts: tests/worker/test_batched_decode.py)."""
         if not getattr(self.model, "batched_decode", False):
             raise BatchUnsupported(f"{self.files.arch}: its model runs one sequence a step; batched decode steps are "
                                    "written for qwen3moe, qwen2moe, llama (Mixtral) and gpt-oss so far")
