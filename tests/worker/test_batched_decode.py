@@ -102,3 +102,17 @@ def test_a_model_of_one_sequence_a_step_says_so() -> None:
     engine = Engine.load(FIXTURES / "gguf/deepseek3-a/deepseek3-a.Q2_K.gguf", resident_experts=True)
     with engine.new_sequence() as seq, pytest.raises(BatchUnsupported, match="deepseek2: .*qwen3moe"):
         engine.decode_batch([seq], [1])
+
+
+def test_batched_steps_through_a_minimal_cache_equal_resident_ones(fixture_packs, tmp_path) -> None:
+    """Streaming: a batched step's rows pick up to rows x k experts a layer, from a cache of one
+    layer's k (through a real expertd), delivered in waves: the very bits of every expert resident."""
+    from ..helpers.engine import resident_and_minimal_cache
+
+    scenario = SCENARIOS["torch"]
+    want, got = resident_and_minimal_cache(fixture_packs["qwen3moe-a.Q4_K_M"][1], tmp_path,
+                                           lambda engine: batched(engine, scenario))
+    for name in scenario:
+        assert got[name][0] == want[name][0], f"{name}: greedy tokens differ"
+        for step, (g, w) in enumerate(zip(got[name][1], want[name][1], strict=True)):
+            assert torch.equal(g, w), f"{name} step {step}: max |diff| {(g - w).abs().max():.3g}"
