@@ -1,5 +1,5 @@
 """Batched decode steps on CUDA (skipped without a GPU; run on the device machine): the scenario of
-tests/worker/test_batched_decode.py (sequences joining after their prefill and leaving, a slot
+tests/helpers/batched.py (sequences joining after their prefill and leaving, a slot
 reused) through the kernels on the GPU, on the fixtures' GQA models and a 2-layer Qwen3-30B-A3B
 synth (real shapes: gate/up's K split by the step's pairs). Each sequence's greedy tokens equal its
 run alone; its logits stay within float32 rounding of its own eager steps (printed: the largest
@@ -16,7 +16,7 @@ from expertpack.packtools.synth.writer import SynthOptions, write_synth
 from expertpack.worker.engine.engine import Engine
 
 from ..conftest import FIXTURES
-from ..worker.test_batched_decode import MODELS, SCENARIOS, alone, batched
+from ..helpers.batched import MODELS, SCENARIOS, alone, batched
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]

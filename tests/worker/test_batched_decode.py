@@ -14,68 +14,10 @@ import pytest
 import torch
 
 from expertpack.worker.engine.engine import BatchUnsupported, Engine
-from expertpack.worker.engine.arena import Sequence
 from expertpack.worker.nn.backend import kernels_on_cpu
 
 from ..conftest import FIXTURES
-
-MODELS = {
-    "qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",
-    "mixtral": "gguf/mixtral-a/mixtral-a.Q4_K_M.gguf",
-    "gpt-oss": "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
-}
-PROMPTS = {"a": [1, 5, 9, 200, 33, 17], "b": [4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19], "c": [250, 6],
-           "d": [7, 7, 1000, 42], "e": [42]}
-# name -> (the batched step at which it joins, after its prefill; its decode steps): a leaves after
-# step 5 and d takes its slot at step 7. Triton's interpreter takes ~5 s a token of these models
-# (prompt tokens too, up to 8): the kernels' run is one step of two rows at different positions.
-SCENARIOS = {"torch": {"a": (0, 6), "b": (2, 8), "c": (3, 5), "d": (7, 4)}, "kernels": {"c": (0, 1), "e": (0, 1)}}
-
-
-def eager_step(engine: Engine, seq: Sequence, token: int) -> torch.Tensor:
-    """One sequence's own decode step, eager (the reference a batched row is held to)."""
-    with torch.inference_mode(), engine.place.running():
-        ids = torch.tensor([token], dtype=torch.int64, device=engine.device)
-        return engine.model.forward(ids, seq.kv).to(torch.float32)[0]
-
-
-def prefill(engine: Engine, seq: Sequence, prompt: list[int]) -> int:
-    with torch.inference_mode(), engine.place.running():
-        ids = torch.tensor(prompt, dtype=torch.int64, device=engine.device)
-        return int(engine.model.forward(ids, seq.kv).to(torch.float32)[-1].argmax())
-
-
-def alone(engine: Engine, name: str, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    with engine.new_sequence() as seq:
-        token = prefill(engine, seq, PROMPTS[name])
-        tokens, logits = [token], []
-        for _ in range(steps):
-            logits.append(eager_step(engine, seq, tokens[-1]))
-            tokens.append(int(logits[-1].argmax()))
-    return tokens, logits
-
-
-def batched(engine: Engine, scenario: dict[str, tuple[int, int]]) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
-    running: dict[str, Sequence] = {}
-    out: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
-    step = 0
-    while len(out) < len(scenario) or running:
-        for name, (at, _) in scenario.items():
-            if at == step:
-                seq = running[name] = engine.new_sequence()
-                out[name] = ([prefill(engine, seq, PROMPTS[name])], [])
-        if running:
-            names = list(running)
-            rows = engine.decode_batch([running[n] for n in names], [out[n][0][-1] for n in names])
-            for name, row in zip(names, rows):
-                tokens, logits = out[name]
-                logits.append(row)
-                tokens.append(int(row.argmax()))
-                if len(logits) == scenario[name][1]:
-                    running.pop(name).close()  # done: its slot goes back (d takes a's)
-        step += 1
-    return out
-
+from ..helpers.batched import MODELS, SCENARIOS, alone, batched
 
 @pytest.mark.parametrize("model,fast", [(m, False) for m in sorted(MODELS)]
                          + [pytest.param("qwen3moe", True, marks=[pytest.mark.slow, pytest.mark.filterwarnings(
