@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
-import os
 import resource
 import shutil
 import subprocess
@@ -29,7 +27,7 @@ from expertpack.client.expertctl import main as expertctl_main
 from expertpack.packtools.layout import PACK_FILE, ExpertKey, Manifest
 
 from ..conftest import BIN, start_daemon
-from ..helpers.expertd import all_keys, flip_byte, ram_daemon, raw_session, recv
+from ..helpers.expertd import all_keys, alter_in_memory, flip_byte, ram_daemon, raw_session, recv
 
 GIB = 1 << 30
 
@@ -623,12 +621,7 @@ def test_a_client_keeping_a_block_the_scrub_condemns_is_told(tiny_pack: Path, tm
             ready, other_ready = recv(keeper), recv(other)
             assert isinstance(ready, p.Ready) and isinstance(other_ready, p.Ready) and ready.slot == other_ready.slot
             keeper.send(p.encode(p.Keep((ready.slot,))))
-            fd = os.open(Path("/dev/shm") / w.shm, os.O_RDWR)  # as expertd's user may
-            try:
-                with mmap.mmap(fd, w.shm_bytes) as writable:
-                    writable[ready.slot * w.slot_bytes + m.layer(key.layer).payload_bytes // 2] ^= 0x10
-            finally:
-                os.close(fd)
+            alter_in_memory(w, [(ready.slot, m.layer(key.layer).payload_bytes)])
             assert keeper.poll(60_000), "the scrub did not condemn the kept block in 60 s"
             told = recv(keeper)
             assert told == p.Condemned((ready.slot,)), told
@@ -653,12 +646,7 @@ def test_a_keep_of_a_block_the_scrub_condemned_already_is_told_at_once(tiny_pack
             keeper.send(p.encode(p.Fetch(1, (key,))))
             ready = recv(keeper)
             assert isinstance(ready, p.Ready)
-            fd = os.open(Path("/dev/shm") / w.shm, os.O_RDWR)  # as expertd's user may
-            try:
-                with mmap.mmap(fd, w.shm_bytes) as writable:
-                    writable[ready.slot * w.slot_bytes + m.layer(key.layer).payload_bytes // 2] ^= 0x10
-            finally:
-                os.close(fd)
+            alter_in_memory(w, [(ready.slot, m.layer(key.layer).payload_bytes)])
             deadline = time.monotonic() + 60
             while True:
                 keeper.send(p.encode(p.Stats()))
@@ -714,14 +702,7 @@ def test_the_scrub_finds_a_tier_block_altered_in_memory_and_it_is_read_again(tin
         (slot,) = fetch_all(victim, [key], m, packed)
         held = next(holder.fetch([held_key]))  # held across the damage
         w = victim.welcome
-        fd = os.open(Path("/dev/shm") / w.shm, os.O_RDWR)  # as expertd's user may
-        try:
-            with mmap.mmap(fd, w.shm_bytes) as writable:
-                for index, k in ((slot, key), (held.slot, held_key)):
-                    at = index * w.slot_bytes + m.layer(k.layer).payload_bytes // 2
-                    writable[at] ^= 0x10
-        finally:
-            os.close(fd)
+        alter_in_memory(w, [(index, m.layer(k.layer).payload_bytes) for index, k in ((slot, key), (held.slot, held_key))])
         before = victim.stats()["counters"]
         deadline = time.monotonic() + 20
         while victim.stats()["counters"]["corrupt_blocks"] - before["corrupt_blocks"] < 2:

@@ -4,6 +4,8 @@ daemon with a RAM tier."""
 
 from __future__ import annotations
 
+import mmap
+import os
 import subprocess
 import sys
 import time
@@ -95,6 +97,18 @@ def flip_byte(pack: Path, key: ExpertKey, at_byte: int | None = None) -> None:
         f.seek(at)
         f.write(bytes([byte[0] ^ 0x10]))
 
+
+
+def alter_in_memory(welcome: p.Welcome, blocks: list[tuple[int, int]]) -> None:
+    """Flips a bit of the middle byte of each (segment slot, payload bytes) block in expertd's
+    shared segment, opened writable as a process of expertd's user may (clients map it read-only)."""
+    fd = os.open(Path("/dev/shm") / welcome.shm, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, welcome.shm_bytes) as writable:
+            for slot, payload_bytes in blocks:
+                writable[slot * welcome.slot_bytes + payload_bytes // 2] ^= 0x10
+    finally:
+        os.close(fd)
 
 @contextmanager
 def ram_daemon(pack: Path, tmp: Path, *extra: str) -> Iterator[Daemon]:
