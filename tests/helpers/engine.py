@@ -5,6 +5,7 @@ against every expert resident."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TypeVar
 
@@ -14,9 +15,19 @@ from expertpack.packtools.layout import PACK_FILE, Manifest
 from expertpack.worker.engine.arena import Sequence
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.experts.expert_cache import slot_bytes
+from expertpack.worker.nn.backend import kernels_on_cpu
 from expertpack.worker.nn.layers import KVCache
 
 from ..conftest import Daemon, start_daemon
+
+
+def kernels_for(device: torch.device) -> AbstractContextManager:
+    """The kernels on `device`: on the CPU through Triton's interpreter (kernels_on_cpu); on CUDA
+    nothing to switch, and switching the interpreter on there would define every kernel module
+    first imported inside as interpreted for the rest of the session (a test run alone, or
+    selected with -k, then fails in another test's launch)."""
+    return kernels_on_cpu() if device.type == "cpu" else nullcontext()
+
 
 T = TypeVar("T")
 

@@ -11,11 +11,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from expertpack.worker.kernels.linear_tl import dequantize, matvec
 from expertpack.packtools.quants import DECODED
-from expertpack.worker.nn.backend import kernels_on_cpu, ops_for
+from expertpack.worker.nn.backend import ops_for
 from expertpack.worker.nn.ops import TorchOps
 from expertpack.worker.weights.qtensor import QTensor
 from expertpack.worker.weights.quant import dequantize as reference
 
+from ..helpers.engine import kernels_for
 from ..helpers.quant import random_bytes
 
 # (K, N): K a multiple of 256 for the K-quants, of 32 only for the others (a row ends mid-chunk).
@@ -67,7 +68,7 @@ def test_ops_on_an_i_quant_run_the_kernels(ggml_type: T, device: torch.device) -
     heads = torch.randn(1, h, k // h, generator=torch.Generator().manual_seed(4)).to(device)
     w_heads = QTensor("w_heads", ggml_type, (k // h, n, h), raw)
     torch_ops = TorchOps(device)
-    with kernels_on_cpu():
+    with kernels_for(device):
         ops = ops_for(device)
         assert ops.kernels
         values = (ops.dequant(w), ops.rows(w, ids))

@@ -11,8 +11,10 @@ from expertpack.worker.kernels.hyper_tl import hc_weights
 from expertpack.worker.kernels.pointwise_tl import rms_norm, rope
 from expertpack.worker.nn.hyper_connections import HyperConnection
 from expertpack.worker.nn.layers import Rope, RopeStyle, rms_norm as torch_rms_norm
-from expertpack.worker.nn.backend import kernels_on_cpu, ops_for
+from expertpack.worker.nn.backend import ops_for
 from expertpack.worker.nn.ops import TorchOps
+
+from ..helpers.engine import kernels_for
 
 TORCH = TorchOps(torch.device("cpu"))
 
@@ -82,7 +84,7 @@ def test_hyper_connection_collapse_and_expand(n: int, d: int, device: torch.devi
     weight = torch.randn(d, generator=g)
     hc = HyperConnection(torch.zeros(1), torch.zeros(1), torch.zeros(1), n, 1, 1e-6, norm_eps=1e-6)
     want = hc.block_input(TORCH, streams, pre, weight), TORCH.hc_expand(streams, out, post, comb)
-    with kernels_on_cpu():  # the kernels: on the CPU through the interpreter, else on `device`
+    with kernels_for(device):  # the kernels: on the CPU through the interpreter, else on `device`
         ops = ops_for(device)
         streams, out, pre, post, comb, weight = (v.to(device) for v in (streams, out, pre, post, comb, weight))
         got = hc.block_input(ops, streams, pre, weight), ops.hc_expand(streams, out, post, comb)
