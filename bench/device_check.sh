@@ -11,6 +11,8 @@
 # out of the checkout you run from (git sparse-checkout set --no-cone '/*' '!/tests/fixtures/') and
 # take the set from another copy (EXPERTPACK_FIXTURES=../shared/fixtures).
 # and on the device: COMMIT=<hash> bash bench/device_check.sh run
+# `bash bench/device_check.sh iquants` (needs .whl, set a, .peer): the i-quant tests on CUDA and the expert
+# kernels' bandwidth at IQ2_XXS and IQ1_S; it starts the llama.cpp build for the peer run that follows.
 # `bash bench/device_check.sh workers [FLAGS]` (needs .whl only) measures N worker processes, one per
 # visible GPU, on one expertd against one worker alone (bench/decode_workers.py FLAGS): the SSD path
 # (no RAM tier), then expertd's default RAM tier; `workers-test` runs tests/gpu/test_two_workers.py
@@ -143,6 +145,23 @@ kernels)  # where one preset's resident step goes, and which kernel settings sui
     echo "== decode settings"; timeout 200 python3 bench/decode_settings.py "$m" "" "moe_tl.BN=8" "moe_tl.BN=32" \
         "moe_tl.PROGRAMS_PER_SM=16" "moe_tl.PROGRAMS_PER_SM=64" "linear_tl.PROGRAMS_PER_SM=8" 2>&1 | grep -v Warn \
         | tee "$out/settings-$2.txt" | grep -v '^{'
+    ;;
+iquants)  # issue 36 on the GPU: the i-quant kernel and GPU tests, then the expert kernels' bandwidth at
+    # IQ2_XXS and IQ1_S beside Q4_K (2-layer Qwen3-30B-A3B); starts the llama.cpp build for a following
+    # `TYPE=IQ2_XXS bash bench/peer_on_device.sh run qwen3-30b-a3b 12` (needs .whl, set a, .peer)
+    bash bench/peer_on_device.sh start-build
+    install
+    export EXPERTPACK_FIXTURES=$PWD/.gpufix
+    out=${OUT:-/tmp}
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_i_quants_cuda.py tests/gpu/test_batched_decode_cuda.py \
+        tests/kernels -k "IQ or TQ or iq or tq" 2>&1 | tail -4
+    mkdir -p bench-out
+    for t in Q4_K IQ2_XXS IQ1_S; do
+        m=bench-out/qwen3-30b-a3b-2L-$t.gguf
+        [ -f "$m" ] || expertpack synth --preset qwen3-30b-a3b --layers 2 --type $t -o "$m" -q
+        echo "== $t"; timeout 120 python3 bench/kernel_bandwidth.py "$m" 2>&1 | grep -v Warn | tee "$out/bandwidth-$t.txt" \
+            | grep -v '^{' | head -12
+    done
     ;;
 workers-test)
     install

@@ -1,4 +1,5 @@
-"""Every expert a layer selected, in two launches, read through a byte-offset map: `offsets[p]` is
+"""Every expert a layer selected, in two launches (three where the down matrix is a grid i-quant, whose
+products read the activations from memory: iq_dot_tl), read through a byte-offset map: `offsets[p]` is
 where the block of pair p's expert starts in `pool` (the resident table or the cache's slots), p
 indexing the [T, k] routing flattened. The first launch computes gate and up (or a fused gate_up)
 from the GGUF bytes, K split across programs where a decode step has few pairs; the second sums
@@ -20,9 +21,11 @@ from ..nn.activation import Activation
 from ..weights.expert_roles import ExpertRoles
 from ..weights.quant_iq import kernel_tables
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
+from .iq_dot_tl import GRID_IQUANTS, iq_dot, is_grid_iquant
 
 BN = 16  # rows of an expert's matrix per program
 WARPS = 4
+ACT_BLOCK = 1024  # activations per program of _act_kernel
 PROGRAMS_PER_SM = 32  # split gate/up's K until a decode step's pairs give this many programs per multiprocessor
 
 
@@ -53,17 +56,24 @@ def _tanh(x):
 
 
 @triton.jit
+def _pair(i, pair_ptr, HAS_PAIRS: tl.constexpr):
+    """The pair program i runs: the i-th of `pairs` where given, else pair i."""
+    if HAS_PAIRS:
+        p = tl.load(pair_ptr + i).to(tl.int64)
+    else:
+        p = i.to(tl.int64)
+    return p
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, tab, gate_off, up_off, gate_rb, up_rb, F, K, k_top,
                     P, chunks_per_split, QG: tl.constexpr, QU: tl.constexpr, HAS_PAIRS: tl.constexpr,
                     BN: tl.constexpr, CH: tl.constexpr):
     """gu[s, p, 0, n] = gate[n] . x[t] and gu[s, p, 1, n] = up[n] . x[t] over the chunks of K that
     split s owns; grid (pairs, F/BN, splits): pairs on the axis that takes more than 65535 (a long
     prefill)."""
-    i, pid_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if HAS_PAIRS:
-        p = tl.load(pair_ptr + i).to(tl.int64)
-    else:
-        p = i.to(tl.int64)
+    pid_n, s = tl.program_id(1), tl.program_id(2)
+    p = _pair(tl.program_id(0), pair_ptr, HAS_PAIRS)
     t = p // k_top
     base = pool_ptr + tl.multiple_of(tl.load(off_ptr + p), 16)  # blocks start 4096-aligned
     n = pid_n * BN + tl.arange(0, BN)
@@ -80,10 +90,14 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, tab, gate_off, u
         xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)[None, :]
         if QG == MXFP4 or QG == Q8_0:
             acc_g += block_dot(QG, grow, c, (n < F)[:, None], K, xv)
+        elif is_grid_iquant(QG):
+            acc_g += iq_dot(QG, grow, c, (n < F)[:, None] & (c * CH < K), x_ptr + t * K + c * CH, c * CH < K, tab)
         else:
             acc_g += tl.sum(chunk(QG, grow, c, j[None, :], m, tab) * xv, axis=1)
         if QU == MXFP4 or QU == Q8_0:
             acc_u += block_dot(QU, urow, c, (n < F)[:, None], K, xv)
+        elif is_grid_iquant(QU):
+            acc_u += iq_dot(QU, urow, c, (n < F)[:, None] & (c * CH < K), x_ptr + t * K + c * CH, c * CH < K, tab)
         else:
             acc_u += tl.sum(chunk(QU, urow, c, j[None, :], m, tab) * xv, axis=1)
     out = gu_ptr + ((s * P + p) * 2) * F + n
@@ -92,39 +106,60 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, tab, gate_off, u
 
 
 @triton.jit
-def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, tab, gate_b, up_b, down_off, down_rb, down_b,
-                 D, F, P, limit, alpha, beta, linear_beta, QD: tl.constexpr, ACT: tl.constexpr,
+def _activation(gu_ptr, base, p, k, F, P, gate_b, up_b, limit, alpha, beta, linear_beta, ACT: tl.constexpr,
+                SPLITS: tl.constexpr, GU_BIAS: tl.constexpr):
+    """act(gate, up) of pair p at positions k of F: gate and up summed over their splits (in split
+    order) with their biases; zero past F."""
+    g = tl.load(gu_ptr + p * 2 * F + k, mask=k < F, other=0.0)
+    u = tl.load(gu_ptr + (p * 2 + 1) * F + k, mask=k < F, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        g += tl.load(gu_ptr + ((s * P + p) * 2) * F + k, mask=k < F, other=0.0)
+        u += tl.load(gu_ptr + ((s * P + p) * 2 + 1) * F + k, mask=k < F, other=0.0)
+    if GU_BIAS:
+        g += tl.load((base + gate_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
+        u += tl.load((base + up_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
+    return tl.where(k < F, _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
+
+
+@triton.jit
+def _act_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, av_ptr, gate_b, up_b, F, P, limit, alpha, beta, linear_beta,
+                ACT: tl.constexpr, SPLITS: tl.constexpr, GU_BIAS: tl.constexpr, HAS_PAIRS: tl.constexpr,
+                BF: tl.constexpr):
+    """av[p] = act(gate, up) once per pair, for down matrices that read their input from memory
+    (iq_dot); grid (pairs, F/BF)."""
+    p = _pair(tl.program_id(0), pair_ptr, HAS_PAIRS)
+    base = pool_ptr + tl.multiple_of(tl.load(off_ptr + p), 16)
+    k = tl.program_id(1) * BF + tl.arange(0, BF)
+    av = _activation(gu_ptr, base, p, k, F, P, gate_b, up_b, limit, alpha, beta, linear_beta, ACT, SPLITS, GU_BIAS)
+    tl.store(av_ptr + p * F + k, av, mask=k < F)
+
+
+@triton.jit
+def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, av_ptr, tab, gate_b, up_b, down_off, down_rb,
+                 down_b, D, F, P, limit, alpha, beta, linear_beta, QD: tl.constexpr, ACT: tl.constexpr,
                  SPLITS: tl.constexpr, GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, HAS_PAIRS: tl.constexpr, BN: tl.constexpr,
                  CH: tl.constexpr):
-    """y[p, n] = weight[p] * (down[n] . act(gate, up) + bias[n]), gate and up summed over their
-    splits (in split order) with their biases, and the activation, as each chunk of F is read;
+    """y[p, n] = weight[p] * (down[n] . act(gate, up) + bias[n]), the activation applied as each
+    chunk of F is read (a grid i-quant down matrix reads it from av, written by _act_kernel);
     grid (pairs, D/BN)."""
-    i, pid_n = tl.program_id(0), tl.program_id(1)
-    if HAS_PAIRS:
-        p = tl.load(pair_ptr + i).to(tl.int64)
-    else:
-        p = i.to(tl.int64)
+    p = _pair(tl.program_id(0), pair_ptr, HAS_PAIRS)
     base = pool_ptr + tl.multiple_of(tl.load(off_ptr + p), 16)
-    n = pid_n * BN + tl.arange(0, BN)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
     drow = base + down_off + n.to(tl.int64)[:, None] * down_rb
     acc = tl.zeros([BN], tl.float32)
     for c in range(0, tl.cdiv(F, CH)):
         k = c * CH + j
-        g = tl.load(gu_ptr + p * 2 * F + k, mask=k < F, other=0.0)
-        u = tl.load(gu_ptr + (p * 2 + 1) * F + k, mask=k < F, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            g += tl.load(gu_ptr + ((s * P + p) * 2) * F + k, mask=k < F, other=0.0)
-            u += tl.load(gu_ptr + ((s * P + p) * 2 + 1) * F + k, mask=k < F, other=0.0)
-        if GU_BIAS:
-            g += tl.load((base + gate_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
-            u += tl.load((base + up_b).to(tl.pointer_type(tl.float32)) + k, mask=k < F, other=0.0)
-        av = tl.where(k < F, _act(g, u, limit, alpha, beta, linear_beta, ACT), 0.0)
-        if QD == MXFP4 or QD == Q8_0:
-            acc += block_dot(QD, drow, c, (n < D)[:, None], F, av[None, :])
+        if is_grid_iquant(QD):
+            acc += iq_dot(QD, drow, c, (n < D)[:, None], av_ptr + p * F + c * CH, True, tab)
         else:
-            m = (n < D)[:, None] & (k < F)[None, :]
-            acc += tl.sum(chunk(QD, drow, c, j[None, :], m, tab) * av[None, :], axis=1)
+            av = _activation(gu_ptr, base, p, k, F, P, gate_b, up_b, limit, alpha, beta, linear_beta, ACT, SPLITS,
+                             GU_BIAS)
+            if QD == MXFP4 or QD == Q8_0:
+                acc += block_dot(QD, drow, c, (n < D)[:, None], F, av[None, :])
+            else:
+                m = (n < D)[:, None] & (k < F)[None, :]
+                acc += tl.sum(chunk(QD, drow, c, j[None, :], m, tab) * av[None, :], axis=1)
     y = acc
     if DOWN_BIAS:
         y += tl.load((base + down_b).to(tl.pointer_type(tl.float32)) + n, mask=n < D, other=0.0)
@@ -164,8 +199,15 @@ def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
         roles.up.row_bytes, f, k, k_top, total, per_split,
         QG=roles.gate.ggml_type, QU=roles.up.ggml_type, HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK,
         num_warps=WARPS)
+    av = gu  # unused unless the down matrix reads the activations from memory
+    if int(roles.down.ggml_type) in GRID_IQUANTS:
+        av = torch.empty((total, f), dtype=torch.float32, device=x.device)
+        _act_kernel[(n_pairs, triton.cdiv(f, ACT_BLOCK))](
+            gu, pool, offsets, pair_arg, av, roles.gate_bias or 0, roles.up_bias or 0, f, total, act.limit, act.alpha,
+            act.beta, act.linear_beta, ACT=int(act.kind), SPLITS=splits, GU_BIAS=roles.gate_bias is not None,
+            HAS_PAIRS=pairs is not None, BF=ACT_BLOCK, num_warps=WARPS)
     _down_kernel[(n_pairs, triton.cdiv(d, BN))](
-        gu, pool, offsets, pair_arg, weights, out, kernel_tables(x.device), roles.gate_bias or 0, roles.up_bias or 0, roles.down.offset,
+        gu, pool, offsets, pair_arg, weights, out, av, kernel_tables(x.device), roles.gate_bias or 0, roles.up_bias or 0, roles.down.offset,
         roles.down.row_bytes, roles.down_bias or 0, d, f, total, act.limit, act.alpha, act.beta, act.linear_beta,
         QD=roles.down.ggml_type, ACT=int(act.kind), SPLITS=splits, GU_BIAS=roles.gate_bias is not None,
         DOWN_BIAS=roles.down_bias is not None,
