@@ -315,7 +315,7 @@ def test_a_non_streamed_client_that_leaves_is_logged_once_and_its_generation_sto
 
 
 def test_past_the_queue_a_request_gets_503_at_once_and_its_place_comes_back(served, tmp_path) -> None:
-    """--max-queue 1: a streamed request generating and one waiting behind it take every place; a
+    """--max-batch 1 --max-queue 1: a streamed request generating and one waiting behind it take every place; a
     third gets 503 queue_full with Retry-After at once (the gauge in /metrics says 2 meanwhile).
     The streaming client leaving gives its place back, the waiting one is then answered, and a
     new request is admitted again."""
@@ -324,7 +324,7 @@ def test_past_the_queue_a_request_gets_503_at_once_and_its_place_comes_back(serv
     from ..helpers.worker import metric_values, start_worker
 
     pack, daemon, _ = served
-    w = start_worker(pack, daemon.endpoint, tmp_path, "--max-queue", "1")
+    w = start_worker(pack, daemon.endpoint, tmp_path, "--max-batch", "1", "--max-queue", "1")
     try:
         body = json.dumps({"model": "fixture", "prompt": "hold the line", "max_tokens": 3000, "temperature": 0,
                            "ignore_eos": True, "stream": True}).encode()

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API of expert-worker (FastAPI): /v1/completions and
 /v1/chat/completions, streamed (server-sent events) or not, /v1/models, /health and /metrics.
 
-One generation runs at a time, on the service's own one-thread executor so the event loop (and
-/health, /metrics) keeps answering; up to --max-queue others wait their turn, and a request past
-them gets 503 queue_full at once, with Retry-After (OpenAI's clients retry it), rather than a wait
-nobody bounded. A request whose
+Generations run on one thread that owns the engine (batching.BatchScheduler), so the event loop
+(and /health, /metrics) keeps answering: up to --max-batch at once, decoded together step by step,
+a request arriving meanwhile joining at the next step; up to --max-queue more wait their turn, and a
+request past them gets 503 queue_full at once, with Retry-After (OpenAI's clients retry it),
+rather than a wait nobody bounded. A request whose
 client went away stops at its next token (or never starts); at shutdown every generation stops.
 Bad requests get OpenAI-style errors (400 invalid_request_error, 404 for an unknown model). A
 daemon that stays away fails the request waiting for it with 503 after --daemon-down-timeout-s,
@@ -46,6 +47,7 @@ from expertpack.client.protocol import FailCode
 
 from ..engine.sampling import Sampler
 from ..experts.daemon_link import CorruptExpert, DaemonLost
+from .batching import BatchScheduler
 from .chat_template import ChatTemplate, ChatTemplateError, RenderedTooLong
 from .generation import (Completion, ContextExceeded, Generator, Request as GenRequest, TokenLogprob, Usage,
                          sampling_temperature)
@@ -68,7 +70,7 @@ class WorkerService:
         self.model_name = model_name
         self.limits = limits or Limits.for_context(generator.n_ctx)
         self.counters = ServeCounters()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self.scheduler = BatchScheduler(generator, self.limits.max_batch)
         # Templates and tokenizing run here, never on the event loop (nor behind a generation).
         self.text_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.stopping = threading.Event()
@@ -80,35 +82,32 @@ class WorkerService:
 
     async def generate(self, req: GenRequest, n: int = 1, sink: Callable[[int, str, Any], None] | None = None,
                        gone: threading.Event | None = None) -> list[Completion]:
-        """The request's n choices, one after another on the generation thread when its turn comes
-        (one sampler throughout: choice 0 is what n=1 gives). `sink(choice, kind, value)` gets
+        """The request's n choices, one after another on the generation thread, each beside the
+        other requests' (one sampler throughout: choice 0 is what n=1 gives). `sink(choice, kind, value)` gets
         ("logprob", TokenLogprob), ("text", piece) and ("done", Completion) as they happen. `gone`
         set: the client left; the choice in flight stops at its next token and no other starts."""
         gone = gone or threading.Event()
         cancelled = lambda: gone.is_set() or self.stopping.is_set()  # noqa: E731
-
-        def run_choices() -> list[Completion]:
-            done: list[Completion] = []
-            for i in range(n):
-                if done and cancelled():
-                    break
-                on_text = on_logprobs = None
-                if sink is not None:
-                    on_text, on_logprobs = partial(sink, i, "text"), partial(sink, i, "logprob")
-                done.append(self.generator.run(req, on_text, cancelled, on_logprobs))
-                if sink is not None:
-                    sink(i, "done", done[-1])
-            return done
-
-        return await asyncio.get_running_loop().run_in_executor(self.executor, run_choices)
+        done: list[Completion] = []
+        for i in range(n):
+            if done and cancelled():
+                break
+            on_text = on_logprobs = None
+            if sink is not None:
+                on_text, on_logprobs = partial(sink, i, "text"), partial(sink, i, "logprob")
+            done.append(await asyncio.wrap_future(self.scheduler.submit(req, on_text, cancelled, on_logprobs)))
+            if sink is not None:
+                sink(i, "done", done[-1])
+        return done
 
     def admit(self) -> None:
-        """Counts a request in for generation, or refuses it when the one generating and the
-        --max-queue waiting behind it are all taken; `leave` ends what this began."""
-        if self.counters.in_flight > self.limits.max_queue:  # the event loop's count: no lock
-            waiting = self.counters.in_flight - 1
-            raise ApiError(503, f"the server is busy: a request is generating and {waiting} wait behind it, the "
-                                f"most it queues (--max-queue {self.limits.max_queue}); retry later",
+        """Counts a request in for generation, or refuses it when the batch and the --max-queue
+        waiting behind it are all taken; `leave` ends what this began."""
+        batch = self.scheduler.max_batch
+        if self.counters.in_flight >= batch + self.limits.max_queue:  # the event loop's count: no lock
+            waiting = self.counters.in_flight - batch
+            raise ApiError(503, f"the server is busy: {batch} generating (--max-batch {batch}) and {waiting} waiting, "
+                                f"the most it queues (--max-queue {self.limits.max_queue}); retry later",
                            kind="server_error", code="queue_full", headers={"Retry-After": "1"})
         self.counters.in_flight += 1
 
@@ -119,10 +118,10 @@ class WorkerService:
         return await asyncio.get_running_loop().run_in_executor(self.text_executor, fn, *args)
 
     def shutdown(self) -> None:
-        """Stops the generation in flight at its next token and waits for it (the engine may then
-        be closed); requests still queued are dropped with the server."""
+        """Stops the generations in flight at their next token and waits for them (the engine may
+        then be closed); requests still queued are dropped with the server."""
         self.stopping.set()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.scheduler.shutdown()
         self.text_executor.shutdown(wait=True, cancel_futures=True)
 
     def daemon_stats(self) -> dict | None:

@@ -142,55 +142,110 @@ class Generator:
         the request asks for logprobs) before the piece holding its text. `cancelled` is polled per token."""
         self.check_fits(len(req.prompt_ids), req.max_tokens)
         with self.engine.new_sequence() as seq:  # its slot in the engine's arena, given back after
-            return self._run(req, seq, on_text, cancelled, on_logprobs)
+            choice = Choice(self, req, seq, on_text, cancelled, on_logprobs)
+            choice.prefill()
+            while not choice.done:
+                choice.take(self.engine.forward([choice.token], seq)[-1])
+            return choice.completion()
 
-    def _run(self, req: Request, kv: Sequence, on_text: Callable[[str], None] | None,
-             cancelled: Callable[[], bool], on_logprobs: Callable[[TokenLogprob], None] | None) -> Completion:
-        cache_counters = self.engine.expert_cache.counters if self.engine.expert_cache else None
-        before = cache_counters.snapshot() if cache_counters else None
-        usage = Usage(len(req.prompt_ids))
-        text = _TextStream(self.tokenizer, req.stop, on_text)
-        stops = set() if req.ignore_eos else set(self.tokenizer.stop_ids)
-        finish = "length"
-        start = time.perf_counter()
-        ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
-        text_before = 0  # characters decoded before the next token (logprobs' text_offset)
-        if cancelled():  # the client left while this request waited its turn
-            return Completion("", ids, "cancelled", usage, logprobs)
-        logits = self.engine.forward(req.prompt_ids, kv, last=True)[-1]
-        # On the logits' device, like the choice: updating it there keeps the step free of host copies.
-        counts = (torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)
-                  if req.sampler.penalizes else None)
-        while len(ids) < req.max_tokens and not cancelled():
-            token = req.sampler(logits, counts)
-            if not ids:
-                _sync(self.engine.device)
-                usage.prefill_s = time.perf_counter() - start
-                start = time.perf_counter()
-            ids.append(token)
-            if token in stops:
-                finish = "stop"
-                break
-            if counts is not None:
-                counts[token] += 1
-            if logprobs is not None:
-                entry = token_logprob(logits, token, req.logprobs, text_before)
-                logprobs.append(entry)
-                if on_logprobs is not None:
-                    on_logprobs(entry)
-                # A character still incomplete (its bytes split across tokens) starts after the next token.
-                text_before = text.complete_length(ids)
-            if text.add(ids):
-                finish = "stop"
-                break
-            if len(ids) < req.max_tokens:
-                logits = self.engine.forward([token], kv)[-1]
-        usage.decode_s = time.perf_counter() - start if ids else 0.0
-        usage.completion_tokens = len(ids)
-        if cache_counters:
-            usage.cache = cache_counters.since(before)
-        return Completion(text.finish(ids), ids, finish, usage, logprobs)
+
+class Choice:
+    """One choice's generation, a token at a time: what Generator.run drives alone and the batch
+    scheduler (batching.py) drives beside others. prefill() runs the prompt (in pieces, where a
+    scheduler asks for them) and takes its first token; take(logits) samples the next token from
+    a step's logits and settles its logprobs, text and stop conditions; `token` is then the next
+    step's input, until `done`. The step that produced the logits is the caller's: one choice's
+    tokens are the same whoever runs its steps (up to the steps' own rounding)."""
+
+    def __init__(self, generator: Generator, req: Request, seq: Sequence,
+                 on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] = lambda: False,
+                 on_logprobs: Callable[[TokenLogprob], None] | None = None) -> None:
+        self.engine = generator.engine
+        self.req = req
+        self.seq = seq
+        self.cancelled = cancelled
+        self.on_logprobs = on_logprobs
+        self._counters = self.engine.expert_cache.counters if self.engine.expert_cache else None
+        self._before = self._counters.snapshot() if self._counters else None
+        self.usage = Usage(len(req.prompt_ids))
+        self.text = _TextStream(generator.tokenizer, req.stop, on_text)
+        self.stops = set() if req.ignore_eos else set(generator.tokenizer.stop_ids)
+        self.finish_reason = "length"
+        self.ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
+        self.text_before = 0  # characters decoded before the next token (logprobs' text_offset)
+        self.counts: torch.Tensor | None = None
+        self.prompt_done = 0  # prompt tokens run so far
+        self.done = False
+        self._start = time.perf_counter()
+
+    @property
+    def token(self) -> int:
+        """The next step's input: the last token taken."""
+        return self.ids[-1]
+
+    def prefill(self, limit: int | None = None) -> None:
+        """Runs the prompt, or its next `limit` tokens; its last piece takes the first token."""
+        if self.cancelled():  # the client left while this request waited its turn
+            self.finish_reason, self.done = "cancelled", True
+            return
+        prompt = self.req.prompt_ids
+        end = len(prompt) if limit is None else min(len(prompt), self.prompt_done + limit)
+        logits = self.engine.forward(prompt[self.prompt_done:end], self.seq, last=True)[-1]
+        self.prompt_done = end
+        if end == len(prompt):
+            # On the logits' device, like the choice: updating it there keeps the step free of host copies.
+            if self.req.sampler.penalizes:
+                self.counts = torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)
+            self.take(logits)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.prompt_done == len(self.req.prompt_ids)
+
+    def take(self, logits: torch.Tensor) -> None:
+        """The next token from this step's logits [V]; `done` once a stop token or string,
+        max_tokens or a cancellation ends the choice."""
+        if len(self.ids) >= self.req.max_tokens or self.cancelled():
+            self._end()
+            return
+        token = self.req.sampler(logits, self.counts)
+        if not self.ids:
+            _sync(self.engine.device)
+            self.usage.prefill_s = time.perf_counter() - self._start
+            self._start = time.perf_counter()
+        self.ids.append(token)
+        if token in self.stops:
+            self._end("stop")
+            return
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.logprobs is not None:
+            entry = token_logprob(logits, token, self.req.logprobs, self.text_before)
+            self.logprobs.append(entry)
+            if self.on_logprobs is not None:
+                self.on_logprobs(entry)
+            # A character still incomplete (its bytes split across tokens) starts after the next token.
+            self.text_before = self.text.complete_length(self.ids)
+        if self.text.add(self.ids):
+            self._end("stop")
+        elif len(self.ids) >= self.req.max_tokens or self.cancelled():
+            self._end()
+
+    def _end(self, reason: str | None = None) -> None:
+        if reason is not None:
+            self.finish_reason = reason
+        self.done = True
+
+    def completion(self) -> Completion:
+        """The choice's result, once done."""
+        usage = self.usage
+        usage.decode_s = time.perf_counter() - self._start if self.ids else 0.0
+        usage.completion_tokens = len(self.ids)
+        if self._counters:
+            usage.cache = self._counters.since(self._before)
+        text = "" if self.finish_reason == "cancelled" else self.text.finish(self.ids)
+        return Completion(text, self.ids, self.finish_reason, usage, self.logprobs)
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int, text_offset: int) -> TokenLogprob:

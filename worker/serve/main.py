@@ -31,6 +31,7 @@ DEFAULTS = {
     "cache_reserve_mib": 1024, "host": "127.0.0.1", "port": 8000, "tokenizer": None, "model_name": None,
     "daemon_timeout_s": 30.0, "daemon_down_timeout_s": 60.0, "max_body_mib": 0, "max_prompt_chars": 0,
     "max_queue": 64,  # requests.DEFAULT_MAX_QUEUE, not imported: fastapi loads once the settings are checked
+    "max_batch": 8,  # requests.DEFAULT_MAX_BATCH
     "log_level": "info", "trace": None, "trace_overwrite": False, "prefetch": True,
 }
 
@@ -45,6 +46,7 @@ RANGES: dict[str, tuple[type, float, float]] = {
     "max_body_mib": (int, 0, 1 << 14),  # 0: sized from the context
     "max_prompt_chars": (int, 0, 1 << 31),
     "max_queue": (int, 0, 1 << 20),
+    "max_batch": (int, 1, 1024),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -86,8 +88,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-chars", type=int, metavar="N",
                    help="longest prompt accepted, in characters, checked before tokenizing (default 0: "
                         "32 per token of the context)")
+    p.add_argument("--max-batch", type=int, metavar="N",
+                   help="requests generated together, their tokens decoded in one step (continuous batching: a "
+                        "request joins at the next step, a finished one leaves); each holds its own KV memory "
+                        f"(default {DEFAULTS['max_batch']}; architectures without batched steps run 1)")
     p.add_argument("--max-queue", type=int, metavar="N",
-                   help="requests that may wait behind the one generating; one more gets 503 queue_full with "
+                   help="requests that may wait behind the ones generating; one more gets 503 queue_full with "
                         f"Retry-After at once (default {DEFAULTS['max_queue']}; 0: none waits)")
     p.add_argument("--log-level", help="debug, info, warning (default info)")
     p.add_argument("--trace", type=Path, metavar="FILE",
@@ -319,8 +325,10 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
                  "yes" if cache.link.pinned else "no", cache.link.n_staging_slots, cache.link.name,
                  "on" if args.prefetch else "off", generator.n_ctx, time.perf_counter() - start, args.host, args.port)
         limits = Limits.for_context(generator.n_ctx, int(args.max_prompt_chars), int(args.max_body_mib) << 20,
-                                    int(args.max_queue))
+                                    int(args.max_queue), int(args.max_batch))
         service = WorkerService(generator, name, limits)
+        log.info("generating up to %d requests together, %d more queued", service.scheduler.max_batch,
+                 limits.max_queue)
         app = create_app(service)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=int(args.port), log_level="warning",
                                                timeout_graceful_shutdown=60))

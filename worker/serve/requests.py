@@ -37,7 +37,8 @@ JSON_BYTES_PER_CHAR = 6
 BODY_SLACK_BYTES = 1 << 20  # the rest of the request: messages' structure, stop strings, options
 
 
-DEFAULT_MAX_QUEUE = 64  # requests waiting behind the one generating; past them, 503 at once
+DEFAULT_MAX_QUEUE = 64  # requests waiting behind the ones generating; past them, 503 at once
+DEFAULT_MAX_BATCH = 8  # choices decoded together (batching.BatchScheduler)
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,14 @@ class Limits:
     max_prompt_chars: int
     max_body_bytes: int
     max_queue: int = DEFAULT_MAX_QUEUE
+    max_batch: int = DEFAULT_MAX_BATCH
 
     @classmethod
     def for_context(cls, n_ctx: int, max_prompt_chars: int = 0, max_body_bytes: int = 0,
-                    max_queue: int = DEFAULT_MAX_QUEUE) -> "Limits":
+                    max_queue: int = DEFAULT_MAX_QUEUE, max_batch: int = DEFAULT_MAX_BATCH) -> "Limits":
         """0 means: sized from the context (max_queue 0: no request waits)."""
         chars = max_prompt_chars or n_ctx * MAX_CHARS_PER_TOKEN
-        return cls(chars, max_body_bytes or chars * JSON_BYTES_PER_CHAR + BODY_SLACK_BYTES, max_queue)
+        return cls(chars, max_body_bytes or chars * JSON_BYTES_PER_CHAR + BODY_SLACK_BYTES, max_queue, max_batch)
 
 
 class BodyTooLarge(HTTPException):

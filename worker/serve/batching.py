@@ -1,0 +1,167 @@
+"""expert-worker's generation thread: continuous batching over the engine.
+
+Requests arrive on a queue; the one thread that owns the engine loops: it admits waiting choices
+while fewer than `max_batch` run (each gets a sequence of its own in the engine's arena), runs the
+next piece of at most one admitted prompt (`prefill_chunk` tokens, so that a long prompt delays the
+others' next token by one piece, not by the whole prompt), then one decode step for every running
+choice: alone through the engine's captured graph (Engine.forward), together through
+Engine.decode_batch, where a layer's experts are fetched once for the union of the rows' picks.
+A choice that ends leaves at once and its slot takes the next waiting one.
+
+A choice's tokens do not depend on its company beyond the steps' rounding: each row samples from
+its own logits with its own sampler, and decode_batch's logits equal a sequence's own step's
+within float32 rounding (Engine.decode_batch says where they are bit-equal); greedy tokens agree
+unless two logits tie within that rounding (tests/worker/test_batch_scheduler.py).
+
+A request's n choices are submitted one after another by its caller (api.py), so that one sampler
+gives choice 0 what n=1 gives."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from .generation import Choice, Completion, Generator, Request, TokenLogprob
+
+log = logging.getLogger("expertpack.worker.batching")
+
+PREFILL_CHUNK = 512  # prompt tokens run between two decode steps of the running choices
+
+
+@dataclass
+class _Job:
+    req: Request
+    on_text: Callable[[str], None] | None
+    cancelled: Callable[[], bool]
+    on_logprobs: Callable[[TokenLogprob], None] | None
+    future: Future
+
+
+class _Running:
+    """A choice and its sequence, open until the choice ends."""
+
+    def __init__(self, choice: Choice, job: _Job) -> None:
+        self.choice = choice
+        self.job = job
+
+    def close(self, error: BaseException | None = None) -> None:
+        self.choice.seq.close()
+        if error is not None:
+            self.job.future.set_exception(error)
+        else:
+            self.job.future.set_result(self.choice.completion())
+
+
+class BatchScheduler:
+    """Runs submitted choices, up to `max_batch` at once, on its own thread (see the module)."""
+
+    def __init__(self, generator: Generator, max_batch: int, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_batch > 1 and not getattr(generator.engine.model, "batched_decode", False):
+            log.warning("%s runs one sequence a step: --max-batch %d taken as 1", generator.engine.files.arch,
+                        max_batch)
+            max_batch = 1
+        self.generator = generator
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request, on_text: Callable[[str], None] | None = None,
+               cancelled: Callable[[], bool] = lambda: False,
+               on_logprobs: Callable[[TokenLogprob], None] | None = None) -> "Future[Completion]":
+        """Queues a choice; its future gets the Completion (or the error that ended it)."""
+        if self._stopping.is_set():
+            raise RuntimeError("the generation thread has stopped")
+        self.generator.check_fits(len(req.prompt_ids), req.max_tokens)
+        future: Future = Future()
+        self._jobs.put(_Job(req, on_text, cancelled, on_logprobs, future))
+        return future
+
+    def shutdown(self) -> None:
+        """Stops taking choices, ends the running ones at their next token (as cancelled clients'
+        end) and waits for the thread; choices still queued get an error."""
+        self._stopping.set()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        running: list[_Running] = []
+        admitting: list[_Running] = []  # prompts not yet run to their end, in arrival order
+        while True:
+            waiting = running or admitting
+            while len(running) + len(admitting) < self.max_batch and not self._stopping.is_set():
+                try:
+                    job = self._jobs.get(block=not waiting)
+                except queue.Empty:
+                    break
+                if job is None:
+                    break
+                if job.future.set_running_or_notify_cancel():
+                    admitting.append(self._open(job))
+                waiting = True
+            if self._stopping.is_set() and not running and not admitting:
+                self._fail_queued()
+                return
+            if admitting:
+                self._prefill(admitting[0], admitting, running)
+            if running:
+                self._step(running)
+
+    def _open(self, job: _Job) -> _Running:
+        seq = self.generator.engine.new_sequence()
+        cancelled = lambda: job.cancelled() or self._stopping.is_set()  # noqa: E731
+        return _Running(Choice(self.generator, job.req, seq, job.on_text, cancelled, job.on_logprobs), job)
+
+    def _prefill(self, r: _Running, admitting: list[_Running], running: list[_Running]) -> None:
+        """The next piece of the first admitted prompt; a prompt run to its end joins the running."""
+        try:
+            r.choice.prefill(self.prefill_chunk if running else None)
+        except Exception as exc:  # this request's failure, not the others'
+            log.exception("a prompt failed")
+            admitting.remove(r)
+            r.close(exc)
+            return
+        if r.choice.done:
+            admitting.remove(r)
+            r.close()
+        elif r.choice.prefilled:
+            admitting.remove(r)
+            running.append(r)
+
+    def _step(self, running: list[_Running]) -> None:
+        """One decode step of every running choice; the ones that end leave."""
+        engine = self.generator.engine
+        try:
+            if len(running) == 1:
+                rows = [engine.forward([running[0].choice.token], running[0].choice.seq)[-1]]
+            else:
+                logits = engine.decode_batch([r.choice.seq for r in running], [r.choice.token for r in running])
+                rows = list(logits)
+            for r, row in zip(running, rows):
+                r.choice.take(row)
+        except Exception as exc:  # a step's failure ends the choices in it, not the server
+            log.exception("a decode step of %d sequences failed", len(running))
+            for r in running:
+                r.close(exc)
+            running.clear()
+            return
+        for r in [r for r in running if r.choice.done]:
+            running.remove(r)
+            r.close()
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError("the server is shutting down"))
