@@ -91,13 +91,14 @@ CASES = [  # every activation once, every block layout once (the interpreter is 
 # The i-quants through each launch shape's table pointer (test_linear_kernels checks every type's
 # decoder exactly), gate/up and down of different types as the dynamic quants mix them.
 IQ_PAIR_CASE = (ACTS[0], (T.IQ2_XXS, T.IQ1_S), False, False)
+IQ4_PAIR_CASE = (ACTS[2], (T.IQ4_NL, T.IQ4_XS), False, True)  # the activations' launch adds the biases
 IQ_TILE_CASE = (ACTS[0], (T.IQ3_S, T.IQ2_S), False, False)
 IQ_DENSE_CASE = (ACTS[1], (T.IQ1_M, T.IQ4_XS), True, False)
 
 
-@pytest.mark.parametrize("act,types,fused,biases", CASES + [IQ_PAIR_CASE],
+@pytest.mark.parametrize("act,types,fused,biases", CASES + [IQ_PAIR_CASE, IQ4_PAIR_CASE],
                          ids=["swiglu-q4k-q6k", "clamped-q8-fused", "oai-mxfp4-biases", "situ-q2k-q3k",
-                              "swiglu-iq2xxs-iq1s"])
+                              "swiglu-iq2xxs-iq1s", "oai-iq4nl-iq4xs-biases"])
 def test_experts_equal_the_reference(act: Activation, types: tuple[T, T], fused: bool, biases: bool,
                                                   device: torch.device) -> None:
     lay, ids, args, want = prompt_case(act, types, fused, biases, 8, (1, 3), device)

@@ -13,7 +13,7 @@ rows regrouped where the kernels run (weights.regroup_q8_0). The i-quants' value
 (weights/quant_iq.py, gguf-py's tables): every kernel takes one pointer `tab` to all of them, flat
 on the device (quant_iq.kernel_tables), the grids packed as int8 bytes so that one 32- or 64-bit
 load gives an entry's 4 or 8 values; the arithmetic on scales is quant_iq's, so the values are its
-bits. The decode kernels take the grid i-quants through iq_dot_tl instead, which never forms the
+bits. The decode kernels take the i-quants through iq_dot_tl instead, which never forms the
 [BN, 256] shape (its docstring says why).
 `rowp` [BN, 1] points at each row's first byte, `m` [BN, CH] masks rows and values past the row's
 end (only the 32-value and float types can end inside a chunk)."""

@@ -1,6 +1,6 @@
-"""The grid i-quants' products with a vector, for the decode kernels (matvec, the experts' launches):
-`iq_dot(QT, rowp, c, mr, xp, kin, tab)` gives [BN] sums over chunk c (256 values) of the rows at
-rowp times the 256 floats at xp.
+"""The i-quants' products with a vector, for the decode kernels (matvec, the experts' launches):
+`iq_dot(QT, rowp, c, nmask, K, xp, tab)` gives [BN] sums over chunk c (256 values) of the rows at
+rowp times the 256 floats at xp, for the grid types (IQ1_S .. IQ3_S) and IQ4_NL / IQ4_XS.
 
 Why apart from dequant_tl's decoders: those give a chunk's values as [BN, 256], the shape every
 kernel multiplies, but an i-quant's fields are per grid entry (4 or 8 values) and per group, and
@@ -20,16 +20,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .dequant_tl import (IQ1_DELTA_C, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, TAB_IQ1S_I8, TAB_IQ2S_I8,
-                         TAB_IQ2XS_I8, TAB_IQ2XXS_I8, TAB_IQ3S_I8, TAB_IQ3XXS_I8, _f16, _ksigns, _u8)
+from .dequant_tl import (IQ1_DELTA_C, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS,
+                         TAB_IQ1S_I8, TAB_IQ2S_I8, TAB_IQ2XS_I8, TAB_IQ2XXS_I8, TAB_IQ3S_I8, TAB_IQ3XXS_I8, TAB_IQ4NL,
+                         _f16, _ksigns, _u8)
 
-GRID_IQUANTS = tuple(int(t) for t in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M))
+IQ_DOT_TYPES = tuple(int(t) for t in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS))
 
 
 @triton.constexpr_function
-def is_grid_iquant(qt) -> bool:
-    """Whether the kernels take ggml type `qt` through iq_dot (a compile-time test)."""
-    return int(qt) in GRID_IQUANTS
+def takes_iq_dot(qt) -> bool:
+    """Whether the decode kernels take ggml type `qt` through iq_dot (a compile-time test)."""
+    return int(qt) in IQ_DOT_TYPES
 
 
 @triton.jit
@@ -235,12 +236,49 @@ def _iq1_m(bp, g, m, xg, kin, tab):
 
 
 @triton.jit
-def iq_dot(QT: tl.constexpr, rowp, c, mr, xp, kin, tab):
+def _dot16_iq4(tab, pair, m, xe, kin):
+    """Two bytes' four IQ4_NL values (low nibbles at xe and xe + 1, high ones 16 further): ggml's
+    16 non-uniform levels, looked up in the kernels' table (L1 serves the 16 floats)."""
+    s = tl.load(tab + TAB_IQ4NL + (pair & 15), mask=m, other=0.0) * _x(xe, 0, kin)
+    s += tl.load(tab + TAB_IQ4NL + ((pair >> 8) & 15), mask=m, other=0.0) * _x(xe, 1, kin)
+    s += tl.load(tab + TAB_IQ4NL + ((pair >> 4) & 15), mask=m, other=0.0) * _x(xe, 16, kin)
+    s += tl.load(tab + TAB_IQ4NL + ((pair >> 12) & 15), mask=m, other=0.0) * _x(xe, 17, kin)
+    return s
+
+
+@triton.jit
+def _iq4_group(qp, m, xg, kin, tab):
+    """A 32-value group's 16 nibble bytes at qp (2-byte aligned) against x: value j < 16 the low
+    nibble of byte j, value 16 + j its high nibble."""
+    s = _dot16_iq4(tab, _u16(qp, m), m, xg, kin)
+    for h in tl.static_range(1, 8):
+        s += _dot16_iq4(tab, _u16(qp + 2 * h, m), m, xg + 2 * h, kin)
+    return s
+
+
+@triton.jit
+def _iq4_xs(bp, g, m, xg, kin, tab):
+    """d, the scales' high bits (2 a group), their low nibbles, then 16 nibble bytes a group."""
+    high = (_u16(bp + 2, m) >> (2 * g)) & 3
+    low = (_u8(bp + 4 + g // 2, m) >> ((g % 2) * 4)) & 15
+    return _iq4_group(bp + 8 + 16 * g, m, xg, kin, tab) * (_f16(bp, m) * ((low | (high << 4)) - 32).to(tl.float32))
+
+
+@triton.jit
+def iq_dot(QT: tl.constexpr, rowp, c, nmask, K, xp, tab):
     """[BN] sums of chunk c of the rows at rowp ([BN, 1] uint8 pointers) times x at xp (the chunk's
-    256 floats); mr [BN, 1] the rows that exist and have chunk c, kin whether x has it."""
+    256 floats, zero past K); nmask [BN, 1] the rows that exist."""
     g = tl.arange(0, 8)[None, :]
     xg = xp + 32 * g
-    if QT == IQ2_XXS:
+    kin = c * 256 < K  # a superblock type's row ends at a chunk
+    mr = nmask & kin
+    if QT == IQ4_NL:  # 32-value blocks, a group each: a row may end inside the chunk
+        gin = c * 256 + 32 * g < K
+        bp = rowp + (c * 8 + g) * 18
+        s = _iq4_group(bp + 2, nmask & gin, xg, gin, tab) * _f16(bp, nmask & gin)
+    elif QT == IQ4_XS:
+        s = _iq4_xs(rowp + c * 136, g, mr, xg, kin, tab)
+    elif QT == IQ2_XXS:
         s = _iq2_xxs(rowp + c * 66, g, mr, xg, kin, tab)
     elif QT == IQ2_XS:
         s = _iq2_xs(rowp + c * 74, g, mr, xg, kin, tab)
@@ -253,6 +291,6 @@ def iq_dot(QT: tl.constexpr, rowp, c, mr, xp, kin, tab):
     elif QT == IQ1_S:
         s = _iq1_s(rowp + c * 50, g, mr, xg, kin, tab)
     else:
-        tl.static_assert(QT == IQ1_M, "iq_dot: not a grid i-quant")
+        tl.static_assert(QT == IQ1_M, "iq_dot: not an i-quant it takes")
         s = _iq1_m(rowp + c * 56, g, mr, xg, kin, tab)
     return tl.sum(s, axis=1)

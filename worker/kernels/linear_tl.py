@@ -17,7 +17,7 @@ from expertpack.packtools.quants import nbytes_of
 from ..weights.quant import Q8_0_REGROUPED
 from ..weights.quant_iq import kernel_tables
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
-from .iq_dot_tl import iq_dot, is_grid_iquant
+from .iq_dot_tl import iq_dot, takes_iq_dot
 
 BN_MATVEC = 16  # rows of W per program
 BN_REGROUPED = 32  # the same for regrouped Q8_0: its 128-bit loads repay wider programs (kernel_bandwidth.py)
@@ -50,8 +50,8 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, tab, N, K, row_bytes, chunks_per_split, 
         k = c * CH + j
         if QT == MXFP4 or QT == Q8_0:
             acc += block_dot(QT, rowp, c, (n < N)[:, None], K, tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)[None, :])
-        elif is_grid_iquant(QT):
-            acc += iq_dot(QT, rowp, c, (n < N)[:, None] & (c * CH < K), x_ptr + t * K + c * CH, c * CH < K, tab)
+        elif takes_iq_dot(QT):
+            acc += iq_dot(QT, rowp, c, (n < N)[:, None], K, x_ptr + t * K + c * CH, tab)
         else:
             m = (n < N)[:, None] & (k < K)[None, :]
             w = chunk(QT, rowp, c, j[None, :], m, tab)

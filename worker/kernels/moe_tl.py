@@ -1,13 +1,13 @@
-"""Every expert a layer selected, in two launches (three where the down matrix is a grid i-quant, whose
-products read the activations from memory: iq_dot_tl), read through a byte-offset map: `offsets[p]` is
-where the block of pair p's expert starts in `pool` (the resident table or the cache's slots), p
+"""Every expert a layer selected, in two launches (three where the down matrix is an i-quant, whose
+products read the activations from memory: iq_dot_tl), read through a byte-offset map: `offsets[p]`
+is where the block of pair p's expert starts in `pool` (the resident table or the cache's slots), p
 indexing the [T, k] routing flattened. The first launch computes gate and up (or a fused gate_up)
-from the GGUF bytes, K split across programs where a decode step has few pairs; the second sums
-the splits, adds the biases, applies the activation as it reads them, then the down projection,
-its bias and the routing weight, into one row per pair, which the caller sums over k in a fixed
-order. A pair's result depends on its expert's bytes and its token only, never on where the block
-sits or which other pairs run: a cache of any size gives the very bits of the resident table.
-`pairs` restricts a launch to some pairs (a cache that loads a step's experts in waves)."""
+from the GGUF bytes, K split across programs where a decode step has few pairs; the second sums the
+splits, adds the biases, applies the activation as it reads them, then the down projection, its bias
+and the routing weight, into one row per pair, which the caller sums over k in a fixed order. A
+pair's result depends on its expert's bytes and its token only, never on where the block sits or
+which other pairs run: a cache of any size gives the very bits of the resident table. `pairs`
+restricts a launch to some pairs (a cache that loads a step's experts in waves)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..nn.activation import Activation
 from ..weights.expert_roles import ExpertRoles
 from ..weights.quant_iq import kernel_tables
 from .dequant_tl import CHUNK, MXFP4, Q8_0, block_dot, chunk
-from .iq_dot_tl import GRID_IQUANTS, iq_dot, is_grid_iquant
+from .iq_dot_tl import IQ_DOT_TYPES, iq_dot, takes_iq_dot
 
 BN = 16  # rows of an expert's matrix per program
 WARPS = 4
@@ -90,14 +90,14 @@ def _gate_up_kernel(x_ptr, pool_ptr, off_ptr, pair_ptr, gu_ptr, tab, gate_off, u
         xv = tl.load(x_ptr + t * K + k, mask=k < K, other=0.0)[None, :]
         if QG == MXFP4 or QG == Q8_0:
             acc_g += block_dot(QG, grow, c, (n < F)[:, None], K, xv)
-        elif is_grid_iquant(QG):
-            acc_g += iq_dot(QG, grow, c, (n < F)[:, None] & (c * CH < K), x_ptr + t * K + c * CH, c * CH < K, tab)
+        elif takes_iq_dot(QG):
+            acc_g += iq_dot(QG, grow, c, (n < F)[:, None], K, x_ptr + t * K + c * CH, tab)
         else:
             acc_g += tl.sum(chunk(QG, grow, c, j[None, :], m, tab) * xv, axis=1)
         if QU == MXFP4 or QU == Q8_0:
             acc_u += block_dot(QU, urow, c, (n < F)[:, None], K, xv)
-        elif is_grid_iquant(QU):
-            acc_u += iq_dot(QU, urow, c, (n < F)[:, None] & (c * CH < K), x_ptr + t * K + c * CH, c * CH < K, tab)
+        elif takes_iq_dot(QU):
+            acc_u += iq_dot(QU, urow, c, (n < F)[:, None], K, x_ptr + t * K + c * CH, tab)
         else:
             acc_u += tl.sum(chunk(QU, urow, c, j[None, :], m, tab) * xv, axis=1)
     out = gu_ptr + ((s * P + p) * 2) * F + n
@@ -140,7 +140,7 @@ def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, av_ptr, tab,
                  SPLITS: tl.constexpr, GU_BIAS: tl.constexpr, DOWN_BIAS: tl.constexpr, HAS_PAIRS: tl.constexpr, BN: tl.constexpr,
                  CH: tl.constexpr):
     """y[p, n] = weight[p] * (down[n] . act(gate, up) + bias[n]), the activation applied as each
-    chunk of F is read (a grid i-quant down matrix reads it from av, written by _act_kernel);
+    chunk of F is read (an i-quant down matrix reads it from av, written by _act_kernel);
     grid (pairs, D/BN)."""
     p = _pair(tl.program_id(0), pair_ptr, HAS_PAIRS)
     base = pool_ptr + tl.multiple_of(tl.load(off_ptr + p), 16)
@@ -150,8 +150,8 @@ def _down_kernel(gu_ptr, pool_ptr, off_ptr, pair_ptr, w_ptr, y_ptr, av_ptr, tab,
     acc = tl.zeros([BN], tl.float32)
     for c in range(0, tl.cdiv(F, CH)):
         k = c * CH + j
-        if is_grid_iquant(QD):
-            acc += iq_dot(QD, drow, c, (n < D)[:, None], av_ptr + p * F + c * CH, True, tab)
+        if takes_iq_dot(QD):
+            acc += iq_dot(QD, drow, c, (n < D)[:, None], F, av_ptr + p * F + c * CH, tab)
         else:
             av = _activation(gu_ptr, base, p, k, F, P, gate_b, up_b, limit, alpha, beta, linear_beta, ACT, SPLITS,
                              GU_BIAS)
@@ -200,7 +200,7 @@ def experts_per_pair(x: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor,
         QG=roles.gate.ggml_type, QU=roles.up.ggml_type, HAS_PAIRS=pairs is not None, BN=BN, CH=CHUNK,
         num_warps=WARPS)
     av = gu  # unused unless the down matrix reads the activations from memory
-    if int(roles.down.ggml_type) in GRID_IQUANTS:
+    if int(roles.down.ggml_type) in IQ_DOT_TYPES:
         av = torch.empty((total, f), dtype=torch.float32, device=x.device)
         _act_kernel[(n_pairs, triton.cdiv(f, ACT_BLOCK))](
             gu, pool, offsets, pair_arg, av, roles.gate_bias or 0, roles.up_bias or 0, f, total, act.limit, act.alpha,
