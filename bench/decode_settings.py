@@ -44,7 +44,7 @@ def parse_setting(text: str) -> dict[tuple[str, str], int | str]:
     out = {}
     for item in text.split():
         target, _, value = item.partition("=")
-        module, _, name = target.partition(".")
+        module, _, name = target.rpartition(".")
         mod = module_of(module)
         current = getattr(mod, name, None)
         if isinstance(current, str) and value:

@@ -123,13 +123,13 @@ prefill)  # the paths a prompt's shape takes, swept on the resident step (bench/
     out=${OUT:-/tmp}
     m=bench-out/qwen3-30b-a3b-12L.gguf
     mkdir -p bench-out && { [ -f $m ] || expertpack synth --preset qwen3-30b-a3b --layers 12 -o $m -q; }
-    experts=("moe.TILES_MIN_PAIRS_PER_EXPERT=3" "moe.DENSE_MIN_PAIRS_PER_EXPERT=2")  # pp32: per pair, dense
+    experts=("nn.moe.TILES_MIN_PAIRS_PER_EXPERT=3" "nn.moe.DENSE_MIN_PAIRS_PER_EXPERT=2")  # pp32: per pair, dense
     for n in 32 512; do
         echo "== prefill of $n tokens"
         timeout 250 python3 bench/decode_settings.py $m --prefill $n "" "layers.DECODE_MAX_QUERIES=$n" \
             "linear_tl.MATVEC_MAX_ROWS=$n" "layers.DECODE_MAX_QUERIES=$n linear_tl.MATVEC_MAX_ROWS=$n" \
             "${experts[@]}" 2>&1 | grep -v Warn | tee "$out/prefill-$n.txt"
-        experts=("moe.DENSE_MIN_PAIRS_PER_EXPERT=64")  # pp512 (32 pairs an expert): tiles instead of dense
+        experts=("nn.moe.DENSE_MIN_PAIRS_PER_EXPERT=64")  # pp512 (32 pairs an expert): tiles instead of dense
     done
     ;;
 kernels)  # where one preset's resident step goes, and which kernel settings suit its shapes

@@ -23,6 +23,7 @@ import torch
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.kernels import moe_dense, moe_grouped, moe_tiles, moe_tl
 from expertpack.worker.nn.moe import fused_path
+from expertpack.worker.nn.triton_ops import TritonOps
 from kernel_bandwidth import bench_ms  # bench/ is on the path when this script runs
 
 
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         if moe_grouped.decodes(roles):
             runs["grouped"] = partial(moe_grouped.experts_grouped, n_expert=n_expert)
         want = moe_tl.experts_per_pair(x, table, offsets, w, roles, act)
-        row = {"tokens": t, "experts": int(torch.unique(ids).numel()), "chosen": fused_path(ids, n_expert, moe_grouped.decodes(roles))}
+        row = {"tokens": t, "experts": int(torch.unique(ids).numel()), "chosen": fused_path(ids, n_expert, moe_grouped.decodes(roles),
+                                                                                    TritonOps.experts_tiled(roles))}
         for name, run in runs.items():
             got = run(x, table, offsets, w, roles, act)
             row[f"{name}_rel_diff"] = ((got - want).norm() / want.norm()).item()

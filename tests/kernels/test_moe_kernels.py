@@ -289,3 +289,19 @@ def test_the_layers_expert_count_bounds_the_tiles_of_a_cache_pool(device: torch.
     assert loose.max_experts == min(120, pool_bytes // block_extent(roles)) == 120
     assert tight.max_experts == N_EXPERT and tight.table.shape[0] == -(-120 // 16) + N_EXPERT
     assert tight.n_experts.tolist() == [3] and torch.equal(tight.order, loose.order)
+
+
+def test_i_quant_experts_never_take_the_tiles_path() -> None:
+    """A prompt whose experts share a few pairs each runs them in tiles, unless a matrix is an
+    i-quant: moe_tiles decodes those through the [BN, 256] values, moe_tl through iq_dot (3.3x
+    faster at a 32-token prompt on the H200); from DENSE_MIN_PAIRS_PER_EXPERT on, both go dense."""
+    from expertpack.worker.nn.moe import DENSE_MIN_PAIRS_PER_EXPERT, fused_path
+    from expertpack.worker.nn.triton_ops import TritonOps
+
+    few = torch.arange(2 * N_EXPERT).reshape(-1, 1) % N_EXPERT  # 2 pairs an expert
+    many = torch.arange(DENSE_MIN_PAIRS_PER_EXPERT * N_EXPERT).reshape(-1, 1) % N_EXPERT
+    for types, tiled in (((T.Q4_K, T.Q6_K), True), ((T.IQ2_XXS, T.IQ1_S), False), ((T.Q4_K, T.IQ4_XS), False)):
+        roles = expert_roles(layout(*types, False, False))
+        assert TritonOps.experts_tiled(roles) == tiled
+        assert fused_path(few, N_EXPERT, False, TritonOps.experts_tiled(roles)) == ("tiles" if tiled else "per_pair")
+        assert fused_path(many, N_EXPERT, False, TritonOps.experts_tiled(roles)) == "dense"

@@ -52,21 +52,23 @@ DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequan
 TILES_MIN_PAIRS_PER_EXPERT = 2  # from this many, decode each expert once per tile of its pairs (moe_tiles)
 
 
-def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False) -> str:
+def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False, tiles: bool = True) -> str:
     """Which kernels run a step's experts: for MXFP4 experts (`grouped`: moe_grouped.decodes),
     "grouped" (products on tensor cores, each expert's bytes
     decoded once per tile of its pairs) from TILES_MIN_PAIRS_PER_EXPERT pairs per routed expert;
     otherwise "dense" (moe_dense: dequantized once, grouped products) once the step has enough
     pairs per expert to repay that, "tiles" (moe_tiles: an expert's bytes decoded once per tile of
-    its pairs) where experts are shared by a few pairs; else "per_pair" (moe_tl, a decode step).
-    A function of the step's shape alone: no host sync, and every wave of a cache decides alike.
-    The thresholds are where bench/moe_prefill.py finds each path the fastest (BENCHMARKS.md)."""
+    its pairs) where experts are shared by a few pairs and `tiles` (their types decode well in
+    tiles: not the i-quants, TritonOps.experts_tiled); else "per_pair" (moe_tl, a decode step).
+    A function of the step's shape and the experts' types alone: no host sync, and every wave of a
+    cache decides alike. The thresholds are where bench/moe_prefill.py and decode_settings.py find
+    each path the fastest (BENCHMARKS.md)."""
     many = ids.shape[0] > 1 and ids.numel() >= TILES_MIN_PAIRS_PER_EXPERT * n_expert
     if grouped:
         return "grouped" if many else "per_pair"
     if ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * n_expert:
         return "dense"
-    return "tiles" if many else "per_pair"
+    return "tiles" if many and tiles else "per_pair"
 
 
 class ExpertFFN:
@@ -162,7 +164,8 @@ class ExpertFFN:
             roles = self._roles[layer]
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
-        path = fused_path(ids, self.n_expert, ops.experts_grouped(roles))  # by the whole step: every wave alike
+        # by the whole step: every wave alike
+        path = fused_path(ids, self.n_expert, ops.experts_grouped(roles), ops.experts_tiled(roles))
         run = ops.experts_runner(path, self.n_expert)
         y = None
         if rows is None:  # `then` comes with a prefetching source only (ExpertCache, CacheGroup)
