@@ -153,7 +153,7 @@ iquants)  # issue 36 on the GPU: the i-quant kernel and GPU tests, then the expe
     install
     export EXPERTPACK_FIXTURES=$PWD/.gpufix
     out=${OUT:-/tmp}
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_i_quants_cuda.py tests/gpu/test_batched_decode_cuda.py \
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_i_quants_cuda.py tests/gpu/test_batched_decode_cuda.py \
         tests/kernels -k "IQ or TQ or iq or tq" 2>&1 | tail -4
     mkdir -p bench-out
     for t in Q4_K IQ2_XXS IQ1_S; do
