@@ -314,6 +314,35 @@ def test_a_non_streamed_client_that_leaves_is_logged_once_and_its_generation_sto
     assert len([line for line in worker.log.splitlines() if note in line]) == 1
 
 
+def test_a_request_joins_one_generating_and_is_answered_before_it_ends(worker: Worker) -> None:
+    """--max-batch 8 (the default): a short request sent while a long streamed one generates is
+    answered while the long one still streams (one at a time, it would wait for all 400 tokens of
+    the other), with the text it gets alone."""
+    long = json.dumps({"model": "fixture", "prompt": "hold the line", "max_tokens": 400, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    short = json.dumps({"model": "fixture", "prompt": "a short one", "max_tokens": 3, "temperature": 0,
+                        "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", worker.port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(long), long))
+        seen = b""
+        while b"data: " not in seen:  # the headers, then the first token: generating
+            piece = s.recv(4096)
+            assert piece, "the stream ended before its first token"
+            seen += piece
+        status, together = worker.post("/v1/completions", short)
+        s.setblocking(False)  # what the long one sent until now, without waiting for more
+        try:
+            while piece := s.recv(65536):
+                seen += piece
+        except BlockingIOError:
+            pass
+        assert status == 200 and b"[DONE]" not in seen, "the short request waited for the long one"
+    status, alone = worker.post("/v1/completions", short)
+    assert status == 200 and together["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert together["usage"]["completion_tokens"] == 3
+
+
 def test_past_the_queue_a_request_gets_503_at_once_and_its_place_comes_back(served, tmp_path) -> None:
     """--max-batch 1 --max-queue 1: a streamed request generating and one waiting behind it take every place; a
     third gets 503 queue_full with Retry-After at once (the gauge in /metrics says 2 meanwhile).
