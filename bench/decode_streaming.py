@@ -80,21 +80,24 @@ def run(engine, prompt: list[int], n_decode: int, device: str, on_phase, seed: i
     return {"prefill_tps": len(prompt) / prefill_s, "decode_tps": (n_decode - 1) / decode_s, "tokens": tokens}
 
 
-def prepare_pack(preset: str, layers: int | None, workdir: Path, routing_skew: float = 0.0) -> tuple[str, Path]:
+def prepare_pack(preset: str, layers: int | None, workdir: Path, routing_skew: float = 0.0,
+                 expert_type: str | None = None, expert_mix: str | None = None) -> tuple[str, Path]:
     """(name, pack directory) of the synthetic preset (cut to `layers`, its routing skewed by
-    `routing_skew` as `expertpack synth --routing-skew` does), synthesized and packed into
-    `workdir` unless there already; shared with decode_workers.py."""
+    `routing_skew` as `expertpack synth --routing-skew` does, its experts of `expert_type` and
+    `expert_mix` as synth's --type and --mix), synthesized and packed into `workdir` unless there
+    already; shared with decode_workers.py."""
     from expertpack.packtools.build import BuildOptions, build_pack
     from expertpack.packtools.synth.writer import SynthOptions, write_synth
 
     workdir.mkdir(parents=True, exist_ok=True)
-    stem = f"{preset}{f'-{layers}L' if layers else ''}{f'-skew{routing_skew:g}' if routing_skew else ''}"
+    types = "".join(f"-{t}" for t in (expert_type, expert_mix) if t).replace("=", "_").replace(",", "_")
+    stem = f"{preset}{f'-{layers}L' if layers else ''}{f'-skew{routing_skew:g}' if routing_skew else ''}{types}"
     src, pack = workdir / f"{stem}.gguf", workdir / f"{stem}.pack"
     if not (pack / "manifest.json").exists():  # written last: an interrupted build resumes
         if not src.exists():
             print(f"synthesizing {src} ...", file=sys.stderr)
             write_synth(src, SynthOptions(preset=preset, n_layer=layers, routing_skew=routing_skew,
-                                                  progress=False))
+                                          expert_type=expert_type, expert_mix=expert_mix, progress=False))
         print(f"packing {pack} ...", file=sys.stderr)
         build_pack(src, pack, BuildOptions(progress=False))
     return stem, pack
@@ -178,6 +181,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int)
+    p.add_argument("--type", metavar="T", help="ggml type of the routed experts (synth's --type; default: the preset's)")
+    p.add_argument("--mix", metavar="SPEC", help="per-role / per-layer expert types over --type (synth's --mix)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dir", type=Path, default=REPO / "bench-out")
     p.add_argument("--cache-gib", type=float, default=4.0)
@@ -209,7 +214,7 @@ def main() -> int:
 
     if args.lookahead is not None:
         lookahead.LOOKAHEAD_LAYERS = args.lookahead
-    stem, pack = prepare_pack(args.preset, args.layers, args.dir, args.routing_skew)
+    stem, pack = prepare_pack(args.preset, args.layers, args.dir, args.routing_skew, args.type, args.mix)
     m = Manifest.load(pack)
     expert_bytes = sum(l.payload_bytes * m.model.n_expert for l in m.layers)
     workdir = Path(tempfile.mkdtemp(prefix="decode-streaming-"))
@@ -277,6 +282,7 @@ def main() -> int:
         "bench": "decode_streaming", "date": date.today().isoformat(), "commit": commit,
         "machine": f"{platform.node()} {os.cpu_count()} cpu", "gpu": gpu, "device": args.device,
         "torch": torch.__version__, "model": f"synth {args.preset}" + (f" --layers {args.layers}" if args.layers else "")
+        + (f" --type {args.type}" if args.type else "") + (f" --mix {args.mix}" if args.mix else "")
         + (f" --routing-skew {args.routing_skew:g}" if args.routing_skew else ""),
         "expert_bytes": expert_bytes, "cache_bytes": n_slots * slot_bytes, "slots": n_slots, "staging_pinned": pinned,
         "ram_cache_gib": args.ram_cache_gib, "passes": args.passes, "client_slots": args.client_slots, "lookahead_layers": lookahead.LOOKAHEAD_LAYERS,

@@ -32,7 +32,8 @@
 # (bench/decode_streaming.py), then projects it with `expertpack plan --layers FULL_LAYERS` onto
 # this machine and onto the reference one (RTX 5090: 32 GiB, PCIe 5 at this machine's 55 GB/s, an
 # SSD at 13 GB/s, 13 GiB of RAM tier; its decode compute the H200's times 1.79/4.8 TB/s of memory
-# bandwidth, decode being bound by it). E.g. deepseek-v4-flash 2 43 1.1 / kimi-k3 2 93 0.25.
+# bandwidth, decode being bound by it). E.g. deepseek-v4-flash 2 43 1.1 / kimi-k3 2 93 0.25; FLAGS
+# --type IQ1_S --mix down=IQ2_XXS give the experts an i-quant mix (issue 36).
 # Set a holds what tests/kernels and most of tests/gpu read; set b the architectures the rest read
 # (mixtral-a, deepseek3-a at BF16, DeepSeek-V4 and Kimi-K3): `tests` with it, carried without .peer.
 # Outputs (profiles, llama-bench JSON, chart) go to $OUT.
@@ -89,7 +90,7 @@ flagship)
         --cache-gib "$cache" --prompt 16 --decode 24 "$@" 2>&1 | grep -v Warn | tee "$out/flagship-$preset.txt" | tail -12
     resident=$(tail -1 "$out/flagship-$preset.txt" | python3 -c 'import json,sys; print(json.load(sys.stdin)["resident"]["decode_tokens_per_s"])')
     disk=$(tail -1 "$out/flagship-$preset.txt" | python3 -c 'import json,sys; print(json.load(sys.stdin)["disk_gb_per_s"])')
-    pack=$(ls -d bench-out/"$preset"-"$layers"L.pack 2>/dev/null || ls -d bench-out/*"$preset"*pack | head -1)
+    pack=$(ls -d bench-out/"$preset"-"$layers"L*.pack | head -1)  # the one decode_streaming.py made
     echo "== projected onto $full layers: this machine (disk as measured: $disk GB/s)"
     expertpack plan "$pack" --layers "$full" --compute-tok-s "$resident" --disk-gbps "$disk" --pcie-gbps 55 \
         --json | tee "$out/plan-$preset-h200.json" | python3 -c 'import json,sys; p=json.load(sys.stdin)["plan"]; print({k: p[k] for k in ("slots","ram_slots","hit_rate","ram_hit_rate","tok_s_today","tok_s_overlapped","bound")})'
