@@ -6,13 +6,12 @@ clean; no more than --max-batch run at once."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 
 from expertpack.worker.engine.engine import Engine
 from expertpack.worker.engine.sampling import Sampler
-from expertpack.worker.serve.batching import BatchScheduler
+from expertpack.worker.serve.batching import BatchScheduler, SchedulerStopped
 from expertpack.worker.serve.generation import Generator, Request
 from expertpack.worker.serve.tokenizer import load_tokenizer
 
@@ -59,32 +58,79 @@ def test_batched_requests_get_their_tokens_alone(model: str) -> None:
 
 
 def test_a_cancelled_request_leaves_the_batch_clean() -> None:
+    """A request whose client leaves while it decodes beside another stops at its next token; the
+    other keeps its tokens, and every sequence is given back."""
     gen = generator_for(MODELS["qwen3moe"])
     want = gen.run(request(gen, 2))
     scheduler = BatchScheduler(gen, max_batch=4)
     gone = threading.Event()
+    pieces: list[str] = []
+
+    def third_piece_leaves(piece: str) -> None:
+        pieces.append(piece)
+        if len(pieces) == 3:
+            gone.set()
+
     try:
-        left = scheduler.submit(request(gen, 3), lambda piece: gone.set(), cancelled=gone.is_set)
         stays = scheduler.submit(request(gen, 2))
+        left = scheduler.submit(request(gen, 3), third_piece_leaves, cancelled=gone.is_set)
         cut, done = left.result(timeout=300), stays.result(timeout=300)
     finally:
         scheduler.shutdown()
-    assert 1 <= len(cut.token_ids) < LENGTHS[3]  # stopped at the token after its client left
+    assert 3 <= len(cut.token_ids) < LENGTHS[3] and cut.finish_reason == "length"  # a piece may span tokens
     assert done.token_ids == want.token_ids
     assert gen.engine.arena.in_use == 0
-    with pytest.raises(RuntimeError, match="stopped"):
+    with pytest.raises(SchedulerStopped, match="stopped"):
         scheduler.submit(request(gen, 0))
 
 
-def test_a_model_without_batched_steps_runs_one_at_a_time(tmp_path: Path) -> None:
+def test_a_failing_request_fails_alone_and_shutdown_answers_the_queued() -> None:
+    """A request whose text sink raises fails with that error, the one beside it is answered; at
+    shutdown a request still queued gets an error instead of waiting forever."""
+    gen = generator_for(MODELS["qwen3moe"])
+    want = gen.run(request(gen, 2))
+
+    def broken(piece: str) -> None:
+        raise OSError("the client's socket is gone")
+
+    holding, hold = threading.Event(), threading.Event()
+
+    def hold_the_thread(piece: str) -> None:
+        holding.set()
+        hold.wait(30)
+
+    scheduler = BatchScheduler(gen, max_batch=2)
+    try:
+        ok = scheduler.submit(request(gen, 2))
+        bad = scheduler.submit(request(gen, 0), broken)
+        with pytest.raises(OSError, match="socket is gone"):
+            bad.result(timeout=300)
+        assert ok.result(timeout=300).token_ids == want.token_ids
+        blocker = scheduler.submit(request(gen, 1), hold_the_thread)
+        assert holding.wait(60)  # the blocker runs: what is submitted now waits in the queue
+        queued = [scheduler.submit(request(gen, i)) for i in (0, 1, 2)]
+    finally:
+        stopper = threading.Thread(target=scheduler.shutdown)
+        stopper.start()
+        hold.set()
+        stopper.join(timeout=300)
+    assert blocker.result(timeout=1).finish_reason == "length"  # stopped at its next token
+    outcomes = [f.exception(timeout=1) for f in queued]
+    assert any(isinstance(e, SchedulerStopped) for e in outcomes)
+    assert gen.engine.arena.in_use == 0
+
+
+def test_a_model_without_batched_steps_runs_one_at_a_time() -> None:
     gen = generator_for("gguf/deepseek3-a/deepseek3-a.Q4_K_M.gguf")
     assert not getattr(gen.engine.model, "batched_decode", False)
     want = [gen.run(Request(gen.tokenizer.encode(p), 4, Sampler(), ignore_eos=True)) for p in PROMPTS[:2]]
     scheduler = BatchScheduler(gen, max_batch=4)
     assert scheduler.max_batch == 1
+    open_at_text: list[int] = []
     try:
-        futures = [scheduler.submit(Request(gen.tokenizer.encode(p), 4, Sampler(), ignore_eos=True))
-                   for p in PROMPTS[:2]]
+        futures = [scheduler.submit(Request(gen.tokenizer.encode(p), 4, Sampler(), ignore_eos=True),
+                                    lambda piece: open_at_text.append(gen.engine.arena.in_use)) for p in PROMPTS[:2]]
         assert [f.result(timeout=300).token_ids for f in futures] == [w.token_ids for w in want]
     finally:
         scheduler.shutdown()
+    assert open_at_text and max(open_at_text) == 1

@@ -83,9 +83,10 @@ class WorkerService:
     async def generate(self, req: GenRequest, n: int = 1, sink: Callable[[int, str, Any], None] | None = None,
                        gone: threading.Event | None = None) -> list[Completion]:
         """The request's n choices, one after another on the generation thread, each beside the
-        other requests' (one sampler throughout: choice 0 is what n=1 gives). `sink(choice, kind, value)` gets
-        ("logprob", TokenLogprob), ("text", piece) and ("done", Completion) as they happen. `gone`
-        set: the client left; the choice in flight stops at its next token and no other starts."""
+        other requests' (one sampler throughout: choice 0 is what n=1 gives). `sink(choice, kind,
+        value)` gets ("logprob", TokenLogprob), ("text", piece) and ("done", Completion) as they
+        happen. `gone` set: the client left; the choice in flight stops at its next token and no
+        other starts."""
         gone = gone or threading.Event()
         cancelled = lambda: gone.is_set() or self.stopping.is_set()  # noqa: E731
         done: list[Completion] = []
@@ -95,7 +96,11 @@ class WorkerService:
             on_text = on_logprobs = None
             if sink is not None:
                 on_text, on_logprobs = partial(sink, i, "text"), partial(sink, i, "logprob")
-            done.append(await asyncio.wrap_future(self.scheduler.submit(req, on_text, cancelled, on_logprobs)))
+            try:
+                done.append(await asyncio.wrap_future(self.scheduler.submit(req, on_text, cancelled, on_logprobs)))
+            except asyncio.CancelledError:  # the awaiting task went (a server's shutdown): so does the choice
+                gone.set()
+                raise
             if sink is not None:
                 sink(i, "done", done[-1])
         return done

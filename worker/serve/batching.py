@@ -14,7 +14,9 @@ within float32 rounding (Engine.decode_batch says where they are bit-equal); gre
 unless two logits tie within that rounding (tests/worker/test_batch_scheduler.py).
 
 A request's n choices are submitted one after another by its caller (api.py), so that one sampler
-gives choice 0 what n=1 gives."""
+gives choice 0 what n=1 gives. A choice's usage is what it saw: its prefill time runs from its
+admission to its first token (other choices' steps between its prompt's pieces included), and its
+expert-cache counters are the engine's over its span, its company's lookups included."""
 
 from __future__ import annotations
 
@@ -49,15 +51,26 @@ class _Running:
         self.job = job
 
     def close(self, error: BaseException | None = None) -> None:
+        """Gives the sequence back and the future its answer; a failure to finish the answer (a
+        streaming sink whose event loop is gone) becomes the future's error, never the thread's."""
         self.choice.seq.close()
-        if error is not None:
-            self.job.future.set_exception(error)
-        else:
-            self.job.future.set_result(self.choice.completion())
+        if error is None:
+            try:
+                self.job.future.set_result(self.choice.completion())
+                return
+            except Exception as exc:
+                error = exc
+        self.job.future.set_exception(error)
+
+
+class SchedulerStopped(RuntimeError):
+    """The generation thread is not running (the server is shutting down, or it failed)."""
 
 
 class BatchScheduler:
-    """Runs submitted choices, up to `max_batch` at once, on its own thread (see the module)."""
+    """Runs submitted choices, up to `max_batch` at once, on its own thread (see the module). A
+    failure ends the request it belongs to (a step's failure, the requests in that step); one
+    outside any request stops the thread, failing every request it holds and every later one."""
 
     def __init__(self, generator: Generator, max_batch: int, prefill_chunk: int = PREFILL_CHUNK) -> None:
         if max_batch < 1:
@@ -71,18 +84,23 @@ class BatchScheduler:
         self.prefill_chunk = prefill_chunk
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="generate", daemon=True)
+        self._gate = threading.Lock()  # a submit and the thread's end: no job queued after the last drain
+        self._stopped = False
+        self._running: list[_Running] = []
+        self._admitting: list[_Running] = []  # prompts not yet run to their end, in arrival order
+        self._thread = threading.Thread(target=self._main, name="generate", daemon=True)
         self._thread.start()
 
     def submit(self, req: Request, on_text: Callable[[str], None] | None = None,
                cancelled: Callable[[], bool] = lambda: False,
                on_logprobs: Callable[[TokenLogprob], None] | None = None) -> "Future[Completion]":
         """Queues a choice; its future gets the Completion (or the error that ended it)."""
-        if self._stopping.is_set():
-            raise RuntimeError("the generation thread has stopped")
         self.generator.check_fits(len(req.prompt_ids), req.max_tokens)
         future: Future = Future()
-        self._jobs.put(_Job(req, on_text, cancelled, on_logprobs, future))
+        with self._gate:
+            if self._stopped or self._stopping.is_set():
+                raise SchedulerStopped("the generation thread has stopped")
+            self._jobs.put(_Job(req, on_text, cancelled, on_logprobs, future))
         return future
 
     def shutdown(self) -> None:
@@ -92,9 +110,24 @@ class BatchScheduler:
         self._jobs.put(None)
         self._thread.join()
 
+    def _main(self) -> None:
+        error: BaseException = SchedulerStopped("the server is shutting down")
+        try:
+            self._loop()
+        except BaseException as exc:  # not a request's: nothing can be trusted to run on
+            log.exception("the generation thread failed")
+            error = SchedulerStopped(f"the generation thread failed: {exc!r}")
+        finally:
+            with self._gate:
+                self._stopped = True
+            for r in self._running + self._admitting:
+                r.close(error)
+            self._running.clear()
+            self._admitting.clear()
+            self._fail_queued(error)
+
     def _loop(self) -> None:
-        running: list[_Running] = []
-        admitting: list[_Running] = []  # prompts not yet run to their end, in arrival order
+        running, admitting = self._running, self._admitting
         while True:
             waiting = running or admitting
             while len(running) + len(admitting) < self.max_batch and not self._stopping.is_set():
@@ -105,18 +138,23 @@ class BatchScheduler:
                 if job is None:
                     break
                 if job.future.set_running_or_notify_cancel():
-                    admitting.append(self._open(job))
-                waiting = True
+                    opened = self._open(job)
+                    if opened is not None:
+                        admitting.append(opened)
+                        waiting = True
             if self._stopping.is_set() and not running and not admitting:
-                self._fail_queued()
                 return
             if admitting:
                 self._prefill(admitting[0], admitting, running)
             if running:
                 self._step(running)
 
-    def _open(self, job: _Job) -> _Running:
-        seq = self.generator.engine.new_sequence()
+    def _open(self, job: _Job) -> _Running | None:
+        try:
+            seq = self.generator.engine.new_sequence()
+        except Exception as exc:
+            job.future.set_exception(exc)
+            return None
         cancelled = lambda: job.cancelled() or self._stopping.is_set()  # noqa: E731
         return _Running(Choice(self.generator, job.req, seq, job.on_text, cancelled, job.on_logprobs), job)
 
@@ -137,31 +175,37 @@ class BatchScheduler:
             running.append(r)
 
     def _step(self, running: list[_Running]) -> None:
-        """One decode step of every running choice; the ones that end leave."""
+        """One decode step of every running choice; the ones that end leave. A failure of the step
+        ends the choices in it; a failure of one row's sampling or sinks ends that row's."""
         engine = self.generator.engine
         try:
             if len(running) == 1:
                 rows = [engine.forward([running[0].choice.token], running[0].choice.seq)[-1]]
             else:
-                logits = engine.decode_batch([r.choice.seq for r in running], [r.choice.token for r in running])
-                rows = list(logits)
-            for r, row in zip(running, rows):
-                r.choice.take(row)
-        except Exception as exc:  # a step's failure ends the choices in it, not the server
+                rows = list(engine.decode_batch([r.choice.seq for r in running], [r.choice.token for r in running]))
+        except Exception as exc:
             log.exception("a decode step of %d sequences failed", len(running))
             for r in running:
                 r.close(exc)
             running.clear()
             return
-        for r in [r for r in running if r.choice.done]:
-            running.remove(r)
-            r.close()
+        for r, row in list(zip(running, rows)):
+            try:
+                r.choice.take(row)
+            except Exception as exc:
+                log.exception("a request's token failed")
+                running.remove(r)
+                r.close(exc)
+                continue
+            if r.choice.done:
+                running.remove(r)
+                r.close()
 
-    def _fail_queued(self) -> None:
+    def _fail_queued(self, error: BaseException) -> None:
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
             if job is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_exception(RuntimeError("the server is shutting down"))
+                job.future.set_exception(error)
