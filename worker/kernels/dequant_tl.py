@@ -294,7 +294,30 @@ def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
 # ---- the i-quants and ternary quants: weights/quant_iq.py's arithmetic, its tables read through `tab` ----
 @triton.jit
 def _u16(p, m):
-    return _u8(p, m) | (_u8(p + 1, m) << 8)
+    """A 16-bit field as int32: the i-quant blocks keep 2-byte alignment, so it loads whole."""
+    return tl.load(p.to(tl.pointer_type(tl.uint16)), mask=m, other=0).to(tl.int32)
+
+
+@triton.jit
+def _half_scale(d, code, step: tl.constexpr):
+    """quant_iq._half_scales: d * (0.5 + code) * step, in its order (IQ2_*, IQ3_XXS)."""
+    return (d * (0.5 + code.to(tl.float32))) * step
+
+
+@triton.jit
+def _iq1_m_d(bp, m):
+    """IQ1_M's f16 block scale, the top nibbles of its four uint16 scale words at bp + 48."""
+    d_bits = ((_u16(bp + 48, m) >> 12) | ((_u16(bp + 50, m) >> 8) & 0xF0) | ((_u16(bp + 52, m) >> 4) & 0xF00)
+              | (_u16(bp + 54, m) & 0xF000))
+    return d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _iq4_xs_scale(bp, g, m):
+    """IQ4_XS's scale of 32-value group g: d times a 6-bit code (low nibble, 2 high bits) - 32."""
+    high = (_u16(bp + 2, m) >> (2 * g)) & 3
+    low = (_u8(bp + 4 + g // 2, m) >> ((g % 2) * 4)) & 15
+    return _f16(bp, m) * ((low | (high << 4)) - 32).to(tl.float32)
 
 
 @triton.jit
@@ -351,7 +374,7 @@ def _iq2_xxs_rows(rowp, c, m, BN: tl.constexpr, tab):
     e = tl.arange(0, 32)[None, :]  # grid entries: group e // 4
     gp = bp + 2 + 8 * (e // 4)
     aux = _u16(gp + 4, mr) | (_u16(gp + 6, mr) << 16)
-    db = (_f16(bp, mr) * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.25
+    db = _half_scale(_f16(bp, mr), (aux >> 28) & 15, 0.25)
     sign = _signs(_ksigns(tab, (aux >> (7 * (e % 4))) & 127, mr), 0, 8)
     grid = _entries(tab, TAB_IQ2XXS_I8, _u8(gp + e % 4, mr), mr, 8)
     return tl.reshape(db[:, :, None] * grid * sign, (BN, 256))
@@ -364,7 +387,7 @@ def _iq2_xs_rows(rowp, c, m, BN: tl.constexpr, tab):
     bp = rowp + c * 74
     e = tl.arange(0, 32)[None, :]
     q = _u16(bp + 2 + 2 * e, mr)
-    db = (_f16(bp, mr) * (0.5 + _nibble(bp + 66, e // 2, mr).to(tl.float32))) * 0.25
+    db = _half_scale(_f16(bp, mr), _nibble(bp + 66, e // 2, mr), 0.25)
     grid = _entries(tab, TAB_IQ2XS_I8, q & 511, mr, 8)
     return tl.reshape(db[:, :, None] * grid * _signs(_ksigns(tab, q >> 9, mr), 0, 8), (BN, 256))
 
@@ -376,7 +399,7 @@ def _iq2_s_rows(rowp, c, m, BN: tl.constexpr, tab):
     bp = rowp + c * 82
     e = tl.arange(0, 32)[None, :]
     index = _u8(bp + 2 + e, mr) | (((_u8(bp + 66 + e // 4, mr) >> ((e % 4) * 2)) & 3) << 8)
-    db = (_f16(bp, mr) * (0.5 + _nibble(bp + 74, e // 2, mr).to(tl.float32))) * 0.25
+    db = _half_scale(_f16(bp, mr), _nibble(bp + 74, e // 2, mr), 0.25)
     grid = _entries(tab, TAB_IQ2S_I8, index, mr, 8)
     return tl.reshape(db[:, :, None] * grid * _signs(_u8(bp + 34 + e, mr), 0, 8), (BN, 256))
 
@@ -389,7 +412,7 @@ def _iq3_xxs_rows(rowp, c, m, BN: tl.constexpr, tab):
     e = tl.arange(0, 64)[None, :]  # group e // 8; its 8 sign bits for entries e and e ^ 1
     ap = bp + 66 + 4 * (e // 8)
     aux = _u16(ap, mr) | (_u16(ap + 2, mr) << 16)
-    db = (_f16(bp, mr) * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.5
+    db = _half_scale(_f16(bp, mr), (aux >> 28) & 15, 0.5)
     sbits = _ksigns(tab, (aux >> (7 * ((e % 8) // 2))) & 127, mr)
     grid = _entries(tab, TAB_IQ3XXS_I8, _u8(bp + 2 + e, mr), mr, 4)
     sign = tl.where((e % 2 == 0)[:, :, None], _signs(sbits, 0, 4), _signs(sbits, 4, 4))
@@ -430,9 +453,7 @@ def _iq1_m_rows(rowp, c, m, BN: tl.constexpr, tab):
     scales whose top nibbles hold d."""
     mr = _row_mask(m, BN)
     bp = rowp + c * 56
-    d_bits = ((_u16(bp + 48, mr) >> 12) | ((_u16(bp + 50, mr) >> 8) & 0xF0) | ((_u16(bp + 52, mr) >> 4) & 0xF00)
-              | (_u16(bp + 54, mr) & 0xF000))
-    d = d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, 1]
+    d = _iq1_m_d(bp, mr)  # [BN, 1]
     e = tl.arange(0, 32)[None, :]
     s = e // 2  # a scale per 16 values
     dl = d * (2 * ((_u16(bp + 48 + 2 * (s // 4), mr) >> (3 * (s % 4))) & 7) + 1).to(tl.float32)
@@ -450,10 +471,7 @@ def _iq4_nl(bp, jj, m, tab):  # d, qs[16]: Q4_0's nibbles, through a table
 @triton.jit
 def _iq4_xs(bp, j, m, tab):  # d, scales_h uint16, scales_l[4], qs[128]
     g = j // 32
-    high = (_u16(bp + 2, m) >> (2 * g)) & 3
-    low = (_u8(bp + 4 + g // 2, m) >> ((g % 2) * 4)) & 15
-    dl = _f16(bp, m) * ((low | (high << 4)) - 32).to(tl.float32)
-    return dl * _tab(tab, TAB_IQ4NL + _nibble32(bp + 8 + 16 * g, j % 32, m), m)
+    return _iq4_xs_scale(bp, g, m) * _tab(tab, TAB_IQ4NL + _nibble32(bp + 8 + 16 * g, j % 32, m), m)
 
 
 @triton.jit

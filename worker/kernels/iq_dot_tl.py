@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .dequant_tl import (IQ1_DELTA_C, IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, IQ4_XS,
                          TAB_IQ1S_I8, TAB_IQ2S_I8, TAB_IQ2XS_I8, TAB_IQ2XXS_I8, TAB_IQ3S_I8, TAB_IQ3XXS_I8, TAB_IQ4NL,
-                         _f16, _ksigns, _u8)
+                         _f16, _half_scale, _iq1_m_d, _iq4_xs_scale, _ksigns, _u8, _u16)
 
 IQ_DOT_TYPES = tuple(int(t) for t in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, IQ4_NL, IQ4_XS))
 
@@ -31,12 +31,6 @@ IQ_DOT_TYPES = tuple(int(t) for t in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ
 def takes_iq_dot(qt) -> bool:
     """Whether the decode kernels take ggml type `qt` through iq_dot (a compile-time test)."""
     return int(qt) in IQ_DOT_TYPES
-
-
-@triton.jit
-def _u16(p, m):
-    """A 16-bit field (the i-quant blocks keep 2-byte alignment) as int32."""
-    return tl.load(p.to(tl.pointer_type(tl.uint16)), mask=m, other=0).to(tl.int32)
 
 
 @triton.jit
@@ -113,12 +107,6 @@ def _dot8_iq1(tab, index, delta, m, xe, kin):
 def _byte(pair, i: tl.constexpr):
     """Byte i (0 or 1) of a 16-bit field."""
     return (pair >> (8 * i)) & 0xFF
-
-
-@triton.jit
-def _half_scale(d, code, step: tl.constexpr):
-    """quant_iq._half_scales: d * (0.5 + code) * step, in its order."""
-    return (d * (0.5 + code.to(tl.float32))) * step
 
 
 @triton.jit
@@ -221,9 +209,7 @@ def _iq1_m_entry(q, half, m, xg, kin, tab):
 def _iq1_m(bp, g, m, xg, kin, tab):
     """32 index bytes, a nibble per entry, 4 uint16 of 3-bit scales (one per 16 values) whose top
     nibbles hold d."""
-    d_bits = ((_u16(bp + 48, m) >> 12) | ((_u16(bp + 50, m) >> 8) & 0xF0) | ((_u16(bp + 52, m) >> 4) & 0xF00)
-              | (_u16(bp + 54, m) & 0xF000))
-    d = d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d = _iq1_m_d(bp, m)
     q01 = _u16(bp + 4 * g, m)
     q23 = _u16(bp + 2 + 4 * g, m)
     halves = _u16(bp + 32 + 2 * g, m)  # the group's four nibbles
@@ -259,9 +245,7 @@ def _iq4_group(qp, m, xg, kin, tab):
 @triton.jit
 def _iq4_xs(bp, g, m, xg, kin, tab):
     """d, the scales' high bits (2 a group), their low nibbles, then 16 nibble bytes a group."""
-    high = (_u16(bp + 2, m) >> (2 * g)) & 3
-    low = (_u8(bp + 4 + g // 2, m) >> ((g % 2) * 4)) & 15
-    return _iq4_group(bp + 8 + 16 * g, m, xg, kin, tab) * (_f16(bp, m) * ((low | (high << 4)) - 32).to(tl.float32))
+    return _iq4_group(bp + 8 + 16 * g, m, xg, kin, tab) * _iq4_xs_scale(bp, g, m)
 
 
 @triton.jit
