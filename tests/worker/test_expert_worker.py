@@ -224,8 +224,8 @@ def test_bench_serve_replays_the_protocol(served, tmp_path: Path) -> None:
 
 
 def test_bench_serve_keeps_requests_in_flight(served, tmp_path: Path) -> None:
-    """expert-worker answers one request at a time today: the others wait in its queue, and the
-    bench must still count every request's tokens and time its first token from its send."""
+    """Three requests in flight (expert-worker generates them together, up to --max-batch): the
+    bench counts every request's tokens and times its first token from its send."""
     _, _, worker = served
     proc = run_cli("bench", "serve", "--endpoint", worker.url, "--max-tokens", "3", "--concurrency", "3",
                    "--out", tmp_path, timeout=600)
