@@ -5,7 +5,7 @@ its rows and finds its states reset in place. So the graphs captured over a slot
 valid for every sequence that runs there, and nothing is traded between requests to keep them so.
 
 A slot is taken by one live sequence at a time; sequences alive together (a test comparing two
-runs, later a batch) get slots of their own. The arena knows nothing of graphs or models."""
+runs, expert-worker's batch) get slots of their own. The arena knows nothing of graphs or models."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ class KVArena:
         self._free: list[int] = []
 
     def open(self) -> Sequence:
-        """A sequence in a free slot, the lowest first (a server's one request at a time always
-        gets slot 0, and the graphs captured there), its rows and states cleared."""
+        """A sequence in a free slot, the lowest first (a server's lone request always gets slot 0,
+        and the graphs captured there), its rows and states cleared."""
         if self._free:
             self._free.sort(reverse=True)
             slot = self._free.pop()
