@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -85,6 +86,20 @@ def start_worker(pack: Path, endpoint: str, tmp: Path, *extra: str, ready: str =
 def served_context(worker: Worker) -> int:
     """The context the worker serves, from its "serving ..." log line."""
     return int(worker.log.split(", context ")[1].split(";")[0])
+
+
+def open_stream(port: int, body: bytes, timeout: float) -> tuple[socket.socket, bytes]:
+    """A streamed /v1/completions request over a raw socket (the test decides when its client
+    leaves): the socket and what came until its first token (headers, then a data event)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    seen = b""
+    while b"data: " not in seen:
+        piece = s.recv(4096)
+        assert piece, "the stream ended before its first token"
+        seen += piece
+    return s, seen
 
 
 def metric_values(worker: Worker) -> dict[str, float]:

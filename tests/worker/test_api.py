@@ -22,7 +22,7 @@ import torch
 
 from expertpack.worker.serve.chat_template import ChatTemplate
 
-from ..helpers.worker import CHAT, Worker, served_context
+from ..helpers.worker import CHAT, Worker, open_stream, served_context
 
 
 @pytest.fixture(scope="module")
@@ -322,14 +322,8 @@ def test_a_request_joins_one_generating_and_is_answered_before_it_ends(worker: W
                        "ignore_eos": True, "stream": True}).encode()
     short = json.dumps({"model": "fixture", "prompt": "a short one", "max_tokens": 3, "temperature": 0,
                         "ignore_eos": True}).encode()
-    with socket.create_connection(("127.0.0.1", worker.port), timeout=60) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(long), long))
-        seen = b""
-        while b"data: " not in seen:  # the headers, then the first token: generating
-            piece = s.recv(4096)
-            assert piece, "the stream ended before its first token"
-            seen += piece
+    s, seen = open_stream(worker.port, long, timeout=60)
+    with s:
         status, together = worker.post("/v1/completions", short)
         s.setblocking(False)  # what the long one sent until now, without waiting for more
         try:
@@ -344,8 +338,9 @@ def test_a_request_joins_one_generating_and_is_answered_before_it_ends(worker: W
 
 
 def test_past_the_queue_a_request_gets_503_at_once_and_its_place_comes_back(served, tmp_path) -> None:
-    """--max-batch 1 --max-queue 1: a streamed request generating and one waiting behind it take every place; a
-    third gets 503 queue_full with Retry-After at once (the gauge in /metrics says 2 meanwhile).
+    """--max-batch 1 --max-queue 1: a streamed request generating and one waiting behind it take
+    every place; a third gets 503 queue_full with Retry-After at once (the gauge in /metrics says 2
+    meanwhile).
     The streaming client leaving gives its place back, the waiting one is then answered, and a
     new request is admitted again."""
     from concurrent.futures import ThreadPoolExecutor
@@ -358,14 +353,8 @@ def test_past_the_queue_a_request_gets_503_at_once_and_its_place_comes_back(serv
         body = json.dumps({"model": "fixture", "prompt": "hold the line", "max_tokens": 3000, "temperature": 0,
                            "ignore_eos": True, "stream": True}).encode()
         small = json.dumps({"model": "fixture", "prompt": "wait", "max_tokens": 2, "temperature": 0}).encode()
-        with socket.create_connection(("127.0.0.1", w.port), timeout=30) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            seen = b""
-            while b"data: " not in seen:  # the headers, then the first token: generating
-                piece = s.recv(4096)
-                assert piece, "the stream ended before its first token"
-                seen += piece
+        s, _ = open_stream(w.port, body, timeout=30)
+        with s:
             with ThreadPoolExecutor(1) as pool:
                 waiting = pool.submit(w.post, "/v1/completions", small)
                 deadline = time.monotonic() + 30
