@@ -1,9 +1,10 @@
 """Batched decode steps on CUDA (skipped without a GPU; run on the device machine): the scenario of
 tests/helpers/batched.py (sequences joining after their prefill and leaving, a slot
-reused) through the kernels on the GPU, on the fixtures' GQA models and a 2-layer Qwen3-30B-A3B
-synth (real shapes: gate/up's K split by the step's pairs). Each sequence's greedy tokens equal its
-run alone; its logits stay within float32 rounding of its own eager steps (printed: the largest
-difference, 0 where the rows came out bit for bit)."""
+reused) through the kernels on the GPU, replayed as CUDA graphs (one per set of slots) over every
+expert resident, on the fixtures' GQA models and a 2-layer Qwen3-30B-A3B synth (real shapes:
+gate/up's K split by the step's pairs), and over an expert cache's device table. Each sequence's
+greedy tokens equal its run alone; its logits stay within float32 rounding of its own eager steps
+(printed: the largest difference, 0 where the rows came out bit for bit)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import pytest
 import torch
 
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
+from expertpack.packtools.layout import Manifest
 from expertpack.worker.engine.engine import Engine
+from expertpack.worker.engine.graphs import DecodeGraph, TableDecode
+from expertpack.worker.experts.expert_cache import slot_bytes
 
 from ..conftest import FIXTURES
 from ..helpers.batched import MODELS, SCENARIOS, alone, batched
+from ..helpers.engine import daemon_for
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]
@@ -29,6 +34,18 @@ def synth(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def assert_rows_close(model: str, got: dict, want: dict) -> None:
+    """Each sequence's greedy tokens equal, its logits within float32 rounding (the largest
+    difference printed, 0 where the rows came out bit for bit)."""
+    worst = 0.0
+    for name in want:
+        assert got[name][0] == want[name][0], f"{model} {name}: greedy tokens differ"
+        for g, w in zip(got[name][1], want[name][1], strict=True):
+            worst = max(worst, (g - w).abs().max().item())
+            assert (g - w).abs().max().item() <= 1e-4 * w.abs().max().item()
+    print(f"{model}: largest |batched - alone| {worst:.3g}")
+
+
 @pytest.mark.parametrize("model", sorted(MODELS) + ["qwen3-30b-a3b-2L"])
 def test_batched_steps_on_cuda_give_each_sequence_its_own_tokens(model: str, synth: Path) -> None:
     path = synth if model == "qwen3-30b-a3b-2L" else FIXTURES / MODELS[model]
@@ -37,10 +54,35 @@ def test_batched_steps_on_cuda_give_each_sequence_its_own_tokens(model: str, syn
     scenario = SCENARIOS["torch"]
     want = {name: alone(engine, name, steps) for name, (_, steps) in scenario.items()}
     got = batched(engine, scenario)
-    worst = 0.0
-    for name in scenario:
-        assert got[name][0] == want[name][0], f"{model} {name}: greedy tokens differ"
-        for g, w in zip(got[name][1], want[name][1], strict=True):
-            worst = max(worst, (g - w).abs().max().item())
-            assert (g - w).abs().max().item() <= 1e-4 * w.abs().max().item()
-    print(f"{model}: largest |batched - alone| {worst:.3g}")
+    graphs = list(engine._batch_graphs.values())
+    assert graphs and all(isinstance(g, DecodeGraph) for g in graphs)  # the batched steps were replayed
+    assert_rows_close(model, got, want)
+
+
+def test_batched_steps_over_a_cache_of_every_expert_replay_the_table_on_cuda(fixture_packs, tmp_path: Path) -> None:
+    """expert-worker's case: through expertd into a cache that holds every expert, the batched
+    steps replay graphs that look their experts up in the device table (TableDecode), and each
+    sequence's tokens are its own run's with every expert resident."""
+    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    scenario = SCENARIOS["torch"]
+    resident = Engine.load(pack, "cuda", resident_experts=True)
+    want = {name: alone(resident, name, steps) for name, (_, steps) in scenario.items()}
+    manifest = Manifest.load(pack)
+    d = daemon_for(pack, tmp_path)
+    try:
+        engine = Engine.load(pack, "cuda", daemon=d.endpoint, prefetch=False,
+                             cache_bytes=len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest))
+        try:
+            engine.expert_cache.fill()
+            with engine.new_sequence() as seq:  # a step that finds every expert: steps from the table after
+                engine.forward([1], seq)
+                engine.forward([2], seq)
+            got = batched(engine, scenario)
+            graphs = list(engine._batch_graphs.values())
+            assert graphs and all(isinstance(g, TableDecode) and g.graph is not None for g in graphs)
+            assert engine.expert_cache.fetches == 0
+        finally:
+            engine.close()
+    finally:
+        assert d.stop()[0] == 0
+    assert_rows_close("qwen3moe-a through the table", got, want)

@@ -36,7 +36,7 @@ def test_graph_replays_equal_the_eager_static_steps(path: str) -> None:
     prompt = rng.choices(range(n_vocab), k=500)  # decoding crosses 512 positions: one re-capture
     feed = rng.choices(range(n_vocab), k=24)
     got = decode(graphed, prompt, feed)
-    assert graphed._graphs.get(0) is not None and graphed._graphs.get(0).capacity == 1024
+    assert graphed._graphs.get(0) is not None and graphed._graphs.get(0).buffers[0][1] == 1024  # its capacity
     eager = Engine.load(FIXTURES / path, "cuda", resident_experts=True)
     eager.graphs = False
     want = decode(eager, prompt, feed)
@@ -58,7 +58,7 @@ def test_an_empty_caches_first_step_replays_the_graph() -> None:
     assert graph is not None
     cache = engine.new_sequence()
     steps = torch.stack([engine.forward([t], cache)[-1] for t in feed]).cpu()
-    assert engine._graphs.get(0) is graph and graph.cache is cache.kv, "the first step should replay, not capture"
+    assert engine._graphs.get(0) is graph and graph.inputs.caches[0] is cache.kv, "the first step should replay, not capture"
     for got, want in ((steps[0], eager_first), (steps[1:], first)):
         assert torch.allclose(got, want, atol=1e-4, rtol=0), f"max |diff| {(got - want).abs().max().item():.2e}"
 

@@ -197,3 +197,64 @@ def test_a_prompt_that_finds_an_expert_outside_the_vram_slots_is_never_kept(fixt
     assert ran["dropped"] >= 2, ran  # a minimal cache holds one token's k: a prompt's picks are not all there
     assert_same(got, want, "prompts tried from the table")
     assert got_counters == want_counters
+
+
+BATCH = {"c": (0, 1), "e": (0, 1)}  # tests/helpers/batched.py's sequences: two rows, one batched step
+
+
+def run_batch(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool
+              ) -> tuple[dict[str, tuple[list[int], list[torch.Tensor]]], tuple[int, ...], dict[str, int]]:
+    """Two sequences' prompts, then a batched step of both through expertd (prefill and prefetch
+    off, every batched step tried from the table): each row's tokens and logits, the counters,
+    and how many batched table passes were kept and dropped."""
+    from ..helpers.batched import batched
+
+    ran = {"kept": 0, "dropped": 0}
+    real_step, real_batch = TableDecode.step, Engine._static_batch
+
+    def counted(self: TableDecode, tokens: int | list[int]) -> torch.Tensor | None:
+        logits = real_step(self, tokens)
+        if len(self.caches) > 1:
+            ran["kept" if logits is not None else "dropped"] += 1
+        return logits
+
+    def try_table(self: Engine, *args, **kwargs) -> torch.Tensor:
+        self._found_all = True
+        return real_batch(self, *args, **kwargs)
+
+    engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=False)
+    engine.table_steps = table_steps
+    try:
+        engine.expert_cache.fill()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(TableDecode, "step", counted)
+            m.setattr(Engine, "_static_batch", try_table)
+            got = batched(engine, BATCH)
+        return got, counters(engine), ran
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("cache", ["every-expert", "minimal"])
+def test_batched_steps_from_the_table_keep_the_eager_bits(fixture_packs, tmp_path: Path, cache: str) -> None:
+    """A batched step (continuous batching's) over the cache's device table: with every expert
+    in VRAM the pass is kept; with a minimal cache its rows' picks are not all there, the pass is
+    dropped and the step runs eagerly, fetching. Either way each row's logits, its tokens and the
+    cache's counters are the eager batched step's, bit for bit."""
+    pack = fixture_packs[PACK][1]
+    manifest = Manifest.load(pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest)
+    cache_bytes = every_expert if cache == "every-expert" else minimal_cache_bytes(pack)
+    d = daemon_for(pack, tmp_path)
+    try:
+        with kernels_on_cpu():
+            want, want_counters, _ = run_batch(pack, d.endpoint, cache_bytes, table_steps=False)
+            got, got_counters, ran = run_batch(pack, d.endpoint, cache_bytes, table_steps=True)
+    finally:
+        assert d.stop()[0] == 0
+    assert ran == ({"kept": 1, "dropped": 0} if cache == "every-expert" else {"kept": 0, "dropped": 1}), ran
+    for name in BATCH:
+        assert got[name][0] == want[name][0], f"{name}: greedy tokens differ"
+        for g, w in zip(got[name][1], want[name][1], strict=True):
+            assert torch.equal(g, w), f"{name}: max |diff| {(g - w).abs().max():.3g}"
+    assert got_counters == want_counters

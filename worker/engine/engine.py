@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from ..nn.layers import BatchKV, KVCache
 from ..nn.placement import Placement, parse_devices, plan
 from ..weights.model_files import ModelFiles, PackExperts, ResidentExperts, expert_layers, open_model
 from .arena import KVArena, Sequence
-from .graphs import DecodeGraph, SegmentedDecode, TableDecode
+from .graphs import DecodeGraph, SegmentedDecode, StaticInputs, TableDecode, buffers_of
 from .sampling import Sampler
 
 
@@ -49,6 +49,9 @@ WARM_UP_LONG_PROMPTS = (tuple(range(STATIC_PROMPT_MAX_TOKENS + 1, 2 * STATIC_PRO
 # twice (its table pass dropped, then in segments), one that finds all of them is 2-3x faster.
 TABLE_MISS_SHARE = 0.5
 MISS_FADE = 0.75  # the weight of the steps before in that share, per step
+# Sets of slots whose batched decode step is kept captured: a batch's composition changes as its
+# requests come and go (slots are taken lowest first, so a steady batch keeps its set).
+BATCH_GRAPHS = 16
 
 
 class BatchUnsupported(ValueError):
@@ -70,12 +73,16 @@ class Engine:
     _graphs: dict[int, "DecodeGraph | SegmentedDecode"] = field(default_factory=dict, repr=False)
     _prompt_graphs: dict[tuple[int, int], DecodeGraph] = field(default_factory=dict, repr=False)
     _prompt_pool: object = field(default=None, repr=False)  # the memory pool the prompt graphs share
-    _captured_at: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)  # slot -> _buffers_of
+    _captured_at: dict[int, tuple] = field(default_factory=dict, repr=False)  # slot -> graphs.buffers_of
     # slot -> its decode step as one graph over the expert cache's device table, tried while few
     # recent steps needed a fetch (_found_all); SegmentedDecode runs the token where it did not
     _table_graphs: dict[int, TableDecode] = field(default_factory=dict, repr=False)
     # (slot, prompt length) -> a short prompt as one graph over the device table (_table_prompt)
     _table_prompts: dict[tuple[int, int], TableDecode] = field(default_factory=dict, repr=False)
+    # slots of a batched step -> its graph (_batch_graph), oldest use first, in one memory pool
+    _batch_graphs: "OrderedDict[tuple[int, ...], DecodeGraph | TableDecode]" = field(default_factory=OrderedDict,
+                                                                                      repr=False)
+    _batch_pool: object = field(default=None, repr=False)
     _found_all: bool = field(default=False, repr=False)
     _miss_share: float = field(default=TABLE_MISS_SHARE, repr=False)  # fading share of recent steps that fetched
 
@@ -222,14 +229,20 @@ class Engine:
     def decode_batch(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
         """One decode step of several sequences together, continuous batching's step: row i of the
         logits [len(seqs), n_vocab] (float32) follows tokens[i], the next token of seqs[i]. The
-        matrices and the experts run on every row at once (a layer's experts fetched once for the
-        union of the rows' picks), each row's attention in its own sequence. Eager (no CUDA graph
-        yet), for the architectures whose models take a BatchKV (Model.batched_decode). A row's
-        logits equal that sequence's own eager step's within float32 rounding: the torch path
-        multiplies all rows in one matrix product, and on a GPU the experts' kernel splits
-        gate/up's K by the step's pairs (moe_tl.gate_up_splits), so a row's sums may be ordered
-        otherwise than alone. Bit for bit where neither applies (the kernels under Triton's
-        interpreter on one-chunk experts: tests/worker/test_batched_decode.py)."""
+        matrices and the experts run on every row at once (a layer's experts read once for the
+        union of the rows' picks), each row's attention in its own sequence; for the
+        architectures whose models take a BatchKV (Model.batched_decode).
+
+        Where decode steps take static shapes (the kernels' path) the step does too, each row
+        attending its slot's reserved buffers (_static_batch): on CUDA a graph per set of slots,
+        captured at the first step of that set, over every expert resident or over the expert
+        cache's device table while recent steps found their experts there; a step whose experts
+        are not all in VRAM runs eagerly, fetching them. A row's logits equal that sequence's own
+        step's within float32 rounding: the torch path multiplies all rows in one matrix product,
+        and on a GPU the experts' kernel splits gate/up's K by the step's pairs
+        (moe_tl.gate_up_splits), so a row's sums may be ordered otherwise than alone. Bit for bit
+        where neither applies (the kernels under Triton's interpreter on one-chunk experts:
+        tests/worker/test_batched_decode.py)."""
         if not getattr(self.model, "batched_decode", False):
             raise BatchUnsupported(f"{self.files.arch}: its model runs one sequence a step; batched decode steps are "
                                    "written for qwen3moe, qwen2moe, llama (Mixtral) and gpt-oss so far")
@@ -237,8 +250,71 @@ class Engine:
             raise ValueError(f"a batched step takes a token for each sequence: {len(seqs)} sequences, {len(tokens)} "
                              "tokens")
         with self.place.running():
+            if self.static_steps and not self.place.split:
+                return self._static_batch(seqs, tokens)
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, BatchKV([s.kv for s in seqs])).to(torch.float32)
+
+    def _static_batch(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
+        """A batched step with static shapes, every cache reserved as a one-sequence step reserves
+        it: replayed where a graph of these slots can run (_batch_graph), else eagerly (through
+        the expert source, which fetches what is missing). The same bits either way."""
+        caches = [s.kv for s in seqs]
+        for cache in caches:
+            capacity = _static_capacity(cache.length, cache.capacity)
+            if capacity != cache.capacity:
+                cache.reserve(capacity)
+        kind = self._replayed_kind()
+        table = (kind is SegmentedDecode and self.table_steps and self._found_all
+                 and TableDecode.usable(self.model, caches))
+        noted = False
+        if kind is DecodeGraph or table:
+            graph = self._batch_graph(tuple(s.slot for s in seqs), caches, table)
+            if graph is not None:
+                logits = graph.step(tokens)
+                if table:
+                    self._note_step(missed=logits is None)
+                    noted = True
+                if logits is not None:
+                    return logits  # else an expert was not in VRAM: the step runs eagerly below
+        fetches = self.files.experts.fetches if kind is SegmentedDecode else 0
+        inputs = StaticInputs(caches, len(caches), self.device)
+        inputs.write(tokens)
+        with inputs.entered() as kv:
+            logits = self.model.forward(inputs.token, kv).to(torch.float32)
+        if kind is SegmentedDecode and not noted:
+            self._note_step(missed=self.files.experts.fetches != fetches)
+        return logits
+
+    def _batch_graph(self, slots: tuple[int, ...], caches: list[KVCache], table: bool
+                     ) -> "DecodeGraph | TableDecode | None":
+        """The batched step of these slots as a graph (TableDecode over the expert cache, on the
+        CPU an eager pass of its lookups), captured at its first step and kept while the slots'
+        buffers stay (BATCH_GRAPHS sets of slots at most, the least recently used dropped first;
+        all in one memory pool, since they never run at once). None where capture failed (the
+        step then runs eagerly, and so do the later ones)."""
+        graph = self._batch_graphs.pop(slots, None)
+        if graph is not None and (graph.buffers != buffers_of(caches) or isinstance(graph, TableDecode) != table):
+            graph = None
+        if graph is None and table and self.device.type != "cuda":
+            return TableDecode(self.model, caches, self.device, capture=False)
+        if graph is None:
+            while len(self._batch_graphs) >= BATCH_GRAPHS:
+                self._batch_graphs.pop(next(iter(self._batch_graphs)))
+            if self._batch_pool is None:
+                self._batch_pool = torch.cuda.graph_pool_handle()
+            try:
+                graph = (TableDecode(self.model, caches, self.device, pool=self._batch_pool) if table
+                         else DecodeGraph(self.model, caches, self.device, pool=self._batch_pool))
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:  # an operation CUDA cannot capture: eagerly, from now on
+                log.warning("batched decode step not captured as a CUDA graph (%s); running it eagerly", exc)
+                self.graphs = False
+                self._drop_graphs()
+                return None
+        self._batch_graphs[slots] = graph  # the most recently used last
+        return graph
 
     def _drop_graphs(self, slot: int | None = None) -> None:
         """A slot's graphs (every slot's without one) and their memory go, before a new capture."""
@@ -250,12 +326,16 @@ class Engine:
             for graphs in (self._prompt_graphs, self._table_prompts):
                 for key in [k for k in graphs if k[0] == s]:
                     del graphs[key]
+        for key in [k for k in self._batch_graphs if slot is None or slot in k]:
+            del self._batch_graphs[key]
+        if not self._batch_graphs:
+            self._batch_pool = None
         if not self._prompt_graphs and not self._table_prompts:
             self._prompt_pool = None
 
     def _current_graphs(self, slot: int, cache: KVCache) -> None:
         """Drops the slot's graphs where its buffers changed since they were captured."""
-        if slot in self._captured_at and self._captured_at[slot] != _buffers_of(cache):
+        if slot in self._captured_at and self._captured_at[slot] != buffers_of([cache]):
             self._drop_graphs(slot)
 
     def _reserve_for_prompt(self, cache: KVCache, t: int) -> bool:
@@ -297,7 +377,7 @@ class Engine:
                     self._prompt_pool = None
                 else:
                     self._prompt_graphs[(slot, t)] = graph
-                    self._captured_at[slot] = _buffers_of(cache)  # an empty slot's buffers were just made
+                    self._captured_at[slot] = buffers_of([cache])  # an empty slot's buffers were just made
             if graph is not None:
                 return graph.step(tokens)
         if self._prompt_from_table(cache):
@@ -344,7 +424,7 @@ class Engine:
                     table = None
                 else:
                     self._table_prompts[(slot, len(tokens))] = table
-                    self._captured_at[slot] = _buffers_of(cache)
+                    self._captured_at[slot] = buffers_of([cache])
         if table is None:
             table = TableDecode(self.model, cache, self.device, len(tokens), last, capture=False, static=static)
         logits = table.step(tokens)
@@ -377,7 +457,7 @@ class Engine:
                 self._graphs.pop(slot, None)  # its memory goes back before the next one is captured
                 try:
                     graph = self._graphs[slot] = kind(self.model, cache, self.device)
-                    self._captured_at[slot] = _buffers_of(cache)
+                    self._captured_at[slot] = buffers_of([cache])
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except RuntimeError as exc:  # an operation CUDA cannot capture: the same step, eagerly
@@ -412,7 +492,7 @@ class Engine:
         if graph is None:
             try:
                 graph = self._table_graphs[slot] = TableDecode(self.model, cache, self.device)
-                self._captured_at[slot] = _buffers_of(cache)
+                self._captured_at[slot] = buffers_of([cache])
             except torch.cuda.OutOfMemoryError:
                 raise
             except RuntimeError as exc:  # an operation CUDA cannot capture: segments, as before
@@ -467,12 +547,6 @@ def _static_capacity(need: int, capacity: int) -> int:
     only; a slot that holds more from an earlier sequence keeps it, rounded up to a power of two."""
     want = max(MIN_STATIC_CAPACITY, 1 << need.bit_length(), capacity)
     return 1 << (want - 1).bit_length()
-
-
-def _buffers_of(cache: KVCache) -> tuple[int, int]:
-    """What a slot's graphs depend on: its buffers are replaced only when they grow (generation),
-    and an architecture's states grow with the slot's capacity."""
-    return cache.generation, cache.capacity
 
 
 def _device_cache(manifest: Manifest, link: DaemonLink, device: torch.device, cache_bytes: int, reserve_bytes: int,

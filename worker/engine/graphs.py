@@ -9,68 +9,125 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from ..experts.expert_cache import ExpertCache
 from ..experts.source import ExpertRows
+from ..nn.layers import BatchKV, KVCache
 
 if TYPE_CHECKING:
     from ..experts.lookahead import Guesses
     from ..models import Model
-    from ..nn.layers import KVCache
+
+
+class StaticInputs:
+    """A static pass's inputs on the device and the caches it runs over: `tokens` consecutive
+    positions of one sequence (a decode step, a short prompt), or, given a list of caches, one
+    position in each (a batched step of several sequences: BatchKV's static mode). `token` and
+    `position` are the tensors a captured pass reads; `write` puts a step's in."""
+
+    def __init__(self, cache: KVCache | list[KVCache], tokens: int, device: torch.device) -> None:
+        self.batched = isinstance(cache, list)
+        self.caches: list[KVCache] = cache if self.batched else [cache]
+        n = len(self.caches) if self.batched else tokens
+        self._inputs = torch.zeros(2, n, dtype=torch.int64, device=device)  # tokens, positions: one upload
+        self.token, self.position = self._inputs[0], self._inputs[1]
+        self._offsets = torch.arange(n, dtype=torch.int64, device=device)
+        self.write([0] * n if n > 1 else 0)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [c.length for c in self.caches]
+
+    @lengths.setter
+    def lengths(self, lengths: list[int]) -> None:
+        for c, length in zip(self.caches, lengths, strict=True):
+            c.length = length
+
+    def write(self, tokens: int | list[int]) -> None:
+        """The next step's token(s), each row at its sequence's length."""
+        if isinstance(tokens, int):  # one sequence's next token: no upload
+            self.token.fill_(tokens)
+            self.position.fill_(self.caches[0].length)
+        elif self.batched:
+            self._inputs.copy_(torch.tensor([tokens, self.lengths], dtype=torch.int64))
+        else:
+            self.token.copy_(torch.tensor(tokens, dtype=torch.int64))
+            torch.add(self._offsets, self.caches[0].length, out=self.position)
+
+    def advance(self) -> None:
+        """The step's tokens are in their sequences."""
+        for c in self.caches:
+            c.length += 1 if self.batched else self.token.shape[0]
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[KVCache | BatchKV]:
+        """The caches inside the pass (each reads its positions from `position`): the model's kv."""
+        if self.batched:
+            for i, c in enumerate(self.caches):
+                c.step_positions = self.position[i:i + 1]
+            kv: KVCache | BatchKV = BatchKV(self.caches, self.position)
+        else:
+            self.caches[0].step_positions = self.position
+            kv = self.caches[0]
+        try:
+            yield kv
+        finally:
+            for c in self.caches:
+                c.step_positions = None
 
 
 class DecodeGraph:
-    """One model's decode step (or a prompt of `tokens` tokens, logits of its last with `last`)
-    captured as a CUDA graph over one KV cache (its buffers reserved ahead: `capacity` positions),
-    replayed per step: the tokens and their positions are written into static device buffers and
-    the step runs as one launch instead of hundreds from Python. Captured after a warm-up on a side
-    stream (kernels compile, vectors are made), as torch.cuda.graph asks; into `pool` where given
-    (graphs that never run at once can share one)."""
+    """One model's decode step (or a prompt of `tokens` tokens, logits of its last with `last`;
+    or, given a list of caches, a batched step of one token each) captured as a CUDA graph over
+    the KV caches (their buffers reserved ahead), replayed per step: the tokens and their
+    positions are written into static device buffers and the step runs as one launch instead of
+    hundreds from Python. Captured after a warm-up on a side stream (kernels compile, vectors are
+    made), as torch.cuda.graph asks; into `pool` where given (graphs that never run at once can
+    share one)."""
 
-    def __init__(self, model: Model, cache: KVCache, device: torch.device, tokens: int = 1, last: bool = False,
-                 pool: object = None) -> None:
-        self.model, self.cache = model, cache
-        self.capacity = cache.capacity
-        self.token = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self._offsets = torch.arange(tokens, dtype=torch.int64, device=device)
-        self.position = self._offsets + cache.length
-        length = cache.length
-        states = [t.clone() for t in cache.state_tensors()]  # the warm-up steps advance them: put back after
-        cache.step_positions = self.position
+    def __init__(self, model: Model, cache: KVCache | list[KVCache], device: torch.device, tokens: int = 1,
+                 last: bool = False, pool: object = None) -> None:
+        self.model = model
+        self.inputs = inputs = StaticInputs(cache, tokens, device)
+        self.buffers = buffers_of(inputs.caches)
+        lengths = inputs.lengths
+        states = [t.clone() for c in inputs.caches for t in c.state_tensors()]  # the warm-up advances them
         try:
-            if not cache.keys:  # a prompt into an empty cache: its buffers made on the stream that uses them
-                model.forward(self.token, cache, last)
-                cache.length = length
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # writes the next positions' keys, which the first replay overwrites
-                    model.forward(self.token, cache, last)
-                    cache.length = length
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.logits = model.forward(self.token, cache, last).to(torch.float32)
+            with inputs.entered() as kv:
+                if not inputs.batched and not inputs.caches[0].keys:  # a prompt into an empty cache: its
+                    model.forward(inputs.token, kv, last)  # buffers made on the stream that uses them
+                    inputs.lengths = lengths
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # writes the next positions' keys, which the first replay overwrites
+                        model.forward(inputs.token, kv, last)
+                        inputs.lengths = lengths
+                torch.cuda.current_stream(device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self.logits = model.forward(inputs.token, kv, last).to(torch.float32)
         finally:
-            cache.step_positions = None
-            cache.length = length
-            for live, saved in zip(cache.state_tensors(), states):
+            inputs.lengths = lengths
+            for live, saved in zip((t for c in inputs.caches for t in c.state_tensors()), states):
                 live.copy_(saved)
 
     def step(self, tokens: int | list[int]) -> torch.Tensor:
-        """Logits after a token (a decode step's) or after the prompt's `tokens`."""
-        if isinstance(tokens, int):
-            self.token.fill_(tokens)
-            self.position.fill_(self.cache.length)
-        else:
-            self.token.copy_(torch.tensor(tokens, dtype=torch.int64))
-            torch.add(self._offsets, self.cache.length, out=self.position)
+        """Logits after a token (a decode step's), after the prompt's `tokens`, or after each
+        sequence's token (a batched step)."""
+        self.inputs.write(tokens)
         self.graph.replay()
-        self.cache.length += self.token.shape[0]
+        self.inputs.advance()
         return self.logits.clone()
+
+
+def buffers_of(caches: list[KVCache]) -> tuple[tuple[int, int], ...]:
+    """What graphs over these caches depend on: a cache's buffers are replaced only when they grow
+    (generation), and an architecture's states grow with its capacity."""
+    return tuple((c.generation, c.capacity) for c in caches)
 
 
 @dataclass
@@ -238,38 +295,52 @@ class TableDecode:
     copies the kept ones into its transit slots (ops.expert_lookup), and records ids and offsets.
     After the replay one copy brings the record to the host. An absent expert (offset -1; the
     kernels read slot 0 instead, so nothing reads outside the cache) means the step's logits are
-    not kept: `step` returns None and puts the sequence's length back, and the engine runs the
-    token again through SegmentedDecode, which fetches it and writes every position the discarded
-    pass wrote. So only models whose steps write nothing else take it: no states updated in place
-    (`usable`). A step that found everything tells the cache which experts it used (its policy's
-    touches). On the CPU nothing is captured: the same lookups run in an eager pass.
+    not kept: `step` returns None and puts the sequences' lengths back, and the engine runs the
+    token again through SegmentedDecode (or eagerly), which fetches it and writes every position
+    the discarded pass wrote. So only models whose steps write nothing else take it: no states
+    updated in place (`usable`). A step that found everything tells the cache which experts it
+    used (its policy's touches). On the CPU nothing is captured: the same lookups run in an
+    eager pass.
 
-    A prompt of `tokens` tokens (logits of its last with `last`) runs the same way, as the decode
-    step's static shapes (a graph per prompt length, `capture`) or eagerly with `static` off (a
-    long prompt), except that it takes experts from the VRAM slots only: the transit slots hold one
-    token's k, so a prompt that needs a kept block is run again the usual way, as one that needs
-    an absent expert is. Where the cache holds every expert that is never: a prompt costs a few
-    launches a layer instead of the host's work per expert (engine._table_prompt)."""
+    A prompt of `tokens` tokens (logits of its last with `last`), or a batched step (a list of
+    caches, a token each), runs the same way, as static shapes (a graph per prompt length or set
+    of slots, `capture`) or eagerly with `static` off (a long prompt), except that it takes
+    experts from the VRAM slots only: the transit slots hold one token's k, so a pass that needs
+    a kept block is run again the usual way, as one that needs an absent expert is. Where the
+    cache holds every expert that is never: a prompt or a batch costs a few launches a layer
+    instead of the host's work per expert (engine._table_prompt, engine._batch_step)."""
 
-    def __init__(self, model: Model, cache: KVCache, device: torch.device, tokens: int = 1, last: bool = False,
-                 pool: object = None, capture: bool | None = None, static: bool = True) -> None:
+    def __init__(self, model: Model, cache: KVCache | list[KVCache], device: torch.device, tokens: int = 1,
+                 last: bool = False, pool: object = None, capture: bool | None = None, static: bool = True) -> None:
         self.model, self.cache, self.device = model, cache, device
-        self.tokens, self.last, self.static = tokens, last, static
+        self.caches = cache if isinstance(cache, list) else [cache]
+        self.tokens = len(self.caches) if isinstance(cache, list) else tokens
+        self.last, self.static = last, static
+        self.transit = self.tokens == 1  # one token's k: the kept blocks through the transit slots
         self.source: ExpertCache = model.moe.source
         self._index = {layer: i for i, layer in enumerate(self.source.served)}
-        pairs = tokens * self.source.manifest.model.n_expert_used
+        pairs = self.tokens * self.source.manifest.model.n_expert_used
         self.record = torch.zeros(2, len(self._index), pairs, dtype=torch.int64, device=device)  # ids, offsets
         self.graph: DecodeGraph | None = None
+        self.inputs: StaticInputs | None = None  # an eager static pass's
         self.staged: torch.Tensor | None = None  # the record's copy on the host, for a replay (pinned)
         if device.type == "cuda" if capture is None else capture:
             self.staged = torch.zeros(2, len(self._index), pairs, dtype=torch.int64, pin_memory=device.type == "cuda")
             with self._looking_up():
                 self.graph = DecodeGraph(model, cache, device, tokens, last, pool)
+        elif static:
+            self.inputs = StaticInputs(cache, tokens, device)
+
+    @property
+    def buffers(self) -> tuple[tuple[int, int], ...]:
+        """What the graph was captured over (buffers_of), or the caches' buffers now (eager)."""
+        return self.graph.buffers if self.graph is not None else buffers_of(self.caches)
 
     @staticmethod
-    def usable(model: Model, cache: KVCache) -> bool:
+    def usable(model: Model, cache: KVCache | list[KVCache]) -> bool:
         """Whether a step's pass can be discarded: it updates no state in place (KDA's, DeepSeek-V4's)."""
-        return isinstance(model.moe.source, ExpertCache) and not cache.state_tensors()
+        caches = cache if isinstance(cache, list) else [cache]
+        return isinstance(model.moe.source, ExpertCache) and not any(c.state_tensors() for c in caches)
 
     @contextlib.contextmanager
     def _looking_up(self):
@@ -284,7 +355,7 @@ class TableDecode:
         """ExpertFFN's boundary: the layer's offsets from the table, recorded with its ids."""
         i = self._index[layer]
         source = self.source
-        if self.tokens == 1:
+        if self.transit:
             offsets = self.model.moe.ops.expert_lookup(ids, source.table[layer], self.record[0, i], self.record[1, i],
                                                        source.memory, source.slots_end, source.slot_bytes,
                                                        source.layout(layer).payload_bytes)
@@ -293,9 +364,10 @@ class TableDecode:
         return ExpertRows(source.memory, offsets)
 
     def step(self, tokens: int | list[int]) -> torch.Tensor | None:
-        """The logits after `tokens` (a decode step's token, or the prompt's), or None (the
-        sequence as before) where an expert was absent, or for a prompt not in a VRAM slot."""
-        length = self.cache.length
+        """The logits after `tokens` (a decode step's token, the prompt's, or each sequence's of a
+        batch), or None (the sequences as before) where an expert was absent, or for a prompt or
+        batch, not in a VRAM slot."""
+        lengths = [c.length for c in self.caches]
         self.source.check_session()
         if self.graph is not None:
             logits = self.graph.step(tokens)
@@ -303,20 +375,20 @@ class TableDecode:
             torch.cuda.current_stream(self.device).synchronize()
             record = self.staged
         else:
-            ids = [tokens] if isinstance(tokens, int) else tokens
-            if self.static:
-                self.cache.step_positions = torch.arange(length, length + len(ids), dtype=torch.int64,
-                                                         device=self.device)
-            try:
-                with self._looking_up():
+            with self._looking_up():
+                if self.inputs is not None:
+                    self.inputs.write(tokens)
+                    with self.inputs.entered() as kv:
+                        logits = self.model.forward(self.inputs.token, kv, self.last).to(torch.float32)
+                else:
+                    ids = [tokens] if isinstance(tokens, int) else tokens
                     logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device),
                                                 self.cache, self.last).to(torch.float32)
-            finally:
-                self.cache.step_positions = None
             record = self.record
         at = record[1]
-        if bool((at == -1).any() if self.tokens == 1 else ((at < 0) | (at >= self.source.slots_end)).any()):
-            self.cache.length = length
+        if bool((at == -1).any() if self.transit else ((at < 0) | (at >= self.source.slots_end)).any()):
+            for c, length in zip(self.caches, lengths):
+                c.length = length
             return None
         self.source.found(record[0].tolist(), at.tolist())
         return logits

@@ -236,24 +236,35 @@ class KVCache:
 
 
 class BatchKV:
-    """One eager decode step of several sequences together, a token each: row i of the step is the
+    """One decode step of several sequences together, a token each: row i of the step is the
     next token of `caches[i]`. What the models that take it (Model.batched_decode) read of a
     KVCache: each row's position is its own sequence's length; its keys and values go into, and
     its attention reads, its own cache only (gqa.gqa_attention attends row by row). Everything
-    else in the step (the matrices, the experts) runs on all rows at once."""
+    else in the step (the matrices, the experts) runs on all rows at once.
 
-    def __init__(self, caches: list[KVCache]) -> None:
-        if any(c.step_positions is not None for c in caches):
-            raise ValueError("a batched step runs eagerly: no cache may be inside a static pass")
+    Eager, or static (engine.BatchDecode, a CUDA graph of the step): `positions` [rows] on the
+    device then holds each row's position, and each cache's step_positions is its row of it, so
+    every row writes and attends as a static one-sequence step does, at every position alike."""
+
+    def __init__(self, caches: list[KVCache], positions: torch.Tensor | None = None) -> None:
+        if any((c.step_positions is not None) != (positions is not None) for c in caches):
+            raise ValueError("a batched step's caches are inside its static pass (positions given) or none is")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("a sequence appears twice in one batched step")
         self.caches = caches
+        self.static_positions = positions
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        if self.static_positions is not None:
+            self._rows(t)
+            return self.static_positions
         return torch.tensor([c.length for c in self._rows(t)], dtype=torch.int64, device=device)
 
     def bound(self, t: int) -> int:
-        return max(c.length for c in self._rows(t)) + 1
+        rows = self._rows(t)
+        if self.static_positions is not None:
+            return max(c.bound(1) for c in rows)  # the rows' capacities: a static pass attends whole buffers
+        return max(c.length for c in rows) + 1
 
     def advance(self, t: int) -> None:
         for c in self._rows(t):
