@@ -86,3 +86,24 @@ def test_batched_steps_over_a_cache_of_every_expert_replay_the_table_on_cuda(fix
     finally:
         assert d.stop()[0] == 0
     assert_rows_close("qwen3moe-a through the table", got, want)
+
+
+def test_a_warm_up_captures_the_batched_steps_of_the_lowest_slots() -> None:
+    """expert-worker's warm-up with --max-batch 4 captures the steps of slots {0, 1}, {0, 1, 2} and
+    {0, 1, 2, 3}; a later batch of four replays its set's graph, whatever order its rows come in."""
+    engine = Engine.load(FIXTURES / MODELS["qwen3moe"], "cuda", resident_experts=True)
+    engine.warm_up(1, steps=2, batch=4)
+    held = dict(engine._batch_graphs)
+    assert sorted(held) == [(0, 1), (0, 1, 2), (0, 1, 2, 3)]
+    seqs = [engine.new_sequence() for _ in range(4)]
+    alone: list[torch.Tensor] = []
+    for i, seq in enumerate(seqs):
+        engine.forward([5 + i], seq)
+    rows = engine.decode_batch(seqs[::-1], [4, 3, 2, 1])
+    assert engine._batch_graphs[(0, 1, 2, 3)] is held[(0, 1, 2, 3)]
+    for seq in seqs:
+        seq.kv.length -= 1
+    for seq, token in zip(seqs, [1, 2, 3, 4]):
+        alone.append(engine.forward([token], seq)[-1])
+    want = torch.stack(alone[::-1])  # each sequence's own step, after the batched one put back
+    assert (rows - want).abs().max().item() <= 1e-4 * want.abs().max().item()

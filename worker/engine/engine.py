@@ -174,15 +174,23 @@ class Engine:
         """A sequence in the engine's arena: the handle a request holds (close it when done)."""
         return self.arena.open()
 
+    @property
+    def batch_graphs(self) -> int:
+        """Batched decode steps held captured (one per set of slots)."""
+        return len(self._batch_graphs)
+
     @torch.inference_mode()
-    def warm_up(self, token: int, steps: int = 8) -> int:
+    def warm_up(self, token: int, steps: int = 8, batch: int = 1) -> int:
         """Does what would make the first requests slow before they come: the kernels compiled for
         a decode step and for short and long prompts, the decode step's graphs captured (in
         segments, then over the expert table once a step has found every expert), and, where
         prompts are captured (every expert resident on CUDA, or every expert in the cache's VRAM
         slots), a graph for every static prompt length. All in slot 0, where a server's one request
         at a time runs; the long prompts in slot 1, so that their buffers do not widen slot 0's
-        reservation. The logits are thrown away. Returns how many prompt graphs it captured."""
+        reservation. With `batch` > 1 (a server's --max-batch), the batched steps of slots 0..b-1
+        for each b up to it (at most BATCH_GRAPHS), the sets a steady batch runs in, since slots
+        are taken lowest first. The logits are thrown away. Returns how many prompt graphs it
+        captured."""
         with self.new_sequence() as seq:
             for _ in range(1 + steps):
                 self.forward([token], seq)
@@ -193,6 +201,13 @@ class Engine:
                 for n in (n for n in compiled if n <= n_ctx):
                     other.kv.clear()
                     self.forward([token] * n, other, last=True)
+        if batch > 1 and getattr(self.model, "batched_decode", False):
+            with contextlib.ExitStack() as open_:
+                seqs = [open_.enter_context(self.new_sequence()) for _ in range(min(batch, BATCH_GRAPHS + 1))]
+                for seq in seqs:
+                    self.forward([token], seq)
+                for b in range(2, len(seqs) + 1):
+                    self.decode_batch(seqs[:b], [token] * b)
         if (self.device.type != "cuda" or not self.prompt_graphs or not self.static_steps
                 or not self.model.static_prompt or self.place.split):
             return 0
@@ -258,7 +273,14 @@ class Engine:
     def _static_batch(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
         """A batched step with static shapes, every cache reserved as a one-sequence step reserves
         it: replayed where a graph of these slots can run (_batch_graph), else eagerly (through
-        the expert source, which fetches what is missing). The same bits either way."""
+        the expert source, which fetches what is missing). The same bits either way. Rows run in
+        their slots' order (a set of slots has one graph, whatever order its requests came in)."""
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)  # one graph for a set of slots, in any order
+        if order != list(range(len(seqs))):
+            logits = self._static_batch([seqs[i] for i in order], [tokens[i] for i in order])
+            back = torch.empty(len(order), dtype=torch.int64)
+            back[order] = torch.arange(len(order))
+            return logits[back.to(logits.device)]
         caches = [s.kv for s in seqs]
         for cache in caches:
             capacity = _static_capacity(cache.length, cache.capacity)

@@ -119,14 +119,16 @@ class Generator:
         arch = engine.files.arch
         self.n_ctx = int(engine.files.metadata.get(f"{arch}.context_length", 4096))
 
-    def warm_up(self) -> str:
-        """Engine.warm_up, then two short generations (greedy and sampled, with penalties) through
-        this generator, so that the first request compiles and captures nothing. -> what it did."""
+    def warm_up(self, batch: int = 1) -> str:
+        """Engine.warm_up (`batch`: the requests that may decode together), then two short
+        generations (greedy and sampled, with penalties) through this generator, so that the
+        first requests compile and capture nothing. -> what it did."""
         token = self.tokenizer.bos_id or 0
-        captured = self.engine.warm_up(token)
+        captured = self.engine.warm_up(token, batch=batch)
         for sampler in (Sampler(), Sampler(temperature=0.7, top_k=40, top_p=0.9, frequency_penalty=0.1)):
             self.run(Request([token] * 4, 4, sampler, ignore_eos=True))
-        return f"{captured} prompt graphs captured" if captured else "prompts run eagerly"
+        done = f"{captured} prompt graphs captured" if captured else "prompts run eagerly"
+        return done + (f", {self.engine.batch_graphs} batched steps' graphs" if self.engine.batch_graphs else "")
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.n_ctx:

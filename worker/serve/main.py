@@ -298,8 +298,8 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
             log.error("reading every expert at start: %s", exc)
         try:  # before /health says ready: the first request then pays no compiling nor capturing
             warmed = time.perf_counter()
-            log.info("warming up: kernels, the decode step's graphs, short prompts' graphs")
-            done = generator.warm_up()
+            log.info("warming up: kernels, the decode step's graphs, short prompts' and batched steps' graphs")
+            done = generator.warm_up(int(args.max_batch))
             log.info("warmed up in %.1f s: %s", time.perf_counter() - warmed, done)
         except CorruptExpert as exc:  # the pack's damage fails the requests that need it; /health says degraded
             log.error("warm-up: %s", exc)
