@@ -6,7 +6,8 @@ five MMLU-style multiple-choice questions; temperature 0 and exactly --max-token
 (`ignore_eos`, which llama-server and vLLM also honour). Each request is streamed: prefill and
 decode rates come from the server's `timings` when it reports them (llama-server, expert-worker),
 else from the client's clock (time to first token; the rest). `--concurrency N` keeps N requests of a
-set in flight, as N users would (llama-server `-np N`). Each set also reports its aggregate decode
+set in flight, as N users would (llama-server `-np N`); `--repeat R` sends each set's prompts R
+times, so that N in flight stay busy past a set's five. Each set also reports its aggregate decode
 rate (all its completion tokens over its wall time) and the time to first token on the client's
 clock, which counts the time a request waits in the server's queue: what a user waits. The unique-key hit rate and the expert
 bytes fetched (from expertd's RAM tier or pack) come from expert-worker's `expertpack` object (n/a elsewhere). Prints a table per set and
@@ -208,11 +209,11 @@ def summarize(results: list[Result]) -> dict[str, dict]:
 
 
 def make_report(endpoint: str, model: str, label: str, max_tokens: int, results: list[Result],
-                concurrency: int = 1) -> dict:
+                concurrency: int = 1, repeat: int = 1) -> dict:
     """What bench-serve.json holds."""
     return {"bench": "serve", "date": date.today().isoformat(), "endpoint": endpoint, "model": model,
-            "label": label, "max_tokens": max_tokens, "concurrency": concurrency, "summary": summarize(results),
-            "requests": [asdict(r) for r in results]}
+            "label": label, "max_tokens": max_tokens, "concurrency": concurrency, "repeat": repeat,
+            "summary": summarize(results), "requests": [asdict(r) for r in results]}
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=_at_least_one, default=1, metavar="N",
                    help="requests of a set in flight at once: N clients, each sending its next request when "
                         "its last is answered (default 1: one at a time)")
+    p.add_argument("--repeat", type=_at_least_one, default=1, metavar="R",
+                   help="send each set's five prompts R times, in order (default 1), so that --concurrency "
+                        "above five keeps its requests in flight")
     args = p.parse_args(argv)
     if args.compare:
         try:
@@ -357,12 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or _first_model(base, args.api_key)
         results = []
         for set_name, prompts in SETS.items():
-            results += run_set(base, model, set_name, prompts, args.max_tokens, args.api_key, args.timeout_s,
-                               args.concurrency)
+            results += run_set(base, model, set_name, prompts * args.repeat, args.max_tokens, args.api_key,
+                               args.timeout_s, args.concurrency)
     except ServeError as exc:
         print(f"expertpack bench serve: {exc}", file=sys.stderr)
         return 2
-    report = make_report(args.endpoint, model, args.label, args.max_tokens, results, args.concurrency)
+    report = make_report(args.endpoint, model, args.label, args.max_tokens, results, args.concurrency, args.repeat)
     run = Run.from_report(report)
     print(table([run]))
     args.out.mkdir(parents=True, exist_ok=True)

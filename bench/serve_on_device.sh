@@ -8,13 +8,16 @@
 #   bash bench/serve_on_device.sh LAYERS CACHE_GIB MAX_TOKENS
 # or, against llama-server on the same GGUF (carry .peer too: python3 bench/peer_llamacpp.py fetch
 # --dest .peer/llama.cpp), in one call of about 7 minutes (the llama.cpp build runs meanwhile):
-#   bash bench/serve_on_device.sh peer LAYERS CACHE_GIB MAX_TOKENS [CONCURRENCY]
+#   bash bench/serve_on_device.sh peer LAYERS CACHE_GIB MAX_TOKENS [CONCURRENCY [REPEAT]]
 # which starts the build, serves the pack through expertd and expert-worker (measured once the build is
 # done, which would take its CPU), then the GGUF through
-# `llama-server -ngl 99 -np CONCURRENCY`, runs `expertpack bench serve` on each and compares them.
+# `llama-server -ngl 99 -np CONCURRENCY`, runs `expertpack bench serve` on each and compares them
+# (each set's prompts sent REPEAT times, by default enough for twice CONCURRENCY requests a set;
+# expert-worker with --max-batch CONCURRENCY, so that both run that many together).
 set -euo pipefail
 if [ "${1:-}" = peer ]; then
     layers=${2:-12} cache_gib=${3:-8} max_tokens=${4:-64} concurrency=${5:-1}
+    repeat=${6:-$(( (2 * concurrency + 4) / 5 ))}
     bash bench/peer_on_device.sh start-build
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
@@ -30,7 +33,7 @@ from decode_streaming import prepare_pack; prepare_pack('qwen3-30b-a3b', $layers
     trap 'kill $daemon $worker $server 2>/dev/null || true' EXIT
     for _ in $(seq 100); do [ -S "$run/expertd.sock" ] && break; sleep 0.1; done
     expert-worker --pack "bench-out/$stem.pack" --daemon "ipc://$run/expertd.sock" --device cuda --port 8123 \
-        --model-name "$stem" --cache-vram-mib $((cache_gib * 1024)) 2> "$out/worker.log" &
+        --model-name "$stem" --cache-vram-mib $((cache_gib * 1024)) --max-batch "$concurrency" 2> "$out/worker.log" &
     worker=$!
     up() { for _ in $(seq 1200); do
         python3 -c "import urllib.request; urllib.request.urlopen('$1/health', timeout=5)" 2>/dev/null && return 0
@@ -40,7 +43,7 @@ from decode_streaming import prepare_pack; prepare_pack('qwen3-30b-a3b', $layers
     # measured once the build is done: its 16 jobs would take the worker's host thread's CPU
     while [ ! -f /tmp/llama-build.rc ]; do sleep 5; done
     expertpack bench serve --endpoint http://127.0.0.1:8123 --max-tokens "$max_tokens" --concurrency "$concurrency" \
-        --out "$out/expertpack" --label "expert-worker ${cache_gib} GiB cache" 2>&1 | tail -4
+        --repeat "$repeat" --out "$out/expertpack" --label "expert-worker ${cache_gib} GiB cache" 2>&1 | tail -4
     kill -TERM "$worker" && wait "$worker" || true
     kill -TERM "$daemon" && wait "$daemon" || true
     worker= daemon=
@@ -51,7 +54,7 @@ from decode_streaming import prepare_pack; prepare_pack('qwen3-30b-a3b', $layers
     server=$!
     up http://127.0.0.1:8080
     expertpack bench serve --endpoint http://127.0.0.1:8080 --max-tokens "$max_tokens" --concurrency "$concurrency" \
-        --out "$out/llama" --label "llama-server -ngl 99" 2>&1 | tail -4
+        --repeat "$repeat" --out "$out/llama" --label "llama-server -ngl 99" 2>&1 | tail -4
     kill -TERM "$server" && wait "$server" || true
     server=
     trap - EXIT
