@@ -92,13 +92,12 @@ class DecodeGraph:
                  last: bool = False, pool: object = None) -> None:
         self.model = model
         self.inputs = inputs = StaticInputs(cache, tokens, device)
-        self.buffers = buffers_of(inputs.caches)
         lengths = inputs.lengths
         states = [t.clone() for c in inputs.caches for t in c.state_tensors()]  # the warm-up advances them
         try:
             with inputs.entered() as kv:
-                if not inputs.batched and not inputs.caches[0].keys:  # a prompt into an empty cache: its
-                    model.forward(inputs.token, kv, last)  # buffers made on the stream that uses them
+                if not all(c.keys for c in inputs.caches):  # a pass into an empty cache: its buffers
+                    model.forward(inputs.token, kv, last)  # made on the stream that uses them
                     inputs.lengths = lengths
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
@@ -114,6 +113,7 @@ class DecodeGraph:
             inputs.lengths = lengths
             for live, saved in zip((t for c in inputs.caches for t in c.state_tensors()), states):
                 live.copy_(saved)
+        self.buffers = buffers_of(inputs.caches)  # what the graph reads
 
     def step(self, tokens: int | list[int]) -> torch.Tensor:
         """Logits after a token (a decode step's), after the prompt's `tokens`, or after each
