@@ -1,10 +1,11 @@
 """Batched decode steps on CUDA (skipped without a GPU; run on the device machine): the scenario of
-tests/helpers/batched.py (sequences joining after their prefill and leaving, a slot
-reused) through the kernels on the GPU, replayed as CUDA graphs (one per set of slots) over every
-expert resident, on the fixtures' GQA models and a 2-layer Qwen3-30B-A3B synth (real shapes:
-gate/up's K split by the step's pairs), and over an expert cache's device table. Each sequence's
-greedy tokens equal its run alone; its logits stay within float32 rounding of its own eager steps
-(printed: the largest difference, 0 where the rows came out bit for bit)."""
+tests/helpers/batched.py (sequences joining after their prefill and leaving, a slot reused)
+through the kernels on the GPU, replayed as CUDA graphs (one per set of slots) over every expert
+resident, on the fixtures' GQA models and a 2-layer Qwen3-30B-A3B synth (real shapes: gate/up's
+K split by the step's pairs), and over an expert cache (its device table, or segments between
+the MoE layers where experts miss). Each sequence's greedy tokens equal its run alone; its
+logits stay within float32 rounding of its own eager steps (printed: the largest difference, 0
+where the rows came out bit for bit)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
 from expertpack.packtools.layout import Manifest
 from expertpack.worker.engine.engine import Engine
-from expertpack.worker.engine.graphs import DecodeGraph, TableDecode
+from expertpack.worker.engine.graphs import DecodeGraph, SegmentedDecode, TableDecode
 from expertpack.worker.experts.expert_cache import slot_bytes
 
 from ..conftest import FIXTURES
@@ -59,10 +60,13 @@ def test_batched_steps_on_cuda_give_each_sequence_its_own_tokens(model: str, syn
     assert_rows_close(model, got, want)
 
 
-def test_batched_steps_over_a_cache_of_every_expert_replay_the_table_on_cuda(fixture_packs, tmp_path: Path) -> None:
-    """expert-worker's case: through expertd into a cache that holds every expert, the batched
-    steps replay graphs that look their experts up in the device table (TableDecode), and each
-    sequence's tokens are its own run's with every expert resident."""
+@pytest.mark.parametrize("share", [1.0, 0.5], ids=["every-expert", "half"])
+def test_batched_steps_over_the_expert_cache_replay_graphs_on_cuda(fixture_packs, tmp_path: Path, share: float) -> None:
+    """expert-worker's case, through expertd: into a cache that holds every expert the batched
+    steps replay graphs that look their experts up in the device table (TableDecode); into one of
+    half the experts they replay graphs split at the MoE layers (SegmentedDecode), the host
+    fetching a layer's misses for every row at once. Each sequence's tokens are its own run's
+    with every expert resident."""
     pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
     scenario = SCENARIOS["torch"]
     resident = Engine.load(pack, "cuda", resident_experts=True)
@@ -70,8 +74,8 @@ def test_batched_steps_over_a_cache_of_every_expert_replay_the_table_on_cuda(fix
     manifest = Manifest.load(pack)
     d = daemon_for(pack, tmp_path)
     try:
-        engine = Engine.load(pack, "cuda", daemon=d.endpoint, prefetch=False,
-                             cache_bytes=len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest))
+        engine = Engine.load(pack, "cuda", daemon=d.endpoint, prefetch=share < 1,
+                             cache_bytes=int(len(manifest.layers) * manifest.model.n_expert * share) * slot_bytes(manifest))
         try:
             engine.expert_cache.fill()
             with engine.new_sequence() as seq:  # a step that finds every expert: steps from the table after
@@ -79,13 +83,17 @@ def test_batched_steps_over_a_cache_of_every_expert_replay_the_table_on_cuda(fix
                 engine.forward([2], seq)
             got = batched(engine, scenario)
             graphs = list(engine._batch_graphs.values())
-            assert graphs and all(isinstance(g, TableDecode) and g.graph is not None for g in graphs)
-            assert engine.expert_cache.fetches == 0
+            if share == 1:
+                assert graphs and all(isinstance(g, TableDecode) and g.graph is not None for g in graphs)
+                assert engine.expert_cache.fetches == 0
+            else:
+                assert any(isinstance(g, SegmentedDecode) and g.graphs for g in graphs)
+                assert engine.expert_cache.fetches > 0
         finally:
             engine.close()
     finally:
         assert d.stop()[0] == 0
-    assert_rows_close("qwen3moe-a through the table", got, want)
+    assert_rows_close(f"qwen3moe-a, {share:.0%} of the experts cached", got, want)
 
 
 def test_a_warm_up_captures_the_batched_steps_of_the_lowest_slots() -> None:
@@ -94,13 +102,14 @@ def test_a_warm_up_captures_the_batched_steps_of_the_lowest_slots() -> None:
     engine = Engine.load(FIXTURES / MODELS["qwen3moe"], "cuda", resident_experts=True)
     engine.warm_up(1, steps=2, batch=4)
     held = dict(engine._batch_graphs)
-    assert sorted(held) == [(0, 1), (0, 1, 2), (0, 1, 2, 3)]
+    assert {kind for kind, _ in held} == {DecodeGraph}
+    assert sorted(slots for _, slots in held) == [(0, 1), (0, 1, 2), (0, 1, 2, 3)]
     seqs = [engine.new_sequence() for _ in range(4)]
     alone: list[torch.Tensor] = []
     for i, seq in enumerate(seqs):
         engine.forward([5 + i], seq)
     rows = engine.decode_batch(seqs[::-1], [4, 3, 2, 1])
-    assert engine._batch_graphs[(0, 1, 2, 3)] is held[(0, 1, 2, 3)]
+    assert engine._batch_graphs[(DecodeGraph, (0, 1, 2, 3))] is held[(DecodeGraph, (0, 1, 2, 3))]
     for seq in seqs:
         seq.kv.length -= 1
     for seq, token in zip(seqs, [1, 2, 3, 4]):

@@ -140,7 +140,7 @@ def test_new_reservations_and_requests_stay_exact(fixture_packs, tmp_path: Path,
                     first = greedy_run(engine, PROMPT, 2)  # positions 3, 4: capacity 4, then 8
                     if graphs:
                         seen.append(engine._graphs.get(0))
-                        assert engine._graphs.get(0).capacity == 8
+                        assert engine._graphs.get(0).buffers[0][1] == 8  # its capacity
                     second = greedy_run(engine, PROMPT[::-1] + [2, 4], 2)  # positions 5, 6: 8 again, the same slot
                     if graphs:
                         assert engine._graphs.get(0) is seen[0]

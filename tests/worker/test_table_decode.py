@@ -22,7 +22,7 @@ import torch
 
 from expertpack.packtools.layout import Manifest
 from expertpack.worker.engine.engine import STATIC_PROMPT_MAX_TOKENS, Engine
-from expertpack.worker.engine.graphs import TableDecode
+from expertpack.worker.engine.graphs import SegmentedDecode, TableDecode
 from expertpack.worker.experts.expert_cache import ExpertCache, slot_bytes
 from expertpack.worker.nn.backend import kernels_on_cpu
 
@@ -202,15 +202,16 @@ def test_a_prompt_that_finds_an_expert_outside_the_vram_slots_is_never_kept(fixt
 BATCH = {"c": (0, 1), "e": (0, 1)}  # tests/helpers/batched.py's sequences: two rows, one batched step
 
 
-def run_batch(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool
+def run_batch(pack: Path, endpoint: str, cache_bytes: int, graphs: bool
               ) -> tuple[dict[str, tuple[list[int], list[torch.Tensor]]], tuple[int, ...], dict[str, int]]:
-    """Two sequences' prompts, then a batched step of both through expertd (prefill and prefetch
-    off, every batched step tried from the table): each row's tokens and logits, the counters,
-    and how many batched table passes were kept and dropped."""
+    """Two sequences' prompts, then a batched step of both through expertd (prefetch off): with
+    `graphs` as expert-worker runs it (tried from the table first, then in segments), else the
+    eager static step. Each row's tokens and logits, the counters, and how many batched table
+    passes were kept and dropped and how many steps ran in segments."""
     from ..helpers.batched import batched
 
-    ran = {"kept": 0, "dropped": 0}
-    real_step, real_batch = TableDecode.step, Engine._static_batch
+    ran = {"kept": 0, "dropped": 0, "segmented": 0}
+    real_step, real_segments, real_batch = TableDecode.step, SegmentedDecode.step, Engine._static_batch
 
     def counted(self: TableDecode, tokens: int | list[int]) -> torch.Tensor | None:
         logits = real_step(self, tokens)
@@ -218,16 +219,21 @@ def run_batch(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool
             ran["kept" if logits is not None else "dropped"] += 1
         return logits
 
+    def in_segments(self: SegmentedDecode, tokens: int | list[int]) -> torch.Tensor:
+        ran["segmented"] += len(self.inputs.caches) > 1
+        return real_segments(self, tokens)
+
     def try_table(self: Engine, *args, **kwargs) -> torch.Tensor:
         self._found_all = True
         return real_batch(self, *args, **kwargs)
 
     engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=False)
-    engine.table_steps = table_steps
+    engine.table_steps = engine.graphs = graphs
     try:
         engine.expert_cache.fill()
         with pytest.MonkeyPatch.context() as m:
             m.setattr(TableDecode, "step", counted)
+            m.setattr(SegmentedDecode, "step", in_segments)
             m.setattr(Engine, "_static_batch", try_table)
             got = batched(engine, BATCH)
         return got, counters(engine), ran
@@ -235,24 +241,33 @@ def run_batch(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool
         engine.close()
 
 
-@pytest.mark.parametrize("cache", ["every-expert", "minimal"])
-def test_batched_steps_from_the_table_keep_the_eager_bits(fixture_packs, tmp_path: Path, cache: str) -> None:
+@pytest.mark.parametrize("cache", ["every-expert", "half", "minimal"])
+def test_batched_steps_from_the_table_or_in_segments_keep_the_eager_bits(fixture_packs, tmp_path: Path,
+                                                                         cache: str) -> None:
     """A batched step (continuous batching's) over the cache's device table: with every expert
-    in VRAM the pass is kept; with a minimal cache its rows' picks are not all there, the pass is
-    dropped and the step runs eagerly, fetching. Either way each row's logits, its tokens and the
-    cache's counters are the eager batched step's, bit for bit."""
+    in VRAM the pass is kept; with half of them the rows' picks are seldom all there and the
+    step runs in segments, the host fetching each layer's misses for both rows at once; with a
+    minimal cache (one token's k) the rows' picks do not fit one wave and it runs eagerly. Each
+    row's logits, its tokens and the cache's counters are the eager batched step's, bit for bit."""
     pack = fixture_packs[PACK][1]
     manifest = Manifest.load(pack)
-    every_expert = len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest)
-    cache_bytes = every_expert if cache == "every-expert" else minimal_cache_bytes(pack)
+    n_experts = len(manifest.layers) * manifest.model.n_expert
+    cache_bytes = {"every-expert": n_experts * slot_bytes(manifest), "half": n_experts // 2 * slot_bytes(manifest),
+                   "minimal": minimal_cache_bytes(pack)}[cache]
     d = daemon_for(pack, tmp_path)
     try:
         with kernels_on_cpu():
-            want, want_counters, _ = run_batch(pack, d.endpoint, cache_bytes, table_steps=False)
-            got, got_counters, ran = run_batch(pack, d.endpoint, cache_bytes, table_steps=True)
+            want, want_counters, eager = run_batch(pack, d.endpoint, cache_bytes, graphs=False)
+            got, got_counters, ran = run_batch(pack, d.endpoint, cache_bytes, graphs=True)
     finally:
         assert d.stop()[0] == 0
-    assert ran == ({"kept": 1, "dropped": 0} if cache == "every-expert" else {"kept": 0, "dropped": 1}), ran
+    assert eager == {"kept": 0, "dropped": 0, "segmented": 0}
+    if cache == "every-expert":
+        assert ran == {"kept": 1, "dropped": 0, "segmented": 0}, ran
+    elif cache == "half":
+        assert ran == {"kept": 0, "dropped": 1, "segmented": 1}, ran  # (the picks of half the experts)
+    else:
+        assert ran == {"kept": 0, "dropped": 1, "segmented": 0}, ran
     for name in BATCH:
         assert got[name][0] == want[name][0], f"{name}: greedy tokens differ"
         for g, w in zip(got[name][1], want[name][1], strict=True):

@@ -49,9 +49,12 @@ WARM_UP_LONG_PROMPTS = (tuple(range(STATIC_PROMPT_MAX_TOKENS + 1, 2 * STATIC_PRO
 # twice (its table pass dropped, then in segments), one that finds all of them is 2-3x faster.
 TABLE_MISS_SHARE = 0.5
 MISS_FADE = 0.75  # the weight of the steps before in that share, per step
-# Sets of slots whose batched decode step is kept captured: a batch's composition changes as its
-# requests come and go (slots are taken lowest first, so a steady batch keeps its set).
-BATCH_GRAPHS = 16
+# Batched decode steps kept captured (a set of slots' step over the device table, and in segments,
+# count one each): a batch's composition changes as its requests come and go (slots are taken
+# lowest first, so a steady batch keeps its set). The warm-up captures the sets of the lowest
+# slots, up to WARM_BATCH at once.
+BATCH_GRAPHS = 32
+WARM_BATCH = 16
 
 
 class BatchUnsupported(ValueError):
@@ -79,9 +82,9 @@ class Engine:
     _table_graphs: dict[int, TableDecode] = field(default_factory=dict, repr=False)
     # (slot, prompt length) -> a short prompt as one graph over the device table (_table_prompt)
     _table_prompts: dict[tuple[int, int], TableDecode] = field(default_factory=dict, repr=False)
-    # slots of a batched step -> its graph (_batch_graph), oldest use first, in one memory pool
-    _batch_graphs: "OrderedDict[tuple[int, ...], DecodeGraph | TableDecode]" = field(default_factory=OrderedDict,
-                                                                                      repr=False)
+    # (kind, slots of a batched step) -> its graphs (_batch_graph), oldest use first, in one memory pool
+    _batch_graphs: "OrderedDict[tuple[type, tuple[int, ...]], DecodeGraph | TableDecode | SegmentedDecode]" = field(
+        default_factory=OrderedDict, repr=False)
     _batch_pool: object = field(default=None, repr=False)
     _found_all: bool = field(default=False, repr=False)
     _miss_share: float = field(default=TABLE_MISS_SHARE, repr=False)  # fading share of recent steps that fetched
@@ -188,7 +191,7 @@ class Engine:
         slots), a graph for every static prompt length. All in slot 0, where a server's one request
         at a time runs; the long prompts in slot 1, so that their buffers do not widen slot 0's
         reservation. With `batch` > 1 (a server's --max-batch), the batched steps of slots 0..b-1
-        for each b up to it (at most BATCH_GRAPHS), the sets a steady batch runs in, since slots
+        for each b up to it (at most WARM_BATCH), the sets a steady batch runs in, since slots
         are taken lowest first. The logits are thrown away. Returns how many prompt graphs it
         captured."""
         with self.new_sequence() as seq:
@@ -203,7 +206,7 @@ class Engine:
                     self.forward([token] * n, other, last=True)
         if batch > 1 and getattr(self.model, "batched_decode", False):
             with contextlib.ExitStack() as open_:
-                seqs = [open_.enter_context(self.new_sequence()) for _ in range(min(batch, BATCH_GRAPHS + 1))]
+                seqs = [open_.enter_context(self.new_sequence()) for _ in range(min(batch, WARM_BATCH))]
                 for seq in seqs:
                     self.forward([token], seq)
                 for b in range(2, len(seqs) + 1):
@@ -252,7 +255,9 @@ class Engine:
         attending its slot's reserved buffers (_static_batch): on CUDA a graph per set of slots,
         captured at the first step of that set, over every expert resident or over the expert
         cache's device table while recent steps found their experts there; a step whose experts
-        are not all in VRAM runs eagerly, fetching them. A row's logits equal that sequence's own
+        are not all in VRAM runs in segments between the MoE layers (SegmentedDecode: the host
+        fetches a layer's missing experts for all rows at once), or eagerly where the rows' picks
+        may not fit the cache in one wave. A row's logits equal that sequence's own
         step's within float32 rounding: the torch path multiplies all rows in one matrix product,
         and on a GPU the experts' kernel splits gate/up's K by the step's pairs
         (moe_tl.gate_up_splits), so a row's sums may be ordered otherwise than alone. Bit for bit
@@ -287,47 +292,57 @@ class Engine:
             if capacity != cache.capacity:
                 cache.reserve(capacity)
         kind = self._replayed_kind()
-        table = (kind is SegmentedDecode and self.table_steps and self._found_all
-                 and TableDecode.usable(self.model, caches))
-        noted = False
-        if kind is DecodeGraph or table:
-            graph = self._batch_graph(tuple(s.slot for s in seqs), caches, table)
+        slots = tuple(s.slot for s in seqs)
+        if kind is DecodeGraph:
+            graph = self._batch_graph(DecodeGraph, slots, caches)
             if graph is not None:
-                logits = graph.step(tokens)
-                if table:
-                    self._note_step(missed=logits is None)
-                    noted = True
-                if logits is not None:
-                    return logits  # else an expert was not in VRAM: the step runs eagerly below
+                return graph.step(tokens)
         fetches = self.files.experts.fetches if kind is SegmentedDecode else 0
+        if kind is SegmentedDecode and self.table_steps and self._found_all and TableDecode.usable(self.model, caches):
+            table = self._batch_graph(TableDecode, slots, caches)
+            logits = table.step(tokens) if table is not None else None
+            if logits is not None:
+                self._note_step(missed=False)
+                return logits  # else an expert was not in VRAM: the step runs in segments, or eagerly
+        if kind is SegmentedDecode and SegmentedDecode.fits(self.model, len(caches)):
+            segmented = self._batch_graph(SegmentedDecode, slots, caches)
+            if segmented is not None:
+                logits = segmented.step(tokens)
+                self._note_step(missed=self.files.experts.fetches != fetches)
+                if segmented.failed is not None:
+                    log.warning("batched decode step not captured as CUDA graphs (%s); running it eagerly",
+                                segmented.failed)
+                    self._drop_graphs()
+                    self.graphs = False
+                return logits
         inputs = StaticInputs(caches, len(caches), self.device)
         inputs.write(tokens)
         with inputs.entered() as kv:
             logits = self.model.forward(inputs.token, kv).to(torch.float32)
-        if kind is SegmentedDecode and not noted:
+        if kind is SegmentedDecode:
             self._note_step(missed=self.files.experts.fetches != fetches)
         return logits
 
-    def _batch_graph(self, slots: tuple[int, ...], caches: list[KVCache], table: bool
-                     ) -> "DecodeGraph | TableDecode | None":
-        """The batched step of these slots as a graph (TableDecode over the expert cache, on the
-        CPU an eager pass of its lookups), captured at its first step and kept while the slots'
-        buffers stay (BATCH_GRAPHS sets of slots at most, the least recently used dropped first;
-        all in one memory pool, since they never run at once). None where capture failed (the
-        step then runs eagerly, and so do the later ones)."""
-        graph = self._batch_graphs.pop(slots, None)
-        if graph is not None and (graph.buffers != buffers_of(caches) or isinstance(graph, TableDecode) != table):
+    def _batch_graph(self, kind: "type[DecodeGraph] | type[TableDecode] | type[SegmentedDecode]",
+                     slots: tuple[int, ...], caches: list[KVCache]) -> "DecodeGraph | TableDecode | SegmentedDecode | None":
+        """The batched step of these slots as graphs of `kind` (on the CPU TableDecode and
+        SegmentedDecode run their passes eagerly), captured at their first step and kept while the
+        slots' buffers stay (BATCH_GRAPHS at most, the least recently used dropped first; all in
+        one memory pool, since they never run at once). None where capture failed (the step then
+        runs eagerly, and so do the later ones)."""
+        graph = self._batch_graphs.pop((kind, slots), None)
+        if graph is not None and (graph.buffers != buffers_of(caches)
+                                  or getattr(graph, "prefetch", self.model.moe.prefetch) != self.model.moe.prefetch):
             graph = None
-        if graph is None and table and self.device.type != "cuda":
+        if graph is None and kind is TableDecode and self.device.type != "cuda":
             return TableDecode(self.model, caches, self.device, capture=False)
         if graph is None:
             while len(self._batch_graphs) >= BATCH_GRAPHS:
                 self._batch_graphs.pop(next(iter(self._batch_graphs)))
-            if self._batch_pool is None:
+            if self._batch_pool is None and self.device.type == "cuda":
                 self._batch_pool = torch.cuda.graph_pool_handle()
             try:
-                graph = (TableDecode(self.model, caches, self.device, pool=self._batch_pool) if table
-                         else DecodeGraph(self.model, caches, self.device, pool=self._batch_pool))
+                graph = kind(self.model, caches, self.device, pool=self._batch_pool)
             except torch.cuda.OutOfMemoryError:
                 raise
             except RuntimeError as exc:  # an operation CUDA cannot capture: eagerly, from now on
@@ -335,7 +350,7 @@ class Engine:
                 self.graphs = False
                 self._drop_graphs()
                 return None
-        self._batch_graphs[slots] = graph  # the most recently used last
+        self._batch_graphs[(kind, slots)] = graph  # the most recently used last
         return graph
 
     def _drop_graphs(self, slot: int | None = None) -> None:
@@ -348,7 +363,7 @@ class Engine:
             for graphs in (self._prompt_graphs, self._table_prompts):
                 for key in [k for k in graphs if k[0] == s]:
                     del graphs[key]
-        for key in [k for k in self._batch_graphs if slot is None or slot in k]:
+        for key in [k for k in self._batch_graphs if slot is None or slot in k[1]]:
             del self._batch_graphs[key]
         if not self._batch_graphs:
             self._batch_pool = None

@@ -165,35 +165,38 @@ class SegmentedDecode:
     then captured, once per KV cache buffers like DecodeGraph; later steps replay. A capture that
     fails leaves `failed` set (the engine then steps eagerly). On the CPU (Triton's interpreter,
     tests) nothing is captured: every step runs the segments eagerly, through the same stops,
-    buffers and host steps."""
+    buffers and host steps. Given a list of caches, the step is a batched one (a token each, as
+    DecodeGraph's), whose rows' experts the host acquires together at each stop; into `pool` where
+    given."""
 
-    def __init__(self, model: Model, cache: KVCache, device: torch.device) -> None:
-        self.model, self.cache, self.device = model, cache, device
-        self.capacity = cache.capacity
+    def __init__(self, model: Model, cache: KVCache | list[KVCache], device: torch.device, pool: object = None
+                 ) -> None:
+        self.model, self.device = model, device
+        self.inputs = StaticInputs(cache, 1, device)
+        self.buffers = buffers_of(self.inputs.caches)  # a pass into a cache without buffers runs eagerly first
         self.prefetch = model.moe.prefetch  # captured with or without the guesses' router
-        self.token = torch.zeros(1, dtype=torch.int64, device=device)
-        self.position = torch.zeros(1, dtype=torch.int64, device=device)
         self.stops: list[_Stop] = []
         self.graphs: list[torch.cuda.CUDAGraph] = []  # len(stops) + 1 once captured
         self.logits: torch.Tensor | None = None  # the last graph's output
         self.failed: RuntimeError | None = None
-        self.pool = None  # the memory pool the graphs share
+        self.pool = pool  # the memory pool the graphs share (their own where none is given)
         self._at = 0  # the stop the pass reaches next
         self._capturing = False
         self._open: torch.cuda.CUDAGraph | None = None  # the graph being captured
 
     @staticmethod
-    def fits(model: Model) -> bool:
-        """A step's experts fit the cache in one wave (one token's k). (DeepSeek-V4's hash layers,
-        whose experts follow from the token, are looked up in the graph from its token buffer.)"""
+    def fits(model: Model, rows: int = 1) -> bool:
+        """A step's experts fit the cache in one wave (`rows` tokens' k). (DeepSeek-V4's hash
+        layers, whose experts follow from the token, are looked up in the graph from its token buffer.)"""
         source = model.moe.source
-        return isinstance(source, ExpertCache) and source.capacity >= source.manifest.model.n_expert_used
+        return isinstance(source, ExpertCache) and source.capacity >= rows * source.manifest.model.n_expert_used
 
-    def step(self, token: int) -> torch.Tensor:
-        self.token.fill_(token)
-        self.position.fill_(self.cache.length)
+    def step(self, tokens: int | list[int]) -> torch.Tensor:
+        """Logits after a token (one sequence's), or after each sequence's (a batched step)."""
+        self.inputs.write(tokens)
         if not self.graphs:
             logits = self._pass()
+            self.buffers = buffers_of(self.inputs.caches)
             if self.device.type == "cuda" and self.failed is None:
                 self._capture()
             return logits
@@ -201,7 +204,7 @@ class SegmentedDecode:
             graph.replay()
             self._between(stop)
         self.graphs[-1].replay()
-        self.cache.length += 1
+        self.inputs.advance()
         return self.logits.clone()
 
     def _pass(self, capture: bool = False) -> torch.Tensor:
@@ -209,11 +212,12 @@ class SegmentedDecode:
         captured (each stop ends a graph and begins the next)."""
         moe = self.model.moe
         self._at, self._capturing = 0, capture
-        self.cache.step_positions, moe.boundary = self.position, self._boundary
+        moe.boundary = self._boundary
         try:
-            logits = self.model.forward(self.token, self.cache).to(torch.float32)
+            with self.inputs.entered() as kv:
+                logits = self.model.forward(self.inputs.token, kv).to(torch.float32)
         finally:
-            self.cache.step_positions, moe.boundary = None, None
+            moe.boundary = None
             self._capturing = False
         if self._at != len(self.stops):
             raise RuntimeError(f"the pass stopped at {self._at} MoE layers, the step has {len(self.stops)}")
@@ -259,11 +263,12 @@ class SegmentedDecode:
         """Captures the step's graphs on a side stream (the eager pass before compiled every
         kernel), sharing one memory pool: tensors a graph leaves for the next stay where it put
         them, since the graphs replay in the order they were captured. Capturing runs nothing:
-        only the cache's length, which the model's forward advances, is put back."""
-        length = self.cache.length
+        only the caches' lengths, which the model's forward advances, are put back."""
+        lengths = self.inputs.lengths
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # as torch.cuda.graph does: cached blocks back, for the pool to take
-        self.pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -284,7 +289,7 @@ class SegmentedDecode:
             self.graphs, self.logits, self.failed = [], None, exc
         finally:
             self._open = None
-            self.cache.length = length
+            self.inputs.lengths = lengths
             current.wait_stream(side)
 
 
