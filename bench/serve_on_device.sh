@@ -13,12 +13,14 @@
 # done, which would take its CPU), then the GGUF through
 # `llama-server -ngl 99 -np CONCURRENCY`, runs `expertpack bench serve` on each and compares them
 # (each set's prompts sent REPEAT times, by default enough for twice CONCURRENCY requests a set;
-# expert-worker with --max-batch CONCURRENCY, so that both run that many together).
+# expert-worker with --max-batch CONCURRENCY, so that both run that many together). PEER=0 measures
+# expert-worker alone (no build, no llama-server: a couple of minutes).
 set -euo pipefail
 if [ "${1:-}" = peer ]; then
     layers=${2:-12} cache_gib=${3:-8} max_tokens=${4:-64} concurrency=${5:-1}
     repeat=${6:-$(( (2 * concurrency + 4) / 5 ))}
-    bash bench/peer_on_device.sh start-build
+    peer=${PEER:-1}
+    [ "$peer" = 1 ] && bash bench/peer_on_device.sh start-build
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
     export PYTHONPATH=/tmp/site PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
@@ -41,12 +43,13 @@ from decode_streaming import prepare_pack; prepare_pack('qwen3-30b-a3b', $layers
     up http://127.0.0.1:8123
     grep -E "warmed up|serving" "$out/worker.log" | cut -c1-300
     # measured once the build is done: its 16 jobs would take the worker's host thread's CPU
-    while [ ! -f /tmp/llama-build.rc ]; do sleep 5; done
+    while [ "$peer" = 1 ] && [ ! -f /tmp/llama-build.rc ]; do sleep 5; done
     expertpack bench serve --endpoint http://127.0.0.1:8123 --max-tokens "$max_tokens" --concurrency "$concurrency" \
         --repeat "$repeat" --out "$out/expertpack" --label "expert-worker ${cache_gib} GiB cache" 2>&1 | tail -4
     kill -TERM "$worker" && wait "$worker" || true
     kill -TERM "$daemon" && wait "$daemon" || true
     worker= daemon=
+    [ "$peer" = 1 ] || { trap - EXIT; exit 0; }
     while [ ! -f /tmp/llama-build.rc ]; do sleep 5; done
     [ "$(cat /tmp/llama-build.rc)" = 0 ] || { tail -20 /tmp/llama-build.log; exit 1; }
     /tmp/llama-build/bin/llama-server -m "bench-out/$stem.gguf" -ngl 99 -np "$concurrency" --port 8080 \
