@@ -102,7 +102,7 @@ def test_segmented_graphs_equal_the_eager_streaming_step(model: str, prefetch: b
                     segmented = engine._graphs.get(0)
                     assert isinstance(segmented, SegmentedDecode) and segmented.buffers[0][1] == 1024  # its capacity
                     assert len(segmented.graphs) == len(segmented.stops) + 1 == len(engine.expert_cache.served) + 1
-                    stateful = bool(segmented.cache.state)
+                    stateful = bool(segmented.inputs.caches[0].state)
                     assert stateful == (model in ("k3-tiny", "dsv4-tiny"))
                 later = decode(engine, second, 6)
                 if graphs:  # states (KDA's, DeepSeek-V4's compressors) cleared in place

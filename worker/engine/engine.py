@@ -298,17 +298,22 @@ class Engine:
             if graph is not None:
                 return graph.step(tokens)
         fetches = self.files.experts.fetches if kind is SegmentedDecode else 0
+        noted = False  # a pass over the table that found an expert absent counts the step as missed
         if kind is SegmentedDecode and self.table_steps and self._found_all and TableDecode.usable(self.model, caches):
             table = self._batch_graph(TableDecode, slots, caches)
             logits = table.step(tokens) if table is not None else None
             if logits is not None:
                 self._note_step(missed=False)
-                return logits  # else an expert was not in VRAM: the step runs in segments, or eagerly
+                return logits
+            if table is not None:  # an expert was not in VRAM (a kept RAM-tier block is not read by batches)
+                self._note_step(missed=True)
+                noted = True
         if kind is SegmentedDecode and SegmentedDecode.fits(self.model, len(caches)):
             segmented = self._batch_graph(SegmentedDecode, slots, caches)
             if segmented is not None:
                 logits = segmented.step(tokens)
-                self._note_step(missed=self.files.experts.fetches != fetches)
+                if not noted:
+                    self._note_step(missed=self.files.experts.fetches != fetches)
                 if segmented.failed is not None:
                     log.warning("batched decode step not captured as CUDA graphs (%s); running it eagerly",
                                 segmented.failed)
@@ -319,7 +324,7 @@ class Engine:
         inputs.write(tokens)
         with inputs.entered() as kv:
             logits = self.model.forward(inputs.token, kv).to(torch.float32)
-        if kind is SegmentedDecode:
+        if kind is SegmentedDecode and not noted:
             self._note_step(missed=self.files.experts.fetches != fetches)
         return logits
 
@@ -345,7 +350,12 @@ class Engine:
                 graph = kind(self.model, caches, self.device, pool=self._batch_pool)
             except torch.cuda.OutOfMemoryError:
                 raise
-            except RuntimeError as exc:  # an operation CUDA cannot capture: eagerly, from now on
+            except RuntimeError as exc:  # an operation CUDA cannot capture: the next way down, from now on
+                if kind is TableDecode:  # segments, as one sequence's steps do
+                    log.warning("batched decode step over the expert table not captured (%s); stepping in "
+                                "segments", exc)
+                    self.table_steps = False
+                    return None
                 log.warning("batched decode step not captured as a CUDA graph (%s); running it eagerly", exc)
                 self.graphs = False
                 self._drop_graphs()

@@ -65,14 +65,14 @@ class StaticInputs:
     @contextlib.contextmanager
     def entered(self) -> Iterator[KVCache | BatchKV]:
         """The caches inside the pass (each reads its positions from `position`): the model's kv."""
-        if self.batched:
-            for i, c in enumerate(self.caches):
-                c.step_positions = self.position[i:i + 1]
-            kv: KVCache | BatchKV = BatchKV(self.caches, self.position)
-        else:
-            self.caches[0].step_positions = self.position
-            kv = self.caches[0]
         try:
+            if self.batched:
+                for i, c in enumerate(self.caches):
+                    c.step_positions = self.position[i:i + 1]
+                kv: KVCache | BatchKV = BatchKV(self.caches, self.position)
+            else:
+                self.caches[0].step_positions = self.position
+                kv = self.caches[0]
             yield kv
         finally:
             for c in self.caches:
