@@ -57,6 +57,8 @@ def test_batched_steps_on_cuda_give_each_sequence_its_own_tokens(model: str, syn
     got = batched(engine, scenario)
     graphs = list(engine._batch_graphs.values())
     assert graphs and all(isinstance(g, DecodeGraph) for g in graphs)  # the batched steps were replayed
+    # slots {1, 2} (a's done, d not yet in) replayed the graph of {0, 1, 2}: only sets from 0 captured
+    assert all(slots == tuple(range(len(slots))) for _, slots in engine._batch_graphs)
     assert_rows_close(model, got, want)
 
 
@@ -86,6 +88,7 @@ def test_batched_steps_over_the_expert_cache_replay_graphs_on_cuda(fixture_packs
             graphs = list(engine._batch_graphs.values())
             if share == 1:
                 assert graphs and all(isinstance(g, TableDecode) and g.graph is not None for g in graphs)
+                assert all(slots == tuple(range(len(slots))) for _, slots in engine._batch_graphs)
                 assert engine.expert_cache.fetches == before
             else:
                 assert any(isinstance(g, SegmentedDecode) and g.graphs for g in graphs)

@@ -8,6 +8,7 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -294,17 +295,19 @@ class Engine:
         kind = self._replayed_kind()
         slots = tuple(s.slot for s in seqs)
         if kind is DecodeGraph:
-            graph = self._batch_graph(DecodeGraph, slots, caches)
-            if graph is not None:
-                return graph.step(tokens)
+            with self._padded(slots, caches, tokens) as (p_slots, p_caches, p_tokens, rows):
+                graph = self._batch_graph(DecodeGraph, p_slots, p_caches)
+                if graph is not None:
+                    return graph.step(p_tokens)[rows]
         fetches = self.files.experts.fetches if kind is SegmentedDecode else 0
         noted = False  # a pass over the table that found an expert absent counts the step as missed
         if kind is SegmentedDecode and self.table_steps and self._found_all and TableDecode.usable(self.model, caches):
-            table = self._batch_graph(TableDecode, slots, caches)
-            logits = table.step(tokens) if table is not None else None
+            with self._padded(slots, caches, tokens) as (p_slots, p_caches, p_tokens, rows):
+                table = self._batch_graph(TableDecode, p_slots, p_caches)
+                logits = table.step(p_tokens) if table is not None else None
             if logits is not None:
                 self._note_step(missed=False)
-                return logits
+                return logits[rows]
             if table is not None:  # an expert was not in VRAM (a kept RAM-tier block is not read by batches)
                 self._note_step(missed=True)
                 noted = True
@@ -327,6 +330,37 @@ class Engine:
         if kind is SegmentedDecode and not noted:
             self._note_step(missed=self.files.experts.fetches != fetches)
         return logits
+
+    @contextlib.contextmanager
+    def _padded(self, slots: tuple[int, ...], caches: list[KVCache], tokens: list[int]
+                ) -> Iterator[tuple[tuple[int, ...], list[KVCache], list[int], torch.Tensor | slice]]:
+        """The step's rows widened to the slots 0..max(slots), the sets warm_up captures: slots,
+        caches and tokens of the widened step, and which of its rows are the step's. A batch of
+        slots {0, 1, 3} (slot 2's request done, or its prompt still running) then replays the graph
+        of {0, 1, 2, 3} rather than capturing one of its own, which would cost more than the idle
+        row: a decode step of a few rows is bound by its launches, not its arithmetic. An idle row
+        writes its keys and values at its slot's length (clamped into the buffers), which the
+        slot's next sequence or next prompt piece writes before anything attends it, and its length
+        is put back after. Only where every idle slot has buffers of a static step; else the
+        step's own slots. Each real row's arithmetic is its own (BatchKV), so its logits are the
+        unwidened step's within the same float32 rounding a batch already allows."""
+        idle = [s for s in range(slots[-1] + 1) if s not in slots]
+        idle_caches = [self.arena.slots[s] for s in idle]
+        if not idle or any(not c.keys or c.capacity < 1 for c in idle_caches):
+            yield slots, caches, tokens, slice(None)
+            return
+        lengths = [c.length for c in idle_caches]
+        for c in idle_caches:
+            c.length = min(c.length, c.capacity - 1)
+        by_slot = dict(zip(slots, caches)) | dict(zip(idle, idle_caches))
+        token_of = dict(zip(slots, tokens))
+        full = tuple(range(slots[-1] + 1))
+        rows = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        try:
+            yield full, [by_slot[s] for s in full], [token_of.get(s, tokens[0]) for s in full], rows
+        finally:
+            for c, length in zip(idle_caches, lengths):
+                c.length = length
 
     def _batch_graph(self, kind: "type[DecodeGraph] | type[TableDecode] | type[SegmentedDecode]",
                      slots: tuple[int, ...], caches: list[KVCache]) -> "DecodeGraph | TableDecode | SegmentedDecode | None":
