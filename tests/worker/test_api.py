@@ -13,6 +13,7 @@ with the official `openai` client and with raw HTTP.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import urllib.request
@@ -315,9 +316,11 @@ def test_a_non_streamed_client_that_leaves_is_logged_once_and_its_generation_sto
 
 
 def test_a_request_joins_one_generating_and_is_answered_before_it_ends(worker: Worker) -> None:
-    """--max-batch 8 (the default): a short request sent while a long streamed one generates is
-    answered while the long one still streams (one at a time, it would wait for all 400 tokens of
-    the other), with the text it gets alone."""
+    """--max-batch by default (what fits, logged): a short request sent while a long streamed one
+    generates is answered while the long one still streams (one at a time, it would wait for all 400
+    tokens of the other), with the text it gets alone."""
+    fits = re.search(r"--max-batch (\d+): what fits \(cpu: ", worker.log)
+    assert fits and int(fits.group(1)) >= 2, worker.log
     long = json.dumps({"model": "fixture", "prompt": "hold the line", "max_tokens": 400, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
     short = json.dumps({"model": "fixture", "prompt": "a short one", "max_tokens": 3, "temperature": 0,

@@ -178,6 +178,15 @@ class Engine:
         """A sequence in the engine's arena: the handle a request holds (close it when done)."""
         return self.arena.open()
 
+    def kv_bytes_per_position(self) -> dict[torch.device, int]:
+        """Bytes a sequence's KV memory takes per position on each device, for the models with
+        batched steps (their keys and values, every layer's alike: Model.kv_position_bytes). Worked
+        out, not measured on a step: a step reads experts, which a damaged pack may fail."""
+        per: dict[torch.device, int] = {}
+        for device, layers in zip(self.place.devices, self.layer_ranges):  # `cpu,cpu` (tests): one device
+            per[device] = per.get(device, 0) + self.model.kv_position_bytes * len(layers)
+        return per
+
     @property
     def batch_graphs(self) -> int:
         """Batched decode steps held captured (one per set of slots)."""

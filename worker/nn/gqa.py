@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 from .placement import Placement
 
 
+def kv_bytes_per_position(n_head_kv: int, head_dim: int) -> int:
+    """Bytes a layer's keys and values take a position in the KV cache: float32, as the passes
+    write them (a key and a value of n_head_kv x head_dim)."""
+    return 2 * n_head_kv * head_dim * 4
+
+
 @dataclass(frozen=True)
 class GqaWeights:
     q: QTensor

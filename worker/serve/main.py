@@ -31,7 +31,7 @@ DEFAULTS = {
     "cache_reserve_mib": 1024, "host": "127.0.0.1", "port": 8000, "tokenizer": None, "model_name": None,
     "daemon_timeout_s": 30.0, "daemon_down_timeout_s": 60.0, "max_body_mib": 0, "max_prompt_chars": 0,
     "max_queue": 64,  # requests.DEFAULT_MAX_QUEUE, not imported: fastapi loads once the settings are checked
-    "max_batch": 8,  # requests.DEFAULT_MAX_BATCH
+    "max_batch": 0,  # what fits (serve/fitting.py)
     "log_level": "info", "trace": None, "trace_overwrite": False, "prefetch": True,
 }
 
@@ -46,7 +46,7 @@ RANGES: dict[str, tuple[type, float, float]] = {
     "max_body_mib": (int, 0, 1 << 14),  # 0: sized from the context
     "max_prompt_chars": (int, 0, 1 << 31),
     "max_queue": (int, 0, 1 << 20),
-    "max_batch": (int, 1, 1024),
+    "max_batch": (int, 0, 1024),  # 0: what fits
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -91,7 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, metavar="N",
                    help="requests generated together, their tokens decoded in one step (continuous batching: a "
                         "request joins at the next step, a finished one leaves); each holds its own KV memory "
-                        f"(default {DEFAULTS['max_batch']}; architectures without batched steps run 1)")
+                        "(default 0: as many as fit at the whole context in the memory the model and the expert "
+                        "cache leave, up to 16, logged at start; architectures without batched steps run 1)")
     p.add_argument("--max-queue", type=int, metavar="N",
                    help="requests that may wait behind the ones generating; one more gets 503 queue_full with "
                         f"Retry-After at once (default {DEFAULTS['max_queue']}; 0: none waits)")
@@ -267,6 +268,7 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
     from ..experts.daemon_link import CorruptExpert
     from ..experts.routing_trace import start_trace, stop_trace
     from .api import WorkerService, create_app
+    from .fitting import default_max_batch
     from .generation import Generator
     from .requests import Limits
     from .tokenizer import TokenizerError, load_tokenizer
@@ -296,6 +298,9 @@ def _serve(args: argparse.Namespace, listener: socket.socket, log: logging.Logge
                 engine.expert_cache.fill()
         except CorruptExpert as exc:  # it fails the requests that need it; the experts not read yet come with use
             log.error("reading every expert at start: %s", exc)
+        if not args.max_batch:
+            args.max_batch, why = default_max_batch(engine, generator.n_ctx)
+            log.info("--max-batch %d: %s", args.max_batch, why)
         try:  # before /health says ready: the first request then pays no compiling nor capturing
             warmed = time.perf_counter()
             log.info("warming up: kernels, the decode step's graphs, short prompts' and batched steps' graphs")
