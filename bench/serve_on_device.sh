@@ -46,6 +46,9 @@ from decode_streaming import prepare_pack; prepare_pack('qwen3-30b-a3b', $layers
     while [ "$peer" = 1 ] && [ ! -f /tmp/llama-build.rc ]; do sleep 5; done
     expertpack bench serve --endpoint http://127.0.0.1:8123 --max-tokens "$max_tokens" --concurrency "$concurrency" \
         --repeat "$repeat" --out "$out/expertpack" --label "expert-worker ${cache_gib} GiB cache" 2>&1 | tail -4
+    # where the generation thread's time went: decode steps by rows, the tokens taken from them, prompt pieces
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/metrics').read().decode())" \
+        | grep -E '^expertpack_(decode_steps|generation_thread)' || true
     kill -TERM "$worker" && wait "$worker" || true
     kill -TERM "$daemon" && wait "$daemon" || true
     worker= daemon=

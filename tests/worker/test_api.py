@@ -338,6 +338,8 @@ def test_a_request_joins_one_generating_and_is_answered_before_it_ends(worker: W
     status, alone = worker.post("/v1/completions", short)
     assert status == 200 and together["choices"][0]["text"] == alone["choices"][0]["text"]
     assert together["usage"]["completion_tokens"] == 3
+    steps = re.search(r'^expertpack_decode_steps_total\{rows="2"\} (\d+)', worker.get("/metrics")[1], re.M)
+    assert steps and int(steps.group(1)) >= 2, "no step of the two together in /metrics"
 
 
 def test_past_the_queue_a_request_gets_503_at_once_and_its_place_comes_back(served, tmp_path) -> None:

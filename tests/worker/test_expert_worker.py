@@ -125,6 +125,10 @@ def test_metrics_parse_and_count(served) -> None:
     assert looked > 0 and after["expertpack_cache_h2d_bytes_total"] > before["expertpack_cache_h2d_bytes_total"]
     assert after["expertpack_daemon_up"] == 1 and after["expertpack_daemon_read_bytes_total"] > 0
     assert "expertpack_daemon_refetched_keys_total" in after  # its value: tests/worker/test_expert_cache.py
+    # The generation thread's parts: a prompt piece (its first token), then a step alone for each of 3 more.
+    assert after["expertpack_decode_steps_total"] - before.get("expertpack_decode_steps_total", 0) == 3
+    spent = after["expertpack_generation_thread_seconds_total"] - before["expertpack_generation_thread_seconds_total"]
+    assert 0 < spent < 60
     m = Manifest.load(served[0])
     slots = min(len(m.layers) * m.model.n_expert, 2**20 // slot_bytes(m))
     assert after["expertpack_cache_slots"] == slots

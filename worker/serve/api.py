@@ -455,7 +455,7 @@ def create_app(service: WorkerService) -> FastAPI:
         stats = None if cache is None else await asyncio.to_thread(cache.stats)
         mine = None if cache is None else await asyncio.to_thread(service.daemon_client)
         return PlainTextResponse(render(service.counters, stats and stats["cache"], stats and stats["daemon"],
-                                        stats and stats.get("daemon_ram"), mine),
+                                        stats and stats.get("daemon_ram"), mine, service.scheduler.times),
                                  media_type="text/plain; version=0.0.4")
 
     return app

@@ -23,11 +23,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from .generation import Choice, Completion, Generator, Request, TokenLogprob
+from .generation import Choice, Completion, Generator, Request, TokenLogprob, sync_device
 
 log = logging.getLogger("expertpack.worker.batching")
 
@@ -63,6 +64,23 @@ class _Running:
         self.job.future.set_exception(error)
 
 
+@dataclass
+class ThreadTimes:
+    """Where the generation thread's time goes, for /metrics: what an operator reads to tell a
+    batch bound by its GPU steps from one bound by the host work between them. Written by that
+    thread only; read whole (a dict's copy is one operation under the GIL)."""
+
+    steps: dict[int, int] = field(default_factory=dict)  # rows of a decode step -> steps run
+    step_seconds: dict[int, float] = field(default_factory=dict)  # rows -> seconds, launch to logits ready
+    token_seconds: float = 0.0  # sampling, stop checks, text and logprobs handed to the streams
+    prompt_seconds: float = 0.0  # prompt pieces, their first token included
+    prompt_pieces: int = 0
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        self.steps[rows] = self.steps.get(rows, 0) + 1
+        self.step_seconds[rows] = self.step_seconds.get(rows, 0.0) + seconds
+
+
 class SchedulerStopped(RuntimeError):
     """The generation thread is not running (the server is shutting down, or it failed)."""
 
@@ -86,6 +104,7 @@ class BatchScheduler:
         self._stopping = threading.Event()
         self._gate = threading.Lock()  # a submit and the thread's end: no job queued after the last drain
         self._stopped = False
+        self.times = ThreadTimes()
         self._running: list[_Running] = []
         self._admitting: list[_Running] = []  # prompts not yet run to their end, in arrival order
         self._thread = threading.Thread(target=self._main, name="generate", daemon=True)
@@ -160,6 +179,7 @@ class BatchScheduler:
 
     def _prefill(self, r: _Running, admitting: list[_Running], running: list[_Running]) -> None:
         """The next piece of the first admitted prompt; a prompt run to its end joins the running."""
+        start = time.perf_counter()
         try:
             r.choice.prefill(self.prefill_chunk if running else None)
         except Exception as exc:  # this request's failure, not the others'
@@ -167,6 +187,9 @@ class BatchScheduler:
             admitting.remove(r)
             r.close(exc)
             return
+        finally:
+            self.times.prompt_pieces += 1
+            self.times.prompt_seconds += time.perf_counter() - start
         if r.choice.done:
             admitting.remove(r)
             r.close()
@@ -178,17 +201,28 @@ class BatchScheduler:
         """One decode step of every running choice; the ones that end leave. A failure of the step
         ends the choices in it; a failure of one row's sampling or sinks ends that row's."""
         engine = self.generator.engine
+        start = time.perf_counter()
         try:
             if len(running) == 1:
                 rows = [engine.forward([running[0].choice.token], running[0].choice.seq)[-1]]
             else:
                 rows = list(engine.decode_batch([r.choice.seq for r in running], [r.choice.token for r in running]))
+            sync_device(rows[0].device)  # sampling would wait as long: the step's own time, measured apart
         except Exception as exc:
             log.exception("a decode step of %d sequences failed", len(running))
             for r in running:
                 r.close(exc)
             running.clear()
             return
+        taking = time.perf_counter()
+        self.times.stepped(len(rows), taking - start)
+        try:
+            self._take(running, rows)
+        finally:
+            self.times.token_seconds += time.perf_counter() - taking
+
+    def _take(self, running: list[_Running], rows: list) -> None:
+        """Each row's next token; the choices that end leave."""
         for r, row in list(zip(running, rows)):
             try:
                 r.choice.take(row)

@@ -213,7 +213,7 @@ class Choice:
             return
         token = self.req.sampler(logits, self.counts)
         if not self.ids:
-            _sync(self.engine.device)
+            sync_device(self.engine.device)
             self.usage.prefill_s = time.perf_counter() - self._start
             self._start = time.perf_counter()
         self.ids.append(token)
@@ -381,6 +381,7 @@ class _TextStream:
         self.sent = max(self.sent, upto)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Waits for the work queued on `device` (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -5,6 +5,10 @@ daemon's read bytes, errors and RAM tier as it last reported them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .batching import ThreadTimes
 
 
 @dataclass
@@ -45,11 +49,11 @@ CLIENT_COUNTERS = (
 
 
 def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon_ram: dict | None = None,
-           daemon_client: dict | None = None) -> str:
+           daemon_client: dict | None = None, thread: "ThreadTimes | None" = None) -> str:
     """cache: ExpertCache.stats()["cache"] (None without one); daemon: its counters (None when down);
     daemon_ram: its STATS "ram" section (None when down, or from an expertd without a RAM tier);
     daemon_client: this worker's entry of its STATS "clients" (None when down, between sessions, or
-    from an expertd without per-client counters)."""
+    from an expertd without per-client counters); thread: the generation thread's times."""
     out: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[float, dict[str, str] | None]],
@@ -71,6 +75,15 @@ def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon
     metric("expertpack_prefill_seconds", "counter", "Time spent in prefill.", [(serve.prefill_seconds, None)], "_total")
     metric("expertpack_decode_seconds", "counter", "Time spent decoding after the first token.",
            [(serve.decode_seconds, None)], "_total")
+    if thread is not None:
+        steps, step_seconds = dict(thread.steps), dict(thread.step_seconds)
+        metric("expertpack_decode_steps", "counter", "Decode steps run, by the sequences (rows) they decoded together.",
+               [(steps[rows], {"rows": str(rows)}) for rows in sorted(steps)], "_total")
+        metric("expertpack_generation_thread_seconds", "counter",
+               "The generation thread's time by part: decode steps (by rows, launch to logits ready), the "
+               "tokens taken from their logits (sampling, stop checks, text to the streams), prompt pieces.",
+               [(step_seconds[rows], {"part": "decode_step", "rows": str(rows)}) for rows in sorted(step_seconds)]
+               + [(thread.token_seconds, {"part": "tokens"}), (thread.prompt_seconds, {"part": "prompt"})], "_total")
     if cache is not None:
         for key, help_text in (("hits", "Unique experts of a step found in the cache."),
                                ("misses", "Unique experts of a step fetched from expertd."),
