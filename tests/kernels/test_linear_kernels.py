@@ -119,12 +119,30 @@ def test_regrouped_q8_0_decodes_as_the_gguf_bytes(device: torch.device) -> None:
         for t in (1, 3):
             x = torch.randn(t, k, generator=torch.Generator().manual_seed(i))
             want = x.double() @ w.double().T
-            y = matvec(x.to(device), regrouped.to(device), Q8_0_REGROUPED, k, n).cpu().double()
-            rel = ((y - want).norm() / want.norm()).item()
+            y = matvec(x.to(device), regrouped.to(device), Q8_0_REGROUPED, k, n).cpu()
+            rel = ((y.double() - want).norm() / want.norm()).item()
             assert y.shape == (t, n) and rel < 1e-6, f"{k}x{n}, {t} rows: relative error {rel:.2e}"
+            alone = [matvec(x[j:j + 1].to(device), regrouped.to(device), Q8_0_REGROUPED, k, n).cpu() for j in range(t)]
+            assert torch.equal(y, torch.cat(alone)), f"{k}x{n}: a row's bits depend on the rows beside it"
     k, r, h = 256, 6, 4
     raw = torch.from_numpy(random_bytes(T.Q8_0, (k, r * h), seed=40, valid=True))
     x = torch.randn(2, h, k, generator=torch.Generator().manual_seed(5))
     want = torch.einsum("thk,hrk->thr", x.double(), reference(raw, T.Q8_0, (k, r * h)).double().view(h, r, k))
     got = matvec_heads(x.to(device), regroup_q8_0(raw).to(device), Q8_0_REGROUPED, k, r).cpu().double()
     assert ((got - want).norm() / want.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.MXFP4, T.IQ2_XXS, T.F16],
+                         ids=lambda t: t.name)
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch(ggml_type: T, device: torch.device) -> None:
+    """A batched decode step's rows go through the trunk's matvec together: each row's sums are
+    its own, so in a batch of five every row is its own run's, bit for bit. A kernel that shares
+    the weights' reads across rows must keep this (a form that took 8 rows a program kept it and
+    gained nothing on the H100, where the trunk is regrouped Q8_0; the regrouped kernel's did not)."""
+    k, n = shapes_for(ggml_type)[-1]
+    raw = torch.from_numpy(random_bytes(ggml_type, (k, n), seed=50, valid=True)).to(device)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3)).to(device)
+    together = matvec(x, raw, int(ggml_type), k, n)
+    for i in range(5):
+        alone = matvec(x[i:i + 1].contiguous(), raw, int(ggml_type), k, n)
+        assert torch.equal(together[i], alone[0]), f"{ggml_type.name} row {i}"
