@@ -185,8 +185,9 @@ def test_a_failed_capture_steps_eagerly_with_the_same_bits(packs, tmp_path: Path
 @pytest.mark.parametrize("model", ["qwen3moe-a", "gptoss-a", "deepseek3-a"])
 def test_steps_from_the_table_equal_the_eager_streaming_step(model: str, packs, tmp_path: Path) -> None:
     """A cache that holds every expert: once a step missed nothing, the next runs as one graph over
-    the cache's device table (TableDecode), syncing the host once; the logits, tokens and counters
-    are the eager streaming step's (prefetch off: a table step sends nothing ahead). A minimal
+    the cache's device table (TableDecode), syncing the host once, and not at all once fill() read
+    every expert in; the logits, tokens and counters are the eager streaming step's (prefetch off:
+    a table step sends nothing ahead). A minimal
     cache, every step tried from the table first: no pass that found an expert absent is kept."""
     pack = packs[model]
     manifest = Manifest.load(pack)
@@ -218,6 +219,11 @@ def test_steps_from_the_table_equal_the_eager_streaming_step(model: str, packs, 
                             engine.forward(tokens[:1], sequence)
                             syncs = [w for w in syncs_of(engine, tokens[1], sequence) if "called a synchronizing" in w]
                             assert kept[-2:] == [True, True] and len(syncs) <= 1, (kept, syncs)  # the record's
+                            engine.expert_cache.fill()  # every expert now: no step can miss, none looks back
+                            assert engine.expert_cache.holds_every_expert
+                            engine.forward(tokens[1:2], sequence)
+                            syncs = [w for w in syncs_of(engine, tokens[2], sequence) if "called a synchronizing" in w]
+                            assert kept[-1] and not syncs, (kept, syncs)
                 finally:
                     engine.close()
             (got, got_counters), (want, want_counters) = runs[True], runs[False]

@@ -43,12 +43,17 @@ def counters(engine: Engine) -> tuple[int, ...]:
 
 
 def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_try: bool = False,
-        n_steps: int = N_STEPS) -> tuple[tuple[list[torch.Tensor], list[int]], tuple[int, ...], dict[str, int]]:
-    """Greedy decode through expertd, prefetch off (a table step sends nothing ahead); the logits
-    and tokens, the cache's counters, and how the steps ran (table steps kept and dropped, and
-    kept ones that read an expert from a kept RAM-tier block)."""
-    ran = {"kept": 0, "dropped": 0, "from_tier": 0}
-    real_step = TableDecode.step
+        n_steps: int = N_STEPS, fill: bool = False) -> tuple[tuple[list[torch.Tensor], list[int]], tuple[int, ...], dict[str, int]]:
+    """Greedy decode through expertd, prefetch off (a table step sends nothing ahead), every expert
+    read first with `fill`; the logits and tokens, the cache's counters, and how the steps ran
+    (table steps kept and dropped, kept ones that read an expert from a kept RAM-tier block, and
+    ones whose record was not looked at before the next step)."""
+    ran = {"kept": 0, "dropped": 0, "from_tier": 0, "unread": 0}
+    real_step, real_found = TableDecode.step, ExpertCache.found_on_device
+
+    def unread(self: ExpertCache, record: torch.Tensor) -> None:
+        ran["unread"] += 1
+        real_found(self, record)
 
     def counted(self: TableDecode, token: int) -> torch.Tensor | None:
         logits = real_step(self, token)
@@ -60,8 +65,11 @@ def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_t
     engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=False)
     engine.table_steps = table_steps
     try:
+        if fill:
+            engine.expert_cache.fill()
         with pytest.MonkeyPatch.context() as m:
             m.setattr(TableDecode, "step", counted)
+            m.setattr(ExpertCache, "found_on_device", unread)
             if always_try:  # every step tries the table first, whatever the step before found
                 real = Engine._static_step
 
@@ -89,8 +97,28 @@ def test_a_cache_holding_every_expert_steps_from_the_table_with_the_same_bits(fi
     finally:
         assert d.stop()[0] == 0
     assert ran["kept"] >= 1, ran  # the later steps find every expert their predecessors fetched
+    assert ran["unread"] == 0, ran  # some experts were never read: each step's record is looked at
     assert_same(got, want, "steps from the table")
     assert got_counters == want_counters  # the touches owed by table steps were paid, in order
+
+
+def test_a_cache_filled_with_every_expert_steps_without_looking_back(fixture_packs, tmp_path: Path) -> None:
+    """As expert-worker starts where the slots hold every expert (fill()): no step can find one
+    absent, so none stops for its record (it is copied to the host behind the step and counted
+    when the counters are next read), with the same bits and counters."""
+    pack = fixture_packs[PACK][1]
+    manifest = Manifest.load(pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert * slot_bytes(manifest)
+    d = daemon_for(pack, tmp_path)
+    try:
+        with kernels_on_cpu():
+            want, want_counters, _ = run(pack, d.endpoint, every_expert, table_steps=False, fill=True)
+            got, got_counters, ran = run(pack, d.endpoint, every_expert, table_steps=True, fill=True)
+    finally:
+        assert d.stop()[0] == 0
+    assert ran["unread"] == ran["kept"] == N_STEPS - 1, ran  # the first step runs in segments (none found yet)
+    assert_same(got, want, "steps from the table, unread")
+    assert got_counters == want_counters
 
 
 def test_a_step_that_finds_an_expert_absent_is_never_kept(fixture_packs, tmp_path: Path) -> None:
@@ -104,6 +132,7 @@ def test_a_step_that_finds_an_expert_absent_is_never_kept(fixture_packs, tmp_pat
     finally:
         assert d.stop()[0] == 0
     assert ran["dropped"] >= 1, ran  # a minimal cache evicts at every layer: a later layer misses
+    assert ran["unread"] == 0, ran  # every step's record is looked at before its logits are kept
     assert_same(got, want, "steps tried from the table")
     assert got_counters == want_counters
 
@@ -149,14 +178,8 @@ def run_turns(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, tr
         engine.expert_cache.fill()  # as expert-worker starts: where the slots hold every expert, all read once
         with pytest.MonkeyPatch.context() as m:
             m.setattr(TableDecode, "step", counted)
-            if try_prompts:
-                m.setattr(ExpertCache, "holds_every_expert", property(lambda self: True))
-                real = Engine._prompt_from_table
-
-                def always(self: Engine, cache) -> bool:
-                    self._found_all = True
-                    return real(self, cache)
-                m.setattr(Engine, "_prompt_from_table", always)
+            if try_prompts:  # not by saying the cache holds every expert: its steps would then not look
+                m.setattr(Engine, "_prompt_from_table", lambda self, cache: True)
             seq = engine.new_sequence()
             logits, tokens = greedy_run(engine, PROMPT, N_STEPS, seq)
             more, more_tokens = greedy_run(engine, [tokens[-1], 7, 3, 11, 2], 2, seq)

@@ -376,6 +376,9 @@ class TableDecode:
         self.source.check_session()
         if self.graph is not None:
             logits = self.graph.step(tokens)
+            if self.source.holds_every_expert:  # nothing can be absent: no need to look before going on
+                self.source.found_on_device(self.record)
+                return logits
             self.staged.copy_(self.record, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
             record = self.staged
@@ -390,6 +393,9 @@ class TableDecode:
                     logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device),
                                                 self.cache, self.last).to(torch.float32)
             record = self.record
+            if self.source.holds_every_expert:
+                self.source.found_on_device(record)
+                return logits
         at = record[1]
         if bool((at == -1).any() if self.transit else ((at < 0) | (at >= self.source.slots_end)).any()):
             for c, length in zip(self.caches, lengths):
