@@ -134,3 +134,38 @@ def test_a_model_without_batched_steps_runs_one_at_a_time() -> None:
     finally:
         scheduler.shutdown()
     assert open_at_text and max(open_at_text) == 1
+
+
+def test_stop_strings_logprobs_and_sampling_in_a_batch_are_what_they_are_alone() -> None:
+    """A step's text is handed out once the next step is launched (off the GPU's path): a request
+    that a stop string ends then has one step more run for it, which is dropped. Its text, tokens
+    and finish reason, and the others' (logprobs, a seeded sampler with penalties, greedy), are
+    what each gets alone; the text streamed is the text answered."""
+    gen = generator_for(MODELS["qwen3moe"])
+    ids = [gen.tokenizer.encode(p) for p in PROMPTS]
+    plain = gen.run(Request(ids[0], 12, Sampler(), ignore_eos=True))
+    middle = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 3]
+    assert middle.strip(), plain.text
+    reqs = [Request(ids[0], 12, Sampler(), stop=(middle,), ignore_eos=True),
+            Request(ids[1], 6, Sampler(), ignore_eos=True, logprobs=3),
+            Request(ids[2], 8, Sampler(temperature=0.8, top_k=20, seed=7, frequency_penalty=0.5), ignore_eos=True),
+            Request(ids[3], 10, Sampler(), ignore_eos=True)]
+    want = [gen.run(Request(r.prompt_ids, r.max_tokens, Sampler(**{k: getattr(r.sampler, k) for k in (
+        "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty")}), r.stop, r.ignore_eos,
+        r.logprobs)) for r in reqs]
+    assert want[0].finish_reason == "stop" and len(want[0].token_ids) < 12
+    pieces: list[list[str]] = [[] for _ in reqs]
+    scheduler = BatchScheduler(gen, max_batch=4)
+    try:
+        futures = [scheduler.submit(r, pieces[i].append) for i, r in enumerate(reqs)]
+        got = [f.result(timeout=300) for f in futures]
+    finally:
+        scheduler.shutdown()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason), f"request {i}"
+        assert "".join(pieces[i]) == g.text, f"request {i}: streamed text"
+    assert [e.token for e in got[1].logprobs] == [e.token for e in want[1].logprobs]
+    assert [e.text_offset for e in got[1].logprobs] == [e.text_offset for e in want[1].logprobs]
+    for g, w in zip(got[1].logprobs, want[1].logprobs):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4) and [t for t, _ in g.top] == [t for t, _ in w.top]
+    assert gen.engine.arena.in_use == 0

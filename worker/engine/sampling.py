@@ -60,6 +60,12 @@ class Sampler:
         """Whether the choice needs the counts of the tokens generated so far."""
         return bool(self.presence_penalty or self.frequency_penalty)
 
+    @property
+    def greedy(self) -> bool:
+        """Whether the choice is the logits' argmax as they are (no temperature, penalty nor bias):
+        several rows' then come from one argmax over all of them, the same ids."""
+        return self.temperature == 0 and not self.penalizes and not self.logit_bias
+
     def adjusted(self, logits: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """The logits the choice is made from: penalties from `counts` ([V], how often each token was
         generated so far), then the bias. A new tensor when anything applies; `logits` is never written."""

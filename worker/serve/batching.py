@@ -28,6 +28,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from .generation import Choice, Completion, Generator, Request, TokenLogprob, sync_device
 
 log = logging.getLogger("expertpack.worker.batching")
@@ -106,6 +108,7 @@ class BatchScheduler:
         self._stopped = False
         self.times = ThreadTimes()
         self._running: list[_Running] = []
+        self._ending: list[_Running] = []  # choices done at their last token, its text still to hand out
         self._admitting: list[_Running] = []  # prompts not yet run to their end, in arrival order
         self._thread = threading.Thread(target=self._main, name="generate", daemon=True)
         self._thread.start()
@@ -139,10 +142,11 @@ class BatchScheduler:
         finally:
             with self._gate:
                 self._stopped = True
-            for r in self._running + self._admitting:
+            for r in self._running + self._admitting + self._ending:
                 r.close(error)
             self._running.clear()
             self._admitting.clear()
+            self._ending.clear()
             self._fail_queued(error)
 
     def _loop(self) -> None:
@@ -164,9 +168,12 @@ class BatchScheduler:
             if self._stopping.is_set() and not running and not admitting:
                 return
             if admitting:
+                self._settle(running)  # the last step's text first: a prompt piece may take a while
                 self._prefill(admitting[0], admitting, running)
             if running:
                 self._step(running)
+            if not running:  # no next step to hand the last one's text out beside
+                self._settle(running)
 
     def _open(self, job: _Job) -> _Running | None:
         try:
@@ -198,8 +205,11 @@ class BatchScheduler:
             running.append(r)
 
     def _step(self, running: list[_Running]) -> None:
-        """One decode step of every running choice; the ones that end leave. A failure of the step
-        ends the choices in it; a failure of one row's sampling or sinks ends that row's."""
+        """One decode step of every running choice; the ones that end leave. The step is launched
+        first, then the previous step's tokens are settled (their text handed out, stop strings
+        looked for) while the GPU runs it; a choice a stop string ended has its row dropped. A
+        failure of the step ends the choices in it; a failure of one row's sampling or sinks ends
+        that row's."""
         engine = self.generator.engine
         start = time.perf_counter()
         try:
@@ -207,33 +217,67 @@ class BatchScheduler:
                 rows = [engine.forward([running[0].choice.token], running[0].choice.seq)[-1]]
             else:
                 rows = list(engine.decode_batch([r.choice.seq for r in running], [r.choice.token for r in running]))
-            sync_device(rows[0].device)  # sampling would wait as long: the step's own time, measured apart
         except Exception as exc:
             log.exception("a decode step of %d sequences failed", len(running))
+            self._settle(running)
             for r in running:
                 r.close(exc)
             running.clear()
             return
-        taking = time.perf_counter()
-        self.times.stepped(len(rows), taking - start)
+        launched = time.perf_counter()
+        stepped = list(running)
+        still = self._settle(running)  # the rows of choices a stop string ended are dropped
+        live = [row for r, row in zip(stepped, rows) if r in still]
+        settled = time.perf_counter()
+        sync_device(rows[0].device)  # the step's own time, apart from the host's (sampling would wait as long)
+        ready = time.perf_counter()
+        self.times.stepped(len(rows), launched - start + ready - settled)
         try:
-            self._take(running, rows)
+            self._take(running, live)
         finally:
-            self.times.token_seconds += time.perf_counter() - taking
+            self.times.token_seconds += settled - launched + time.perf_counter() - ready
 
-    def _take(self, running: list[_Running], rows: list) -> None:
-        """Each row's next token; the choices that end leave."""
-        for r, row in list(zip(running, rows)):
+    def _settle(self, running: list[_Running]) -> list[_Running]:
+        """Hands out the text of the last tokens taken; a choice that ends (a stop string, or done
+        at its last token) leaves and closes. -> the running choices still running."""
+        for r in [*running, *self._ending]:
+            if not r.choice.unsettled:
+                continue
             try:
-                r.choice.take(row)
+                r.choice.settle()
             except Exception as exc:
                 log.exception("a request's token failed")
-                running.remove(r)
-                r.close(exc)
+                self._leave(r, running, exc)
+                continue
+            if r.choice.done:
+                self._leave(r, running)
+        return list(running)
+
+    def _leave(self, r: _Running, running: list[_Running], error: BaseException | None = None) -> None:
+        if r in running:
+            running.remove(r)
+        if r in self._ending:
+            self._ending.remove(r)
+        r.close(error)
+
+    def _take(self, running: list[_Running], rows: list) -> None:
+        """Each row's next token (the greedy rows' from one argmax over them), its text left for
+        the next step's launch; the choices that end leave, those with text to hand out after it."""
+        greedy = [i for i, r in enumerate(running) if r.choice.req.sampler.greedy]
+        chosen = dict(zip(greedy, torch.stack([rows[i] for i in greedy]).argmax(-1).tolist())) if greedy else {}
+        for i, (r, row) in enumerate(list(zip(running, rows))):
+            try:
+                r.choice.take(row, chosen.get(i), settle=False)
+            except Exception as exc:
+                log.exception("a request's token failed")
+                self._leave(r, running, exc)
                 continue
             if r.choice.done:
                 running.remove(r)
-                r.close()
+                if r.choice.unsettled:
+                    self._ending.append(r)
+                else:
+                    r.close()
 
     def _fail_queued(self, error: BaseException) -> None:
         while True:

@@ -179,6 +179,7 @@ class Choice:
         self.counts: torch.Tensor | None = None
         self.prompt_done = 0  # prompt tokens run so far
         self.done = False
+        self._unsettled: torch.Tensor | None = None  # the logits of a token taken but not settled
         self._start = time.perf_counter()
 
     @property
@@ -205,13 +206,17 @@ class Choice:
     def prefilled(self) -> bool:
         return self.prompt_done == len(self.req.prompt_ids)
 
-    def take(self, logits: torch.Tensor) -> None:
-        """The next token from this step's logits [V]; `done` once a stop token or string,
-        max_tokens or a cancellation ends the choice."""
+    def take(self, logits: torch.Tensor, token: int | None = None, settle: bool = True) -> None:
+        """The next token from this step's logits [V] (or `token`, chosen from them by the caller:
+        a batch's greedy rows in one launch); `done` once a stop token or string, max_tokens or a
+        cancellation ends the choice. With `settle` off the token's logprobs and text wait for
+        settle(), which a scheduler calls once the next step is launched, off the GPU's path
+        (a stop string found then ends the choice after that step: its row is not kept)."""
         if len(self.ids) >= self.req.max_tokens or self.cancelled():
             self._end()
             return
-        token = self.req.sampler(logits, self.counts)
+        if token is None:
+            token = self.req.sampler(logits, self.counts)
         if not self.ids:
             sync_device(self.engine.device)
             self.usage.prefill_s = time.perf_counter() - self._start
@@ -222,8 +227,24 @@ class Choice:
             return
         if self.counts is not None:
             self.counts[token] += 1
+        self._unsettled = logits
+        if settle:
+            self.settle()
+        elif len(self.ids) >= self.req.max_tokens or self.cancelled():
+            self._end()
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether the last token's logprobs and text are still to be handed out (settle())."""
+        return self._unsettled is not None
+
+    def settle(self) -> None:
+        """The last token's logprobs and text, handed out; a stop string in the text ends the choice."""
+        logits, self._unsettled = self._unsettled, None
+        if logits is None:
+            return
         if self.logprobs is not None:
-            entry = token_logprob(logits, token, self.req.logprobs, self.text_before)
+            entry = token_logprob(logits, self.ids[-1], self.req.logprobs, self.text_before)
             self.logprobs.append(entry)
             if self.on_logprobs is not None:
                 self.on_logprobs(entry)
@@ -241,6 +262,7 @@ class Choice:
 
     def completion(self) -> Completion:
         """The choice's result, once done."""
+        self.settle()
         usage = self.usage
         usage.decode_s = time.perf_counter() - self._start if self.ids else 0.0
         usage.completion_tokens = len(self.ids)
