@@ -170,8 +170,11 @@ def run_turns(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, tr
         logits = real_step(self, tokens)
         if self.tokens > 1:
             ran["kept" if logits is not None else "dropped"] += 1
+            # A prompt's record is read back, not left in a ring of records as long as the prompt.
+            assert not any(ring.count for ring in self.source._rings.values() if ring.records.shape[-1] > k)
         return logits
 
+    k = Manifest.load(pack).model.n_expert_used
     engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=False)
     engine.table_steps = table_steps
     try:

@@ -322,6 +322,9 @@ class TableDecode:
         self.tokens = len(self.caches) if isinstance(cache, list) else tokens
         self.last, self.static = last, static
         self.transit = self.tokens == 1  # one token's k: the kept blocks through the transit slots
+        # A decode step's record, not a prompt's, may be left on the device (found_on_device): a
+        # prompt's T*k pairs a step would make the owed records' ring as long as the prompt.
+        self.decode = self.tokens == 1 or isinstance(cache, list)
         self.source: ExpertCache = model.moe.source
         self._index = {layer: i for i, layer in enumerate(self.source.served)}
         pairs = self.tokens * self.source.manifest.model.n_expert_used
@@ -376,7 +379,7 @@ class TableDecode:
         self.source.check_session()
         if self.graph is not None:
             logits = self.graph.step(tokens)
-            if self.source.holds_every_expert:  # nothing can be absent: no need to look before going on
+            if self.decode and self.source.holds_every_expert:  # nothing can be absent: go on without looking
                 self.source.found_on_device(self.record)
                 return logits
             self.staged.copy_(self.record, non_blocking=True)
@@ -393,7 +396,7 @@ class TableDecode:
                     logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device),
                                                 self.cache, self.last).to(torch.float32)
             record = self.record
-            if self.source.holds_every_expert:
+            if self.decode and self.source.holds_every_expert:
                 self.source.found_on_device(record)
                 return logits
         at = record[1]

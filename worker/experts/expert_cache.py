@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ def slot_bytes(manifest: Manifest) -> int:
 
 
 OWED_STEPS = 256  # table steps whose touches wait for the policy's next use, at most
+RING_STEPS = 32  # decode steps whose records wait on the device (found_on_device), at most, per record shape
 AfterSend = Callable[[], None]  # what a step sends once its own misses are asked for (prefetches)
 
 
@@ -132,8 +134,8 @@ class CopyRecord:
 
 @dataclass
 class _Ring:
-    """Records of table steps owed to the counters (ExpertCache.found_on_device): the first `count`
-    of `records` [OWED_STEPS, 2, served layers, pairs], on the device."""
+    """Records of decode steps owed to the counters (ExpertCache.found_on_device): the first `count`
+    of `records` [RING_STEPS, 2, served layers, pairs], on the device."""
 
     records: torch.Tensor
     count: int = 0
@@ -177,6 +179,8 @@ class ExpertCache:
         self.table = torch.full((max(self.layers) + 1, manifest.model.n_expert), -1, dtype=torch.int64, device=device)
         self._owed: list[tuple[list[list[int]], list[list[int]]]] = []  # table steps' experts and offsets, owed
         self._rings: dict[torch.Size, _Ring] = {}  # owed steps' records on the device, by shape (found_on_device)
+        # The generation thread owes steps and pays them; /metrics reads the counters from another (stats).
+        self._owing = threading.RLock()
         self.kept: dict[ExpertKey, Expert] = {}  # kept RAM-tier blocks, the oldest kept first
         self.keep_share = 1.0  # of the session's ram_keeps (a worker spanning devices splits it between its caches)
         # The device reads host memory at its address only where the staging is registered with CUDA.
@@ -304,9 +308,10 @@ class ExpertCache:
         a step without misses (the policy's touch, the counters) is owed until the cache next needs
         the policy or its counters, then done in order: the same policy and counters as when each
         step is acquired, with no Python per layer on the token's path."""
-        self._owed.append(([list(c) for c in chosen], [list(o) for o in offsets]))
-        if len(self._owed) >= OWED_STEPS:
-            self._settle()
+        with self._owing:
+            self._owed.append(([list(c) for c in chosen], [list(o) for o in offsets]))
+            if len(self._owed) >= OWED_STEPS:
+                self._settle()
 
     def found_on_device(self, record: torch.Tensor) -> None:
         """found() for a step whose record (TableDecode.record: [2, served layers, pairs], ids then
@@ -316,18 +321,23 @@ class ExpertCache:
         when the owed steps are paid: the step waits for nothing (the sync and the host's Python
         after each step made a 12-layer token 8% slower than resident; a pinned host buffer a
         step, copied into asynchronously, made it 21% slower: H100)."""
-        ring = self._rings.get(record.shape)
-        if ring is None:
-            ring = self._rings[record.shape] = _Ring(torch.empty((OWED_STEPS, *record.shape), dtype=record.dtype,
-                                                                 device=record.device))
-        ring.records[ring.count].copy_(record)
-        ring.count += 1
-        if ring.count == OWED_STEPS:
-            self._settle()
+        with self._owing:
+            ring = self._rings.get(record.shape)
+            if ring is None:
+                ring = self._rings[record.shape] = _Ring(torch.empty((RING_STEPS, *record.shape), dtype=record.dtype,
+                                                                     device=record.device))
+            ring.records[ring.count].copy_(record)
+            ring.count += 1
+            if ring.count == RING_STEPS:
+                self._settle()
 
     def _settle(self) -> None:
         """Pays the owed steps. The touches cost ~0.3 ms a 12-layer token on the dev VM, a quarter
         of the step they follow: only a cache that can evict pays them."""
+        with self._owing:
+            self._pay()
+
+    def _pay(self) -> None:
         owed = self._owed
         for ring in self._rings.values():  # steps that could not miss: their order does not matter
             owed += [(record[0], record[1]) for record in ring.records[:ring.count].tolist()]
