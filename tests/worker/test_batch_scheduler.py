@@ -169,3 +169,28 @@ def test_stop_strings_logprobs_and_sampling_in_a_batch_are_what_they_are_alone()
     for g, w in zip(got[1].logprobs, want[1].logprobs):
         assert g.logprob == pytest.approx(w.logprob, abs=1e-4) and [t for t, _ in g.top] == [t for t, _ in w.top]
     assert gen.engine.arena.in_use == 0
+
+
+def test_a_step_failing_on_the_device_ends_its_requests_not_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's error can surface when the host waits for it (an asynchronous CUDA error): the
+    requests in that step fail with it, and the next request is served."""
+    from expertpack.worker.serve import batching
+
+    gen = generator_for(MODELS["qwen3moe"])
+    want = gen.run(request(gen, 2))
+    failures = []
+
+    def fails_once(device) -> None:
+        if not failures:
+            failures.append(device)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(batching, "sync_device", fails_once)
+    scheduler = BatchScheduler(gen, max_batch=2)
+    try:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            scheduler.submit(request(gen, 0)).result(timeout=300)
+        assert scheduler.submit(request(gen, 2)).result(timeout=300).token_ids == want.token_ids
+    finally:
+        scheduler.shutdown()
+    assert gen.engine.arena.in_use == 0

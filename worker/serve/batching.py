@@ -218,24 +218,33 @@ class BatchScheduler:
             else:
                 rows = list(engine.decode_batch([r.choice.seq for r in running], [r.choice.token for r in running]))
         except Exception as exc:
-            log.exception("a decode step of %d sequences failed", len(running))
             self._settle(running)
-            for r in running:
-                r.close(exc)
-            running.clear()
+            self._fail_step(running, exc)
             return
         launched = time.perf_counter()
         stepped = list(running)
         still = self._settle(running)  # the rows of choices a stop string ended are dropped
         live = [row for r, row in zip(stepped, rows) if r in still]
         settled = time.perf_counter()
-        sync_device(rows[0].device)  # the step's own time, apart from the host's (sampling would wait as long)
-        ready = time.perf_counter()
+        try:
+            sync_device(rows[0].device)  # the step's own time, apart from the host's (sampling would wait as long)
+            ready = time.perf_counter()
+            greedy = [i for i, r in enumerate(running) if r.choice.req.sampler.greedy]  # one argmax for them
+            chosen = dict(zip(greedy, torch.stack([live[i] for i in greedy]).argmax(-1).tolist())) if greedy else {}
+        except Exception as exc:  # the step failed on the device: its choices end, not the thread
+            self._fail_step(running, exc)
+            return
         self.times.stepped(len(rows), launched - start + ready - settled)
         try:
-            self._take(running, live)
+            self._take(running, live, chosen)
         finally:
             self.times.token_seconds += settled - launched + time.perf_counter() - ready
+
+    def _fail_step(self, running: list[_Running], exc: Exception) -> None:
+        log.exception("a decode step of %d sequences failed", len(running), exc_info=exc)
+        for r in running:
+            r.close(exc)
+        running.clear()
 
     def _settle(self, running: list[_Running]) -> list[_Running]:
         """Hands out the text of the last tokens taken; a choice that ends (a stop string, or done
@@ -260,11 +269,10 @@ class BatchScheduler:
             self._ending.remove(r)
         r.close(error)
 
-    def _take(self, running: list[_Running], rows: list) -> None:
-        """Each row's next token (the greedy rows' from one argmax over them), its text left for
-        the next step's launch; the choices that end leave, those with text to hand out after it."""
-        greedy = [i for i, r in enumerate(running) if r.choice.req.sampler.greedy]
-        chosen = dict(zip(greedy, torch.stack([rows[i] for i in greedy]).argmax(-1).tolist())) if greedy else {}
+    def _take(self, running: list[_Running], rows: list, chosen: dict[int, int]) -> None:
+        """Each row's next token (`chosen` by row where the caller took it: the greedy rows'), its
+        text left for the next step's launch; the choices that end leave, those with text to hand
+        out after it."""
         for i, (r, row) in enumerate(list(zip(running, rows))):
             try:
                 r.choice.take(row, chosen.get(i), settle=False)
