@@ -76,7 +76,6 @@ class ThreadTimes:
     step_seconds: dict[int, float] = field(default_factory=dict)  # rows -> seconds, launch to logits ready
     token_seconds: float = 0.0  # sampling, stop checks, text and logprobs handed to the streams
     prompt_seconds: float = 0.0  # prompt pieces, their first token included
-    prompt_pieces: int = 0
 
     def stepped(self, rows: int, seconds: float) -> None:
         self.steps[rows] = self.steps.get(rows, 0) + 1
@@ -195,7 +194,6 @@ class BatchScheduler:
             r.close(exc)
             return
         finally:
-            self.times.prompt_pieces += 1
             self.times.prompt_seconds += time.perf_counter() - start
         if r.choice.done:
             admitting.remove(r)
