@@ -14,12 +14,17 @@
 # `llama-server -ngl 99 -np CONCURRENCY`, runs `expertpack bench serve` on each and compares them
 # (each set's prompts sent REPEAT times, by default enough for twice CONCURRENCY requests a set;
 # expert-worker with --max-batch CONCURRENCY, so that both run that many together). PEER=0 measures
-# expert-worker alone (no build, no llama-server: a couple of minutes).
+# expert-worker alone (no build, no llama-server: a couple of minutes); there CONCURRENCY may be a
+# list (1,4,16: one worker with --max-batch of the largest, one `bench serve` each) and EXPERTD_FLAGS
+# goes to expertd (--ram-cache-gib 0: every miss read from the SSD), and each run prints the pack
+# bytes expertd read per completion token (`expertctl stats`), what streaming costs the disk.
 set -euo pipefail
 if [ "${1:-}" = peer ]; then
     layers=${2:-12} cache_gib=${3:-8} max_tokens=${4:-64} concurrency=${5:-1}
-    repeat=${6:-$(( (2 * concurrency + 4) / 5 ))}
     peer=${PEER:-1}
+    [ "$peer" = 1 ] && [ "${concurrency//,/}" != "$concurrency" ] && { echo "a list of concurrencies needs PEER=0" >&2; exit 2; }
+    max_batch=$(tr , '\n' <<< "$concurrency" | sort -n | tail -1)
+    repeat=${6:-$(( (2 * max_batch + 4) / 5 ))}
     [ "$peer" = 1 ] && bash bench/peer_on_device.sh start-build
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
@@ -29,13 +34,14 @@ if [ "${1:-}" = peer ]; then
     python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
 from decode_streaming import prepare_pack; prepare_pack('qwen3-30b-a3b', $layers, Path('bench-out'))"
     run=$(mktemp -d)
-    expertd --pack "bench-out/$stem.pack" --endpoint "ipc://$run/expertd.sock" 2> "$out/expertd.log" &
+    # shellcheck disable=SC2086  # EXPERTD_FLAGS: flags, split on purpose
+    expertd --pack "bench-out/$stem.pack" --endpoint "ipc://$run/expertd.sock" ${EXPERTD_FLAGS:-} 2> "$out/expertd.log" &
     daemon=$!
     worker= server=
     trap 'kill $daemon $worker $server 2>/dev/null || true' EXIT
     for _ in $(seq 100); do [ -S "$run/expertd.sock" ] && break; sleep 0.1; done
     expert-worker --pack "bench-out/$stem.pack" --daemon "ipc://$run/expertd.sock" --device cuda --port 8123 \
-        --model-name "$stem" --cache-vram-mib $((cache_gib * 1024)) --max-batch "$concurrency" 2> "$out/worker.log" &
+        --model-name "$stem" --cache-vram-mib $((cache_gib * 1024)) --max-batch "$max_batch" 2> "$out/worker.log" &
     worker=$!
     up() { for _ in $(seq 1200); do
         python3 -c "import urllib.request; urllib.request.urlopen('$1/health', timeout=5)" 2>/dev/null && return 0
@@ -44,8 +50,19 @@ from decode_streaming import prepare_pack; prepare_pack('qwen3-30b-a3b', $layers
     grep -E "warmed up|serving" "$out/worker.log" | cut -c1-300
     # measured once the build is done: its 16 jobs would take the worker's host thread's CPU
     while [ "$peer" = 1 ] && [ ! -f /tmp/llama-build.rc ]; do sleep 5; done
-    expertpack bench serve --endpoint http://127.0.0.1:8123 --max-tokens "$max_tokens" --concurrency "$concurrency" \
-        --repeat "$repeat" --out "$out/expertpack" --label "expert-worker ${cache_gib} GiB cache" 2>&1 | tail -4
+    read_bytes() { expertctl stats --endpoint "ipc://$run/expertd.sock" --json \
+        | python3 -c "import json, sys; print(json.load(sys.stdin)['counters']['pack_read_bytes'])"; }
+    for n in ${concurrency//,/ }; do
+        [ "$n" = "$concurrency" ] && dest="$out/expertpack" || dest="$out/expertpack-$n"
+        before=$(read_bytes)
+        expertpack bench serve --endpoint http://127.0.0.1:8123 --max-tokens "$max_tokens" --concurrency "$n" \
+            --repeat "${6:-$(( (2 * n + 4) / 5 ))}" --out "$dest" --label "expert-worker ${cache_gib} GiB cache" 2>&1 | tail -4
+        after=$(read_bytes)
+        python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['summary']; \
+t = sum(v['completion_tokens'] for v in s.values()); w = sum(v['wall_s'] for v in s.values()); gb = ($after - $before) / 1e9; \
+print(f'concurrency $n: {t} tokens in {w:.2f} s ({t / w:.1f} tok/s), {gb:.3f} GB read from the pack: {gb / t * 1e3:.2f} MB a token')" \
+            "$dest/bench-serve.json"
+    done
     # where the generation thread's time went: decode steps by rows, the tokens taken from them, prompt pieces
     python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/metrics').read().decode())" \
         | grep -E '^expertpack_(decode_steps|generation_thread)' || true
