@@ -12,6 +12,7 @@ MODELS = {
     "qwen3moe": "gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf",
     "mixtral": "gguf/mixtral-a/mixtral-a.Q4_K_M.gguf",
     "gpt-oss": "gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf",
+    "deepseek4": "flagship/deepseek4/dsv4-tiny.Q2_K.gguf",  # compressed attention, hash layers, hyper-connections
 }
 PROMPTS = {"a": [1, 5, 9, 200, 33, 17], "b": [4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19], "c": [250, 6],
            "d": [7, 7, 1000, 42], "e": [42]}

@@ -178,13 +178,14 @@ class Engine:
         """A sequence in the engine's arena: the handle a request holds (close it when done)."""
         return self.arena.open()
 
-    def kv_bytes_per_position(self) -> dict[torch.device, int]:
+    def kv_bytes_per_position(self) -> dict[torch.device, float]:
         """Bytes a sequence's KV memory takes per position on each device, for the models with
-        batched steps (their keys and values, every layer's alike: Model.kv_position_bytes). Worked
-        out, not measured on a step: a step reads experts, which a damaged pack may fail."""
-        per: dict[torch.device, int] = {}
+        batched steps (Model.kv_position_bytes, by layer: keys and values, or DeepSeek-V4's
+        compressed entries). Worked out, not measured on a step: a step reads experts, which a
+        damaged pack may fail."""
+        per: dict[torch.device, float] = {}
         for device, layers in zip(self.place.devices, self.layer_ranges):  # `cpu,cpu` (tests): one device
-            per[device] = per.get(device, 0) + self.model.kv_position_bytes * len(layers)
+            per[device] = per.get(device, 0) + sum(self.model.kv_position_bytes[i] for i in layers)
         return per
 
     @property
@@ -275,7 +276,7 @@ class Engine:
         tests/worker/test_batched_decode.py)."""
         if not getattr(self.model, "batched_decode", False):
             raise BatchUnsupported(f"{self.files.arch}: its model runs one sequence a step; batched decode steps are "
-                                   "written for qwen3moe, qwen2moe, llama (Mixtral) and gpt-oss so far")
+                                   "written for qwen3moe, qwen2moe, llama (Mixtral), gpt-oss and deepseek4 so far")
         if len(seqs) != len(tokens) or not seqs:
             raise ValueError(f"a batched step takes a token for each sequence: {len(seqs)} sequences, {len(tokens)} "
                              "tokens")

@@ -17,7 +17,7 @@ import torch
 from ..nn.activation import Activation
 from ..nn.compressed_attention import AttentionShape, AttentionWeights, LayerState, attention
 from ..nn.hyper_connections import HyperConnection
-from ..nn.layers import KVCache, Rope, RopeStyle
+from ..nn.layers import BatchKV, KVCache, Rope, RopeStyle
 from ..nn.moe import ExpertFFN
 from ..nn.placement import Placement
 from ..weights.model_files import ModelFiles, expert_count
@@ -85,6 +85,16 @@ KEYS = {
 }
 
 
+def _state_bytes_per_position(shape: AttentionShape) -> float:
+    """What a position adds to a layer's reserved state: each compressor's entry (one a `ratio`
+    positions, float32) and the indexer's tie flag (a byte); the window's raw entries and the
+    compressors' pending rows take the same at any length."""
+    if not shape.ratio:
+        return 0.0
+    entries = sum(d for _, d in shape.compressor_shapes().values()) * 4 / shape.ratio
+    return entries + (1 if shape.indexed else 0)
+
+
 def load_hyper_connection(w: dict[str, QTensor], prefix: str, a: Args) -> HyperConnection:
     """The hyper-connection whose tensors are `<prefix>_fn`, `_base` and `_scale`, dequantized once."""
     return HyperConnection(w[prefix + "_fn.weight"].dequant(), w[prefix + "_base.weight"].dequant(),
@@ -145,6 +155,7 @@ class Layer:
 
 class Model:
     static_decode = True  # once reserved, the compressed-attention states are buffers updated in place
+    batched_decode = True  # forward takes a BatchKV: each row's attention in its own sequence's states
     static_prompt = True  # a short prompt too: its compressors complete the windows it fills (_compress_pass)
 
     def __init__(self, files: ModelFiles, place: Placement) -> None:
@@ -162,6 +173,7 @@ class Model:
                                       overlap=layer.attn.compressor is not None and layer.attn.compressor.overlapping,
                                       indexed=layer.attn.indexer is not None) for i, layer in enumerate(self.layers)]
         self.hc_head = load_hyper_connection(w, "output_hc", a)
+        self.kv_position_bytes = tuple(_state_bytes_per_position(shape) for shape in self.shapes)  # by layer
         self.moe = ExpertFFN(place.ops, files.experts, expert_count(files),
                              [Activation(limit=float(c)) for c in a.clamp_exp])
         self.moe.static_routes.update({i: layer.router.table for i, layer in enumerate(self.layers)
@@ -174,8 +186,12 @@ class Model:
         decode step's. On the first device: static prompts run on workers of one device only."""
         return {i: LayerState(shape, self.device) for i, shape in enumerate(self.shapes)}
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: bool = False) -> torch.Tensor:
-        """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache | BatchKV, last: bool = False) -> torch.Tensor:
+        """tokens [T] -> logits [T, n_vocab]; appends to the cache. With a BatchKV the tokens are
+        several sequences' next ones: the attention runs row by row, each over its own sequence's
+        compressed states and window, as that sequence's own step does; the hyper-connections,
+        the shared expert and the routed experts (a layer's experts read once for the union of
+        the rows' picks) on every row at once."""
         ops = self.ops
         a = self.args
         x = ops.rows(self.token_embd, tokens)  # [T, D]
@@ -183,12 +199,13 @@ class Model:
         self.moe.begin(tokens)
         for i, layer in enumerate(self.layers):
             streams, tokens = self.place.hop(i, streams, tokens)
-            state = cache.state.setdefault(i, LayerState(self.shapes[i]))
-            rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
             pre, post, comb = layer.hc_attn.weights(ops, streams)
             h = layer.hc_attn.block_input(ops, streams, pre, ops.dequant(layer.attn_norm))
-            start = cache.length if cache.step_positions is None else cache.positions(len(tokens), h.device)
-            out = attention(ops, layer.attn, h, start, state, rope)
+            if isinstance(cache, BatchKV):
+                cache.positions(len(tokens), h.device)  # one token a sequence, or ValueError
+                out = torch.cat([self._attention(i, h[r:r + 1], c) for r, c in enumerate(cache.caches)])
+            else:
+                out = self._attention(i, h, cache)
             streams = ops.hc_expand(streams, out, post, comb)
 
             pre, post, comb = layer.hc_ffn.weights(ops, streams)
@@ -197,6 +214,13 @@ class Model:
         cache.advance(len(tokens))
         x = ops.rms_norm(self.hc_head.head(ops, streams), ops.dequant(self.output_norm), a.eps)
         return ops.output_logits(x, self.output, last)
+
+    def _attention(self, i: int, h: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Layer i's attention of h [T, D] at the cache's next positions, over its state there."""
+        state = cache.state.setdefault(i, LayerState(self.shapes[i]))
+        rope = self.compress_rope if self.shapes[i].ratio else self.main_rope
+        start = cache.length if cache.step_positions is None else cache.positions(h.shape[0], h.device)
+        return attention(self.ops, self.layers[i].attn, h, start, state, rope)
 
     def _moe(self, i: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         ops = self.ops

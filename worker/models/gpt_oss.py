@@ -70,7 +70,7 @@ class Model:
         self.moe.router = self.route
         self.rope = Rope(a.head_dim, a.rope_base, RopeStyle.NEOX, a.rope_factor, a.rope_original_context,
                          a.yarn_beta_fast, a.yarn_beta_slow, truncate=False, mscale=Rope.yarn_mscale(a.rope_factor))
-        self.kv_position_bytes = kv_bytes_per_position(a.n_head_kv, a.head_dim)  # a layer's
+        self.kv_position_bytes = (kv_bytes_per_position(a.n_head_kv, a.head_dim),) * a.n_layer  # by layer
         self.place, self.device, self.ops = place, place.first, place.ops
         self.layers = [GqaMoeLayer.load(w, i, a.n_layer, place, ffn_norm="post_attention_norm")
                        for i in range(a.n_layer)]

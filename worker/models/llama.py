@@ -54,7 +54,7 @@ class Model:
         self.moe = ExpertFFN(place.ops, files.experts, expert_count(files))
         self.moe.router = self.route
         self.rope = Rope(a.rope_dim or self.head_dim, a.rope_base, RopeStyle.NORM)
-        self.kv_position_bytes = kv_bytes_per_position(a.n_head_kv, self.head_dim)  # a layer's
+        self.kv_position_bytes = (kv_bytes_per_position(a.n_head_kv, self.head_dim),) * a.n_layer  # by layer
         self.place, self.device, self.ops = place, place.first, place.ops
         self.layers = [GqaMoeLayer.load(w, i, self.args.n_layer, place) for i in range(self.args.n_layer)]
 

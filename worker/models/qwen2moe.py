@@ -75,7 +75,7 @@ class Model:
         self.moe = ExpertFFN(place.ops, files.experts, expert_count(files))
         self.moe.router = self.route
         self.rope = Rope(self.head_dim, a.rope_base, RopeStyle.NEOX)
-        self.kv_position_bytes = kv_bytes_per_position(a.n_head_kv, self.head_dim)  # a layer's
+        self.kv_position_bytes = (kv_bytes_per_position(a.n_head_kv, self.head_dim),) * a.n_layer  # by layer
         self.place, self.device, self.ops = place, place.first, place.ops
 
     def shared_expert(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:

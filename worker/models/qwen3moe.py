@@ -53,7 +53,7 @@ class Model:
         self.moe = ExpertFFN(place.ops, files.experts, expert_count(files))
         self.moe.router = self.route
         self.rope = Rope(self.args.head_dim, self.args.rope_base, RopeStyle.NEOX)
-        self.kv_position_bytes = kv_bytes_per_position(self.args.n_head_kv, self.args.head_dim)  # a layer's
+        self.kv_position_bytes = (kv_bytes_per_position(self.args.n_head_kv, self.args.head_dim),) * self.args.n_layer
         self.place, self.device, self.ops = place, place.first, place.ops
         self.layers = [GqaMoeLayer.load(w, i, self.args.n_layer, place) for i in range(self.args.n_layer)]
 
