@@ -197,13 +197,16 @@ class Model:
         x = ops.rows(self.token_embd, tokens)  # [T, D]
         streams = x[:, None, :].expand(-1, a.hc, -1).contiguous()
         self.moe.begin(tokens)
+        rows = None
+        if isinstance(cache, BatchKV):
+            cache.bound(len(tokens))  # one token a sequence, or ValueError
+            rows = cache.caches
         for i, layer in enumerate(self.layers):
             streams, tokens = self.place.hop(i, streams, tokens)
             pre, post, comb = layer.hc_attn.weights(ops, streams)
             h = layer.hc_attn.block_input(ops, streams, pre, ops.dequant(layer.attn_norm))
-            if isinstance(cache, BatchKV):
-                cache.positions(len(tokens), h.device)  # one token a sequence, or ValueError
-                out = torch.cat([self._attention(i, h[r:r + 1], c) for r, c in enumerate(cache.caches)])
+            if rows is not None:
+                out = torch.cat([self._attention(i, h[r:r + 1], c) for r, c in enumerate(rows)])
             else:
                 out = self._attention(i, h, cache)
             streams = ops.hc_expand(streams, out, post, comb)
