@@ -57,8 +57,10 @@ def test_batched_steps_on_cuda_give_each_sequence_its_own_tokens(model: str, syn
     got = batched(engine, scenario)
     graphs = list(engine._batch_graphs.values())
     assert graphs and all(isinstance(g, DecodeGraph) for g in graphs)  # the batched steps were replayed
-    # slots {1, 2} (a's done, d not yet in) replayed the graph of {0, 1, 2}: only sets from 0 captured
-    assert all(slots == tuple(range(len(slots))) for _, slots in engine._batch_graphs)
+    # slots {1, 2} (a's done, d not yet in) replayed the graph of {0, 1, 2}: only sets from 0 captured;
+    # not DeepSeek-V4's, whose compressed states an idle row would advance (Engine._padded)
+    if model != "deepseek4":
+        assert all(slots == tuple(range(len(slots))) for _, slots in engine._batch_graphs)
     assert_rows_close(model, got, want)
 
 

@@ -81,7 +81,7 @@ def test_deepseek4_on_cuda_matches_transformers() -> None:
         cache = engine.new_sequence()
         got = engine.forward(ids + hf["greedy_ids"], cache).cpu().numpy()
         diff = np.abs(got - want).max(axis=1)
-        ties = sorted({pos for state in cache.state.values() for pos in state.indexer_ties})
+        ties = sorted({pos for state in cache.kv.state.values() for pos in state.indexer_ties})
         late = np.arange(len(got)) >= (ties[0] if ties else len(got))
         print(f"deepseek4 {name} on CUDA: max |diff| {diff[~late].max():.3g} before the first indexer tie "
               f"(position {ties[0] if ties else '-'}), {diff.max():.3g} overall")
