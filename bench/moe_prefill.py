@@ -2,8 +2,10 @@
 """One MoE layer of a prefill, every way the worker can run it, by prompt length: per (token,
 expert) pair (moe_tl, an expert's bytes decoded for every pair), in tiles (moe_tiles, decoded once
 per tile of up to 4 pairs of one expert), dense (moe_dense, each selected expert dequantized
-once and multiplied by all its tokens) and, for MXFP4 experts, grouped (moe_grouped: dense's
-products with each block of weights decoded on chip). Routing is uniform at random over the layer's experts;
+once and multiplied by all its tokens), for MXFP4 experts grouped (moe_grouped: dense's
+products with each block of weights decoded on chip), for Q4_K experts integer (moe_integer: dense's
+products as float16 products of the quants) and integer_tiles (the same products in tiles of a few
+pairs, the quants decoded on chip: a batched decode step's shapes). Routing is uniform at random over the layer's experts;
 each case is timed with triton.testing.do_bench, the results are compared with the per-pair one,
 and the worker's own choice (moe.fused_path) is shown beside the fastest, to set its thresholds
 from measurements.
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from expertpack.worker.engine.engine import Engine
-from expertpack.worker.kernels import moe_dense, moe_grouped, moe_tiles, moe_tl
+from expertpack.worker.kernels import moe_dense, moe_grouped, moe_integer, moe_tiles, moe_tl
 from expertpack.worker.nn.moe import fused_path
 from expertpack.worker.nn.triton_ops import TritonOps
 from kernel_bandwidth import bench_ms  # bench/ is on the path when this script runs
@@ -54,9 +56,13 @@ def main(argv: list[str] | None = None) -> int:
                 "dense": moe_dense.experts_dense}
         if moe_grouped.decodes(roles):
             runs["grouped"] = partial(moe_grouped.experts_grouped, n_expert=n_expert)
+        if moe_integer.runs(roles):
+            runs["integer"] = partial(moe_integer.experts_integer, n_expert=n_expert)
+            runs["integer_tiles"] = partial(moe_integer.experts_integer_tiles, n_expert=n_expert)
         want = moe_tl.experts_per_pair(x, table, offsets, w, roles, act)
-        row = {"tokens": t, "experts": int(torch.unique(ids).numel()), "chosen": fused_path(ids, n_expert, moe_grouped.decodes(roles),
-                                                                                    TritonOps.experts_tiled(roles))}
+        row = {"tokens": t, "experts": int(torch.unique(ids).numel()),
+               "chosen": fused_path(ids, n_expert, moe_grouped.decodes(roles), TritonOps.experts_tiled(roles),
+                                    moe_integer.runs(roles))}
         for name, run in runs.items():
             got = run(x, table, offsets, w, roles, act)
             row[f"{name}_rel_diff"] = ((got - want).norm() / want.norm()).item()

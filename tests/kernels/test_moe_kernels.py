@@ -194,6 +194,89 @@ def test_dense_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act
     assert torch.equal(moe_dense.experts_dense(*args), full)
 
 
+@pytest.mark.parametrize("act,fused,d,f,mean", [(ACTS[0], False, 256, 256, 0.0), (ACTS[3], True, 256, 256, 0.0),
+                                               (ACTS[0], False, 1280, 512, 4.0)],
+                         ids=["swiglu", "situ-fused", "superblocks-offset"])
+def test_integer_prefill_equals_the_reference(monkeypatch: pytest.MonkeyPatch, act: Activation, fused: bool, d: int,
+                                              f: int, mean: float, device: torch.device) -> None:
+    """Q4_K experts as float16 products of their integers (moe_integer): within float32's error of
+    the float64 reference (as moe_dense), rows of several superblocks and of more than one pass of
+    32 block sums included, activations away from zero too (where the integers' and the mins'
+    terms cancel); in groups of two experts and tiles of 16 pairs; one group of all gives the same
+    bits, and so does a wave of some experts' pairs, their blocks elsewhere."""
+    from expertpack.worker.kernels import moe_dense, moe_integer
+
+    module = __import__(__name__, fromlist=["D"])
+    monkeypatch.setattr(module, "D", d)
+    monkeypatch.setattr(module, "F", f)
+    one = moe_integer.unpacked_bytes(expert_roles(layout(T.Q4_K, T.Q4_K, fused, False)))
+    monkeypatch.setattr(moe_integer, "scratch_values", lambda dev: 2 * one // 4)
+    monkeypatch.setattr(moe_integer, "BM", 16)
+    monkeypatch.setattr(moe_dense, "BM", 16)
+    lay, ids, args, want = prompt_case(act, (T.Q4_K, T.Q4_K), fused, False, 40, (9, 10), device)
+    if mean:
+        x = args[0].cpu() + mean
+        args = (x.to(device), *args[1:])
+        want = reference(lay, args[1].cpu(), x, ids, args[3].cpu().reshape(ids.shape), act)
+    assert moe_integer.runs(args[4])
+    full = moe_integer.experts_integer(*args)
+    rel = ((full.cpu().double() - want).norm() / want.norm()).item()
+    dense_rel = ((moe_dense.experts_dense(*args).cpu().double() - want).norm() / want.norm()).item()
+    assert rel < 1e-6, f"relative error {rel:.2e} (moe_dense's {dense_rel:.2e})"
+    wave = (ids.flatten() % 2 == 1).nonzero().flatten().to(torch.int32).to(device)
+    assert_a_wave_gives_the_same_bits(moe_integer.experts_integer, args, lay.stride, wave)
+    monkeypatch.setattr(moe_integer, "scratch_values", lambda dev: 1 << 28)
+    assert torch.equal(moe_integer.experts_integer(*args), full)
+
+
+@pytest.mark.parametrize("fused,d,f,mean", [(False, 512, 256, 0.0), (True, 256, 512, 4.0)], ids=["plain", "fused-offset"])
+def test_integer_tiles_equal_the_reference(monkeypatch: pytest.MonkeyPatch, fused: bool, d: int, f: int, mean: float,
+                                           device: torch.device) -> None:
+    """A few pairs an expert (a short prompt, a batched decode step) in tiles of up to 16 pairs of
+    one expert, its Q4_K blocks decoded on chip into the integers (moe_integer.experts_integer_tiles):
+    within float32's error of the float64 reference, an expert of more pairs than a tile included;
+    a wave of some experts' pairs, their blocks elsewhere, gives those pairs the same bits."""
+    from expertpack.worker.kernels import moe_integer
+
+    module = __import__(__name__, fromlist=["D"])
+    monkeypatch.setattr(module, "D", d)
+    monkeypatch.setattr(module, "F", f)
+    lay, ids, args, want = prompt_case(ACTS[0], (T.Q4_K, T.Q4_K), fused, False, 40, (11, 12), device)
+    assert torch.bincount(ids.flatten()).max() > moe_integer.BM_TILES  # an expert takes two tiles
+    if mean:
+        x = args[0].cpu() + mean
+        args = (x.to(device), *args[1:])
+        want = reference(lay, args[1].cpu(), x, ids, args[3].cpu().reshape(ids.shape), ACTS[0])
+    got = moe_integer.experts_integer_tiles(*args)
+    rel = ((got.cpu().double() - want).norm() / want.norm()).item()
+    assert rel < 1e-6, f"relative error {rel:.2e}"
+    wave = (ids.flatten() % 2 == 0).nonzero().flatten().to(torch.int32).to(device)
+    assert_a_wave_gives_the_same_bits(moe_integer.experts_integer_tiles, args, lay.stride, wave)
+
+
+def test_integer_rows_far_from_one_keep_their_scale(device: torch.device) -> None:
+    """A row's power-of-two scale and its inverse are normal floats built from bits (a GPU division
+    flushes a subnormal quotient to zero: a row of tiny values came out NaN), the parts and block
+    sums in the scaled units; a row of zeros stays zeros."""
+    from expertpack.worker.kernels import moe_integer
+
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(3))
+    x[0] *= 1e-36
+    x[1] *= 1e30
+    x[2] = 0
+    x = x.to(device)
+    parts = moe_integer._Parts(4, 512, x.device).split(x)
+    assert torch.isfinite(parts.inv).all() and (parts.inv > 0).all()
+    assert (parts.inv >= 2.0 ** -126).all() and (parts.inv <= 2.0 ** 126).all()
+    back = (parts.hi.float() + parts.lo.float()) * parts.inv[:, None]
+    rel = ((back.double() - x.double()).norm(dim=1) / x.double().norm(dim=1).clamp_min(1e-300))
+    assert (rel[[1, 3]] < 1e-6).all(), rel
+    assert rel[0] < 1e-3, rel  # 1e-36 lies under float32's normal range: its parts keep what it has
+    assert torch.equal(back[2], x[2])
+    sums = (parts.hi.float() + parts.lo.float()).view(4, 16, 32).sum(-1)
+    assert torch.allclose(parts.sums, sums, rtol=1e-6, atol=0)
+
+
 def test_dense_scratch_takes_all_experts_only_where_memory_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's dequantized experts in one group where the device has room (the products' tails
     once, not once per group), in bounded groups where the expert cache filled it, and in bounded
@@ -305,3 +388,27 @@ def test_i_quant_experts_never_take_the_tiles_path() -> None:
         assert TritonOps.experts_tiled(roles) == tiled
         assert fused_path(few, N_EXPERT, False, TritonOps.experts_tiled(roles)) == ("tiles" if tiled else "per_pair")
         assert fused_path(many, N_EXPERT, False, TritonOps.experts_tiled(roles)) == "dense"
+
+
+def test_a_long_prompts_q4_k_experts_take_the_integer_paths() -> None:
+    """Experts whose three matrices are Q4_K and have no biases run in moe_integer's tiles from
+    INTEGER_TILES_MIN_PAIRS_PER_EXPERT pairs an expert and unpacked from INTEGER_MIN_PAIRS_PER_EXPERT;
+    another type or a bias keeps them dense; a few pairs an expert stay in tiles."""
+    from expertpack.worker.kernels import moe_integer
+    from expertpack.worker.nn.moe import (DENSE_MIN_PAIRS_PER_EXPERT, INTEGER_MIN_PAIRS_PER_EXPERT,
+                                          INTEGER_TILES_MIN_PAIRS_PER_EXPERT, fused_path)
+    from expertpack.worker.nn.triton_ops import TritonOps
+
+    def pairs(per_expert: int) -> torch.Tensor:
+        return torch.arange(per_expert * N_EXPERT).reshape(-1, 1) % N_EXPERT
+
+    assert 2 < INTEGER_TILES_MIN_PAIRS_PER_EXPERT < INTEGER_MIN_PAIRS_PER_EXPERT
+    between = pairs(max(INTEGER_TILES_MIN_PAIRS_PER_EXPERT, DENSE_MIN_PAIRS_PER_EXPERT))
+    for types, biases, integer in (((T.Q4_K, T.Q4_K), False, True), ((T.Q4_K, T.Q6_K), False, False),
+                                   ((T.Q4_K, T.Q4_K), True, False)):
+        roles = expert_roles(layout(*types, False, biases))
+        assert TritonOps.experts_integer(roles) == moe_integer.runs(roles) == integer
+        assert fused_path(pairs(2), N_EXPERT, False, True, integer) == "tiles"
+        assert fused_path(between, N_EXPERT, False, True, integer) == ("integer_tiles" if integer else "dense")
+        assert fused_path(pairs(INTEGER_MIN_PAIRS_PER_EXPERT), N_EXPERT, False, True, integer) == (
+            "integer" if integer else "dense")

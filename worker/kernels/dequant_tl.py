@@ -291,6 +291,48 @@ def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
     return tl.reshape(scale * q.to(tl.float32) - offset, (BN, 256))
 
 
+@triton.jit
+def q4_k_integer_rows(rowp, c, m, BN: tl.constexpr):
+    """Superblock c of the Q4_K rows at rowp [BN, 1] in integer form (moe_integer): the value at k is
+    d * I[k] - M[k // 32], with I = scale * (quant - 8) (in [-504, 441]: exact in float16), d the row's
+    superblock scale, M = dmin * min - 8 * d * scale per 32-value block (both products exact in
+    float32, their difference rounded once). Centred quants keep I . x small where x is not: with
+    scale * quant >= 0, a row of activations away from zero made a large sum that the mins' term
+    then cancelled, and the tensor cores truncate their sums. -> I [BN, 256] float32 (integers),
+    d [BN, 1], M [BN, 8]."""
+    bp = rowp + c * 144
+    mr = tl.reshape(tl.max(m.to(tl.int32), axis=1), (BN, 1)) > 0
+    s8 = tl.arange(0, 8)[None, :]
+    sc, mn = _k_scale_min(bp + 4, s8, mr)  # [BN, 8], sub-block s = 2 * group + nibble
+    g = tl.arange(0, 4)[None, :, None, None, None]
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    w4 = tl.arange(0, 8)[None, None, None, :, None]
+    b = tl.arange(0, 4)[None, None, None, None, :]
+    wp = (bp[:, :, None, None, None] + 16 + g * 32 + w4 * 4).to(tl.pointer_type(tl.int32))
+    word = tl.load(wp, mask=mr[:, :, None, None, None], other=0)
+    q = ((word >> (b * 8 + h * 4)) & 0xF) - 8  # [BN, 4, 2, 8, 4]
+    ints = tl.reshape(sc, (BN, 4, 2, 1, 1)) * q
+    d = _f16(bp, mr)
+    mins = _f16(bp + 2, mr) * mn.to(tl.float32) - (8.0 * d) * sc.to(tl.float32)
+    return tl.reshape(ints.to(tl.float32), (BN, 256)), d, mins
+
+
+@triton.jit
+def q4_k_integer_block(bp, b, mr, BN: tl.constexpr):
+    """Block b (0..7: 32 values) of the Q4_K superblocks at bp [BN, 1] in q4_k_integer_rows' form,
+    straight from the bytes: I [BN, 32] float32 (scale * (quant - 8)) and M [BN, 1] (dmin * min - 8 *
+    d * scale); mr [BN, 1] the rows that exist. The quants are the low (even b) or high nibbles of the
+    32 bytes of group b // 2, read as eight int32 words."""
+    sc, mn = _k_scale_min(bp + 4, b, mr)  # [BN, 1]
+    w4 = tl.arange(0, 8)[None, :, None]
+    byte = tl.arange(0, 4)[None, None, :]
+    wp = (bp[:, :, None] + 16 + (b // 2) * 32 + w4 * 4).to(tl.pointer_type(tl.int32))  # [BN, 8, 1]
+    word = tl.load(wp, mask=mr[:, :, None], other=0)
+    q = ((word >> (byte * 8 + (b % 2) * 4)) & 0xF) - 8  # [BN, 8, 4]: value 4 * word + byte
+    mins = _f16(bp + 2, mr) * mn.to(tl.float32) - (8.0 * _f16(bp, mr)) * sc.to(tl.float32)
+    return (tl.reshape(q, (BN, 32)) * sc).to(tl.float32), mins
+
+
 # ---- the i-quants and ternary quants: weights/quant_iq.py's arithmetic, its tables read through `tab` ----
 @triton.jit
 def _u16(p, m):

@@ -49,23 +49,37 @@ def torch_expert(ops: TorchOps, x: torch.Tensor, w: ExpertWeights, act: Activati
 Boundary = Callable[[int, torch.Tensor, Guesses], ExpertRows]
 
 DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequantize once and multiply (bench/moe_prefill.py)
+# For experts moe_integer runs (Q4_K): from INTEGER_TILES_MIN_PAIRS_PER_EXPERT its products in tiles decoded on
+# chip, from INTEGER_MIN_PAIRS_PER_EXPERT unpacked once into scratch. One Qwen3-30B-A3B layer on the H100
+# (bench/moe_prefill.py, ms): 4 pairs an expert tiles 1.30 / integer_tiles 1.66; 8: 2.19 / 1.75 (dense 2.33,
+# integer 2.11); 16: integer_tiles 2.47 / integer 2.12. Where the lines cross: 6 and 12.
+INTEGER_TILES_MIN_PAIRS_PER_EXPERT = 6
+INTEGER_MIN_PAIRS_PER_EXPERT = 12
 TILES_MIN_PAIRS_PER_EXPERT = 2  # from this many, decode each expert once per tile of its pairs (moe_tiles)
 
 
-def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False, tiles: bool = True) -> str:
+def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False, tiles: bool = True,
+               integer: bool = False) -> str:
     """Which kernels run a step's experts: for MXFP4 experts (`grouped`: moe_grouped.decodes),
     "grouped" (products on tensor cores, each expert's bytes
     decoded once per tile of its pairs) from TILES_MIN_PAIRS_PER_EXPERT pairs per routed expert;
-    otherwise "dense" (moe_dense: dequantized once, grouped products) once the step has enough
-    pairs per expert to repay that, "tiles" (moe_tiles: an expert's bytes decoded once per tile of
-    its pairs) where experts are shared by a few pairs and `tiles` (their types decode well in
-    tiles: not the i-quants, TritonOps.experts_tiled); else "per_pair" (moe_tl, a decode step).
-    A function of the step's shape and the experts' types alone: no host sync, and every wave of a
-    cache decides alike. The thresholds are where bench/moe_prefill.py and decode_settings.py find
-    each path the fastest (BENCHMARKS.md)."""
+    otherwise, once the step has enough pairs per expert to repay unpacking each expert once,
+    "integer" (moe_integer: float16 products of the quants, for experts it runs: `integer`) or
+    "dense" (moe_dense: dequantized once, grouped products); for `integer` experts with fewer pairs
+    than repay that but at least INTEGER_TILES_MIN_PAIRS_PER_EXPERT, "integer_tiles" (moe_integer's
+    products in tiles of a few pairs, decoded on chip); "tiles" (moe_tiles: an expert's bytes
+    decoded once per tile of its pairs) where experts are shared by a few pairs and `tiles` (their
+    types decode well in tiles: not the i-quants, TritonOps.experts_tiled); else "per_pair"
+    (moe_tl, a decode step). A function of the step's shape and the experts' types alone: no host
+    sync, and every wave of a cache decides alike. The thresholds are where bench/moe_prefill.py
+    and decode_settings.py find each path the fastest (BENCHMARKS.md)."""
     many = ids.shape[0] > 1 and ids.numel() >= TILES_MIN_PAIRS_PER_EXPERT * n_expert
     if grouped:
         return "grouped" if many else "per_pair"
+    if integer and ids.numel() >= INTEGER_MIN_PAIRS_PER_EXPERT * n_expert:
+        return "integer"
+    if integer and ids.shape[0] > 1 and ids.numel() >= INTEGER_TILES_MIN_PAIRS_PER_EXPERT * n_expert:
+        return "integer_tiles"
     if ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * n_expert:
         return "dense"
     return "tiles" if many and tiles else "per_pair"
@@ -165,7 +179,8 @@ class ExpertFFN:
         x = h.to(torch.float32).contiguous()
         w = weights.to(torch.float32).reshape(-1).contiguous()
         # by the whole step: every wave alike
-        path = fused_path(ids, self.n_expert, ops.experts_grouped(roles), ops.experts_tiled(roles))
+        path = fused_path(ids, self.n_expert, ops.experts_grouped(roles), ops.experts_tiled(roles),
+                          ops.experts_integer(roles))
         run = ops.experts_runner(path, self.n_expert)
         y = None
         if rows is None:  # `then` comes with a prefetching source only (ExpertCache, CacheGroup)

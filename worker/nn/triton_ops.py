@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from gguf import GGMLQuantizationType as T
 
-from ..kernels import hyper_tl, moe_grouped
+from ..kernels import hyper_tl, moe_grouped, moe_integer
 from ..kernels.attention_tl import decode_attention
 from ..kernels.compress_tl import compress_step, step_visible
 from ..kernels.iq_dot_tl import IQ_DOT_TYPES
@@ -156,12 +156,19 @@ class TritonOps(TorchOps):
         """The fused MoE kernels of moe.fused_path's `path`."""
         return {"grouped": partial(moe_grouped.experts_grouped, n_expert=n_expert),
                 "dense": partial(experts_dense, n_expert=n_expert),
+                "integer": partial(moe_integer.experts_integer, n_expert=n_expert),
+                "integer_tiles": partial(moe_integer.experts_integer_tiles, n_expert=n_expert),
                 "tiles": partial(experts_in_tiles, n_expert=n_expert), "per_pair": experts_per_pair}[path]
 
     @staticmethod
     def experts_grouped(roles: ExpertRoles) -> bool:
         """Whether these experts run on the tensor-core kernels (moe_grouped: MXFP4)."""
         return moe_grouped.decodes(roles)
+
+    @staticmethod
+    def experts_integer(roles: ExpertRoles) -> bool:
+        """Whether a long prompt's experts run as float16 products of their quants (moe_integer: Q4_K)."""
+        return moe_integer.runs(roles)
 
     @staticmethod
     def experts_tiled(roles: ExpertRoles) -> bool:
