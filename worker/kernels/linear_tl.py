@@ -24,7 +24,9 @@ BN_REGROUPED = 32  # the same for regrouped Q8_0: its 128-bit loads repay wider 
 MATVEC_WARPS = 4
 BN_DEQUANT = 16
 PROGRAMS_PER_SM = 4  # split K until a matvec has this many programs per multiprocessor
-MATVEC_MAX_ROWS = 8  # up to this many rows of x, decode in registers; more, dequantize and multiply
+# Up to this many rows of x, decode in registers; more, dequantize and multiply. A batched step of 16
+# rows (bench/profile_batch.py, resident Q3-12L, H100): 11.93 ms with 16, 13.08 with 8; 4 and 8 rows alike.
+MATVEC_MAX_ROWS = 16
 DEQUANT_PIECE_VALUES = 1 << 24  # a prefill dequantizes a big matrix in pieces of 64 MiB of float32
 
 

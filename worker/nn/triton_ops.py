@@ -14,11 +14,11 @@ from typing import Callable
 import torch
 from gguf import GGMLQuantizationType as T
 
-from ..kernels import hyper_tl, moe_grouped, moe_integer
+from ..kernels import hyper_tl, linear_tl, moe_grouped, moe_integer
 from ..kernels.attention_tl import decode_attention
 from ..kernels.compress_tl import compress_step, step_visible
 from ..kernels.iq_dot_tl import IQ_DOT_TYPES
-from ..kernels.linear_tl import MATVEC_MAX_ROWS, dequantize, matmul, matvec_heads, matvec_parts
+from ..kernels.linear_tl import dequantize, matmul, matvec_heads, matvec_parts
 from ..kernels.moe_dense import experts_dense
 from ..kernels.moe_tiles import experts_in_tiles
 from ..kernels.moe_tl import experts_per_pair
@@ -43,14 +43,14 @@ class TritonOps(TorchOps):
         return y.to(x.dtype)
 
     def linear_parts(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= MATVEC_MAX_ROWS:
+        if x.dim() == 2 and x.shape[0] <= linear_tl.MATVEC_MAX_ROWS:
             k, n = w.shape[0], math.prod(w.shape[1:])
             return matvec_parts(x.to(torch.float32).contiguous(), w.raw, w.kernel_type, k, n)
         return self.linear(x, w)
 
     def head_linear(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
         t, h, k = x.shape
-        if t <= MATVEC_MAX_ROWS:
+        if t <= linear_tl.MATVEC_MAX_ROWS:
             return matvec_heads(x.to(torch.float32), w.raw, w.kernel_type, k, math.prod(w.shape[1:]) // h).to(x.dtype)
         return super().head_linear(x, w)
 
