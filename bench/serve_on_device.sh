@@ -65,7 +65,7 @@ print(f'concurrency $n: {t} tokens in {w:.2f} s ({t / w:.1f} tok/s), {gb:.3f} GB
     done
     # where the generation thread's time went: decode steps by rows, the tokens taken from them, prompt pieces
     python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/metrics').read().decode())" \
-        | grep -E '^expertpack_(decode_steps|generation_thread)' || true
+        | grep -E '^expertpack_(decode_steps|mixed_steps|generation_thread)' || true
     kill -TERM "$worker" && wait "$worker" || true
     kill -TERM "$daemon" && wait "$daemon" || true
     worker= daemon=

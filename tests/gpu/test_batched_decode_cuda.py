@@ -64,6 +64,17 @@ def test_batched_steps_on_cuda_give_each_sequence_its_own_tokens(model: str, syn
     assert_rows_close(model, got, want)
 
 
+@pytest.mark.parametrize("model", sorted(m for m in MODELS if m != "deepseek4") + ["qwen3-30b-a3b-2L"])
+def test_a_prompt_beside_running_sequences_on_cuda(model: str, synth: Path) -> None:
+    """Mixed steps (Engine.mixed_step) on the kernels: a newcomer's prompt in one step with the
+    running rows' next tokens gives every sequence its own tokens, its logits within float32 rounding."""
+    path = synth if model == "qwen3-30b-a3b-2L" else FIXTURES / MODELS[model]
+    engine = Engine.load(path, "cuda", resident_experts=True)
+    scenario = SCENARIOS["torch"]
+    want = {name: alone(engine, name, steps) for name, (_, steps) in scenario.items()}
+    assert_rows_close(model, batched(engine, scenario, mixed=True), want)
+
+
 @pytest.mark.parametrize("share", [1.0, 0.5], ids=["every-expert", "half"])
 def test_batched_steps_over_the_expert_cache_replay_graphs_on_cuda(fixture_packs, tmp_path: Path, share: float) -> None:
     """expert-worker's case, through expertd: into a cache that holds every expert the batched

@@ -45,23 +45,41 @@ def alone(engine: Engine, name: str, steps: int) -> tuple[list[int], list[torch.
     return tokens, logits
 
 
-def batched(engine: Engine, scenario: dict[str, tuple[int, int]]) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+def batched(engine: Engine, scenario: dict[str, tuple[int, int]], mixed: bool = False
+            ) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+    """The scenario's sequences in batched steps; with `mixed`, a newcomer's prompt runs in one step
+    with the running sequences' next tokens (Engine.mixed_step) where any run, as expert-worker's
+    scheduler runs it."""
     running: dict[str, Sequence] = {}
     out: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
     step = 0
+
+    def took(names: list[str], rows: torch.Tensor) -> None:
+        for name, row in zip(names, rows):
+            tokens, logits = out[name]
+            logits.append(row)
+            tokens.append(int(row.argmax()))
+            if len(logits) == scenario[name][1]:
+                running.pop(name).close()  # done: its slot goes back (d takes a's)
+
     while len(out) < len(scenario) or running:
+        stepped = False
         for name, (at, _) in scenario.items():
-            if at == step:
-                seq = running[name] = engine.new_sequence()
-                out[name] = ([prefill(engine, seq, PROMPTS[name])], [])
-        if running:
+            if at != step:
+                continue
+            seq = engine.new_sequence()
             names = list(running)
-            rows = engine.decode_batch([running[n] for n in names], [out[n][0][-1] for n in names])
-            for name, row in zip(names, rows):
-                tokens, logits = out[name]
-                logits.append(row)
-                tokens.append(int(row.argmax()))
-                if len(logits) == scenario[name][1]:
-                    running.pop(name).close()  # done: its slot goes back (d takes a's)
+            if mixed and names:
+                rows = engine.mixed_step(seq, PROMPTS[name], [running[n] for n in names],
+                                         [out[n][0][-1] for n in names])
+                out[name] = ([int(rows[0].argmax())], [])
+                took(names, rows[1:])
+                stepped = True
+            else:
+                out[name] = ([prefill(engine, seq, PROMPTS[name])], [])
+            running[name] = seq
+        if running and not stepped:
+            names = list(running)
+            took(names, engine.decode_batch([running[n] for n in names], [out[n][0][-1] for n in names]))
         step += 1
     return out

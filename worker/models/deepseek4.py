@@ -186,9 +186,9 @@ class Model:
         decode step's. On the first device: static prompts run on workers of one device only."""
         return {i: LayerState(shape, self.device) for i, shape in enumerate(self.shapes)}
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | BatchKV, last: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | BatchKV, last: int = 0) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache. With a BatchKV the tokens are
-        several sequences' next ones: the attention runs row by row, each over its own sequence's
+        several sequences' (runs of them, BatchKV.counts): the attention runs run by run, each over its own sequence's
         compressed states and window, as that sequence's own step does; the hyper-connections,
         the shared expert and the routed experts (a layer's experts read once for the union of
         the rows' picks) on every row at once."""
@@ -197,16 +197,16 @@ class Model:
         x = ops.rows(self.token_embd, tokens)  # [T, D]
         streams = x[:, None, :].expand(-1, a.hc, -1).contiguous()
         self.moe.begin(tokens)
-        rows = None
+        runs = None
         if isinstance(cache, BatchKV):
-            cache.bound(len(tokens))  # one token a sequence, or ValueError
-            rows = cache.caches
+            cache.bound(len(tokens))  # the runs' tokens, or ValueError
+            runs = cache.segments()
         for i, layer in enumerate(self.layers):
             streams, tokens = self.place.hop(i, streams, tokens)
             pre, post, comb = layer.hc_attn.weights(ops, streams)
             h = layer.hc_attn.block_input(ops, streams, pre, ops.dequant(layer.attn_norm))
-            if rows is not None:
-                out = torch.cat([self._attention(i, h[r:r + 1], c) for r, c in enumerate(rows)])
+            if runs is not None:
+                out = torch.cat([self._attention(i, h[r], c) for c, r in runs])
             else:
                 out = self._attention(i, h, cache)
             streams = ops.hc_expand(streams, out, post, comb)

@@ -100,10 +100,9 @@ def gqa_attention(ops: TorchOps, a: GqaWeights, h: torch.Tensor, layer: int, cac
                   window: int | None = None, parts: bool = False) -> torch.Tensor:
     """h [T, D] -> [T, D]; with `parts`, a decode step on the fast path may answer [T, S, D],
     partial sums for add_rms_norm. With a BatchKV the rows are several sequences' tokens: the
-    projections run on all of them, the cache writes and the attention row by row, each in its
-    own sequence's cache."""
-    rows = [(cache, slice(None))] if not isinstance(cache, BatchKV) else [
-        (c, slice(i, i + 1)) for i, c in enumerate(cache.caches)]
+    projections run on all of them, the cache writes and the attention run by run (BatchKV.counts),
+    each in its own sequence's cache."""
+    rows = [(cache, slice(None))] if not isinstance(cache, BatchKV) else cache.segments()
     if a.qkv is not None and ops.kernels and h.dtype == torch.float32:
         o = _fused_gqa(ops, a, h, layer, rows, n_head, n_head_kv, head_dim, rope, cos, sin, eps, window)
         if parts and a.output_bias is None:

@@ -236,43 +236,62 @@ class KVCache:
 
 
 class BatchKV:
-    """One decode step of several sequences together, a token each: row i of the step is the
-    next token of `caches[i]`. What the models that take it (Model.batched_decode) read of a
-    KVCache: each row's position is its own sequence's length; its keys and values go into, and
-    its attention reads, its own cache only (gqa.gqa_attention attends row by row). Everything
-    else in the step (the matrices, the experts) runs on all rows at once.
+    """One step of several sequences together: row i of the step is the next token of `caches[i]`,
+    or with `counts` the rows come in runs, counts[i] tokens of caches[i] one after another (a
+    prompt's piece beside other sequences' next tokens: Engine.mixed_step). What the models that
+    take it (Model.batched_decode) read of a KVCache: each run's positions follow its own
+    sequence's length; its keys and values go into, and its attention reads, its own cache only
+    (gqa.gqa_attention attends run by run, a run causally as a prompt). Everything else in the
+    step (the matrices, the experts) runs on all rows at once.
 
-    Eager, or static (engine.BatchDecode, a CUDA graph of the step): `positions` [rows] on the
-    device then holds each row's position, and each cache's step_positions is its row of it, so
-    every row writes and attends as a static one-sequence step does, at every position alike."""
+    Eager, or static (engine.BatchDecode, a CUDA graph of the step; one token a sequence):
+    `positions` [rows] on the device then holds each row's position, and each cache's
+    step_positions is its row of it, so every row writes and attends as a static one-sequence
+    step does, at every position alike."""
 
-    def __init__(self, caches: list[KVCache], positions: torch.Tensor | None = None) -> None:
+    def __init__(self, caches: list[KVCache], positions: torch.Tensor | None = None,
+                 counts: list[int] | None = None) -> None:
         if any((c.step_positions is not None) != (positions is not None) for c in caches):
             raise ValueError("a batched step's caches are inside its static pass (positions given) or none is")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("a sequence appears twice in one batched step")
+        self.counts = [1] * len(caches) if counts is None else list(counts)
+        if len(self.counts) != len(caches) or min(self.counts, default=1) < 1:
+            raise ValueError(f"a batched step takes one run of tokens or more a sequence: {self.counts} for "
+                             f"{len(caches)} sequences")
+        if positions is not None and max(self.counts, default=1) > 1:
+            raise ValueError("a static batched step takes one token a sequence")
         self.caches = caches
         self.static_positions = positions
+
+    def segments(self) -> list[tuple[KVCache, slice]]:
+        """Each sequence's cache and its rows of the step."""
+        out, start = [], 0
+        for c, n in zip(self.caches, self.counts):
+            out.append((c, slice(start, start + n)))
+            start += n
+        return out
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         if self.static_positions is not None:
             self._rows(t)
             return self.static_positions
-        return torch.tensor([c.length for c in self._rows(t)], dtype=torch.int64, device=device)
+        return torch.cat([torch.arange(c.length, c.length + n, dtype=torch.int64)
+                          for c, n in zip(self._rows(t), self.counts)]).to(device)
 
     def bound(self, t: int) -> int:
         rows = self._rows(t)
         if self.static_positions is not None:
             return max(c.bound(1) for c in rows)  # the rows' capacities: a static pass attends whole buffers
-        return max(c.length for c in rows) + 1
+        return max(c.length + n for c, n in zip(rows, self.counts))
 
     def advance(self, t: int) -> None:
-        for c in self._rows(t):
-            c.length += 1
+        for c, n in zip(self._rows(t), self.counts):
+            c.length += n
 
     def _rows(self, t: int) -> list[KVCache]:
-        if t != len(self.caches):
-            raise ValueError(f"a batched step of {len(self.caches)} sequences got {t} tokens (one each)")
+        if t != sum(self.counts):
+            raise ValueError(f"a batched step of {self.counts} tokens by sequence got {t} tokens")
         return self.caches
 
 

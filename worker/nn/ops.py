@@ -56,11 +56,12 @@ class TorchOps:
         """Rows `ids` of a matrix (an embedding lookup) without dequantizing the whole table."""
         return w.rows(ids, dtype)
 
-    def output_logits(self, h: torch.Tensor, head: QTensor, last: bool) -> torch.Tensor:
-        """The output head over every position, or over the last one only where nothing else reads
-        the prompt's logits (a generation's prefill): the head is a step's largest matrix, and a
-        long prompt's logits are its largest product."""
-        return self.linear(h[-1:] if last else h, head)
+    def output_logits(self, h: torch.Tensor, head: QTensor, last: int) -> torch.Tensor:
+        """The output head over every position, or over the last `last` rows only (True: one) where
+        nothing else reads the prompt's logits (a generation's prefill; a mixed step's prompt piece
+        and next tokens, Engine.mixed_step): the head is a step's largest matrix, and a long
+        prompt's logits are its largest product."""
+        return self.linear(h[-int(last):] if last else h, head)
 
     # -- pointwise
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """expert-worker's generation thread: continuous batching over the engine.
 
 Requests arrive on a queue; the one thread that owns the engine loops: it admits waiting choices
-while fewer than `max_batch` run (each gets a sequence of its own in the engine's arena), runs the
-next piece of at most one admitted prompt (`prefill_chunk` tokens, so that a long prompt delays the
-others' next token by one piece, not by the whole prompt), then one decode step for every running
-choice: alone through the engine's captured graph (Engine.forward), together through
-Engine.decode_batch, where a layer's experts are fetched once for the union of the rows' picks.
-A choice that ends leaves at once and its slot takes the next waiting one.
+while fewer than `max_batch` run (each gets a sequence of its own in the engine's arena), then runs
+one step: the next piece of at most one admitted prompt (`prefill_chunk` tokens, so that a long
+prompt delays the others' next token by one piece, not by the whole prompt) together with the next
+token of every running choice (Engine.mixed_step: the running choices go on while a prompt runs,
+and the step reads a layer's experts once for both), or where the model cannot mix them the piece
+and then a decode step; a decode step alone through the engine's captured graph (Engine.forward),
+together through Engine.decode_batch, where a layer's experts are fetched once for the union of the
+rows' picks. A choice that ends leaves at once and its slot takes the next waiting one.
 
 A choice's tokens do not depend on its company beyond the steps' rounding: each row samples from
 its own logits with its own sampler, and decode_batch's logits equal a sequence's own step's
@@ -75,7 +77,9 @@ class ThreadTimes:
     steps: dict[int, int] = field(default_factory=dict)  # rows of a decode step -> steps run
     step_seconds: dict[int, float] = field(default_factory=dict)  # rows -> seconds, launch to logits ready
     token_seconds: float = 0.0  # sampling, stop checks, text and logprobs handed to the streams
-    prompt_seconds: float = 0.0  # prompt pieces, their first token included
+    prompt_seconds: float = 0.0  # prompt pieces run alone, their first token included
+    mixed_steps: int = 0  # steps that ran a prompt piece beside the running choices' next tokens
+    mixed_seconds: float = 0.0  # their seconds, launch to logits ready
 
     def stepped(self, rows: int, seconds: float) -> None:
         self.steps[rows] = self.steps.get(rows, 0) + 1
@@ -152,7 +156,8 @@ class BatchScheduler:
         running, admitting = self._running, self._admitting
         while True:
             waiting = running or admitting
-            while len(running) + len(admitting) < self.max_batch and not self._stopping.is_set():
+            # a choice done at its last token holds its sequence until its text is out (_ending)
+            while len(running) + len(admitting) + len(self._ending) < self.max_batch and not self._stopping.is_set():
                 try:
                     job = self._jobs.get(block=not waiting)
                 except queue.Empty:
@@ -166,6 +171,10 @@ class BatchScheduler:
                         waiting = True
             if self._stopping.is_set() and not running and not admitting:
                 return
+            if admitting and running and self.generator.engine.mixes(admitting[0].choice.seq,
+                                                                     [r.choice.seq for r in running]):
+                self._step(running, admitting[0], admitting)
+                continue
             if admitting:
                 self._settle(running)  # the last step's text first: a prompt piece may take a while
                 self._prefill(admitting[0], admitting, running)
@@ -184,10 +193,11 @@ class BatchScheduler:
         return _Running(Choice(self.generator, job.req, seq, job.on_text, cancelled, job.on_logprobs), job)
 
     def _prefill(self, r: _Running, admitting: list[_Running], running: list[_Running]) -> None:
-        """The next piece of the first admitted prompt; a prompt run to its end joins the running."""
+        """The next piece of the first admitted prompt, alone; a prompt run to its end joins the running."""
         start = time.perf_counter()
         try:
-            r.choice.prefill(self.prefill_chunk if running else None)
+            piece = r.choice.next_piece(self.prefill_chunk if running else None)
+            logits = self.generator.engine.forward(piece, r.choice.seq, last=True)[-1] if piece else None
         except Exception as exc:  # this request's failure, not the others'
             log.exception("a prompt failed")
             admitting.remove(r)
@@ -195,29 +205,35 @@ class BatchScheduler:
             return
         finally:
             self.times.prompt_seconds += time.perf_counter() - start
-        if r.choice.done:
-            admitting.remove(r)
-            r.close()
-        elif r.choice.prefilled:
-            admitting.remove(r)
-            running.append(r)
+        self._piece_done(r, piece, logits, admitting, running)
 
-    def _step(self, running: list[_Running]) -> None:
-        """One decode step of every running choice; the ones that end leave. The step is launched
-        first, then the previous step's tokens are settled (their text handed out, stop strings
-        looked for) while the GPU runs it; a choice a stop string ended has its row dropped. A
-        failure of the step ends the choices in it; a failure of one row's sampling or sinks ends
-        that row's."""
+    def _step(self, running: list[_Running], prompt: _Running | None = None,
+              admitting: list[_Running] | None = None) -> None:
+        """One decode step of every running choice, with `prompt`'s next piece where given (a
+        mixed step; a prompt run to its end joins the running); the ones that end leave. The step
+        is launched first, then the previous step's tokens are settled (their text handed out,
+        stop strings looked for) while the GPU runs it; a choice a stop string ended has its row
+        dropped. A failure of the step ends the choices in it; a failure of one row's sampling or
+        sinks ends that row's."""
         engine = self.generator.engine
+        piece = prompt.choice.next_piece(self.prefill_chunk) if prompt is not None else []
+        if prompt is not None and not piece:  # its client left while it waited
+            self._piece_done(prompt, piece, None, admitting, running)
+            prompt = None
         start = time.perf_counter()
+        first = None
         try:
-            if len(running) == 1:
+            if prompt is not None:
+                out = engine.mixed_step(prompt.choice.seq, piece, [r.choice.seq for r in running],
+                                        [r.choice.token for r in running])
+                first, rows = out[0], list(out[1:])
+            elif len(running) == 1:
                 rows = [engine.forward([running[0].choice.token], running[0].choice.seq)[-1]]
             else:
                 rows = list(engine.decode_batch([r.choice.seq for r in running], [r.choice.token for r in running]))
         except Exception as exc:
             self._settle(running)
-            self._fail_step(running, exc)
+            self._fail_step(running, exc, prompt, admitting)
             return
         launched = time.perf_counter()
         stepped = list(running)
@@ -230,16 +246,45 @@ class BatchScheduler:
             greedy = [i for i, r in enumerate(running) if r.choice.req.sampler.greedy]  # one argmax for them
             chosen = dict(zip(greedy, torch.stack([live[i] for i in greedy]).argmax(-1).tolist())) if greedy else {}
         except Exception as exc:  # the step failed on the device: its choices end, not the thread
-            self._fail_step(running, exc)
+            self._fail_step(running, exc, prompt, admitting)
             return
-        self.times.stepped(len(rows), launched - start + ready - settled)
+        if prompt is None:
+            self.times.stepped(len(rows), launched - start + ready - settled)
+        else:
+            self.times.mixed_steps += 1
+            self.times.mixed_seconds += launched - start + ready - settled
         try:
             self._take(running, live, chosen)
+            if prompt is not None:
+                self._piece_done(prompt, piece, first, admitting, running)
         finally:
             self.times.token_seconds += settled - launched + time.perf_counter() - ready
 
-    def _fail_step(self, running: list[_Running], exc: Exception) -> None:
+    def _piece_done(self, r: _Running, piece: list[int], logits: torch.Tensor | None, admitting: list[_Running],
+                    running: list[_Running]) -> None:
+        """A step ran r's prompt piece (none: its client left): the last piece takes the first token
+        and the choice joins the running; one that ended leaves."""
+        try:
+            if piece:
+                r.choice.piece_done(piece, logits)
+        except Exception as exc:  # this request's failure, not the others'
+            log.exception("a prompt failed")
+            admitting.remove(r)
+            r.close(exc)
+            return
+        if r.choice.done:
+            admitting.remove(r)
+            r.close()
+        elif r.choice.prefilled:
+            admitting.remove(r)
+            running.append(r)
+
+    def _fail_step(self, running: list[_Running], exc: Exception, prompt: _Running | None = None,
+                   admitting: list[_Running] | None = None) -> None:
         log.exception("a decode step of %d sequences failed", len(running), exc_info=exc)
+        if prompt is not None:  # a mixed step's prompt was in it too
+            admitting.remove(prompt)
+            prompt.close(exc)
         for r in running:
             r.close(exc)
         running.clear()

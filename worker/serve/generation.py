@@ -189,14 +189,23 @@ class Choice:
 
     def prefill(self, limit: int | None = None) -> None:
         """Runs the prompt, or its next `limit` tokens; its last piece takes the first token."""
-        if self.cancelled():  # the client left while this request waited its turn
+        piece = self.next_piece(limit)
+        if piece:
+            self.piece_done(piece, self.engine.forward(piece, self.seq, last=True)[-1])
+
+    def next_piece(self, limit: int | None = None) -> list[int]:
+        """The prompt's next `limit` tokens (all that are left without one) for a step to run,
+        or none where the client left while this request waited its turn (the choice is then done)."""
+        if self.cancelled():
             self.finish_reason, self.done = "cancelled", True
-            return
+            return []
         prompt = self.req.prompt_ids
-        end = len(prompt) if limit is None else min(len(prompt), self.prompt_done + limit)
-        logits = self.engine.forward(prompt[self.prompt_done:end], self.seq, last=True)[-1]
-        self.prompt_done = end
-        if end == len(prompt):
+        return prompt[self.prompt_done:len(prompt) if limit is None else self.prompt_done + limit]
+
+    def piece_done(self, piece: list[int], logits: torch.Tensor) -> None:
+        """A step ran `piece`, giving `logits` [V] after its last token; the last piece takes the first token."""
+        self.prompt_done += len(piece)
+        if self.prefilled:
             # On the logits' device, like the choice: updating it there keeps the step free of host copies.
             if self.req.sampler.penalizes:
                 self.counts = torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)
