@@ -16,9 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
-from expertpack.packtools.build import BuildOptions, build_pack
-from expertpack.packtools.synth.writer import SynthOptions, write_synth
+# Without a GPU the Triton kernels run in Triton's interpreter, which must be on before any kernel is
+# defined (at import): here, so that every test folder run alone (tests/worker's kernel cases) gets it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from expertpack.packtools.build import BuildOptions, build_pack  # noqa: E402
+from expertpack.packtools.synth.writer import SynthOptions, write_synth  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # The files the tests read, carried in the repository; EXPERTPACK_FIXTURES points them at another

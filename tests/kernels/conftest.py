@@ -1,13 +1,8 @@
 """Kernel tests run the Triton kernels on CUDA when there is a GPU, else on the CPU through Triton's
-interpreter, which must be switched on before the kernels are defined (at import)."""
-
-import os
+interpreter (switched on in tests/conftest.py, before the kernels are defined)."""
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton", reason="the kernel tests need triton (pip install triton==3.6.0)")
 
