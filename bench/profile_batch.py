@@ -9,8 +9,14 @@ second that makes, and the same step with the slots {0..B-1} against a set missi
 functions that took the most time (cProfile, own time). A step of B rows that costs B times one
 row's is bound by something per row; one that costs about one row's is bound by launches.
 
+With --mixed, continuous batching's step while prompts are admitted (Engine.mixed_step: pieces of
+prompts beside the next token of B running sequences, eager), over the cache, against what it
+replaces (each piece alone, as the scheduler runs one, then the B-row step), and the host
+functions and GPU kernels of the last mixed case at --profile-batch rows: where its time goes.
+
   python3 bench/profile_batch.py [--preset qwen3-30b-a3b] [--layers 12] [--batches 1,2,4,8,16]
       [--settings "" "linear_tl.MATVEC_ROWS_PER_PROGRAM=1"]   (the resident case per setting)
+      [--mixed 64,200,4x50]   (mixed steps of these prompt pieces, over the cache)
 """
 
 from __future__ import annotations
@@ -84,6 +90,73 @@ def kernel_table(engine, b: int, top: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
 
 
+def mixed_ms(engine, seqs: list, piece: tuple[int, int], steps: int, device: str, mixed: bool,
+             profiler: cProfile.Profile | None = None) -> float:
+    """Milliseconds per step of `piece` (prompts, tokens each: new sequences each step) beside the
+    next token of each of `seqs`: one mixed step, or (`mixed` off) each prompt alone then the
+    batched step, the rows' argmax read back as the scheduler reads them."""
+    tokens = [1 + i for i in range(len(seqs))]
+    n, length = piece
+    prompts = [[(5 + 3 * i + j) % 1000 + 1 for i in range(length)] for j in range(n)]
+
+    def one() -> None:
+        nonlocal tokens
+        news = [engine.new_sequence() for _ in prompts]
+        try:
+            if mixed:
+                out = engine.mixed_step(list(zip(news, prompts)), seqs, tokens)
+                firsts, tokens = out[:n].argmax(-1).tolist(), out[n:].argmax(-1).tolist()
+            else:
+                firsts = [int(engine.forward(p, seq, last=True)[-1].argmax()) for seq, p in zip(news, prompts)]
+                tokens = engine.decode_batch(seqs, tokens).argmax(-1).tolist()
+        finally:
+            for seq in news:
+                seq.close()
+        assert min(firsts) >= 0
+
+    for _ in range(3):  # compiles, first touches
+        one()
+    sync(device)
+    if profiler is not None:
+        profiler.enable()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+    return elapsed / steps * 1000
+
+
+def measure_mixed(engine, batches: list[int], pieces: list[tuple[int, int]], steps: int, device: str, profile_at: int,
+                  top: int) -> tuple[dict[str, dict[int, float]], cProfile.Profile, str]:
+    """ms of a mixed step against the piece alone then the step, by batch size, for each piece;
+    the host functions and (CUDA) the GPU kernels of the last piece's mixed step at profile_at rows."""
+    out: dict[str, dict[int, float]] = {}
+    profiler = cProfile.Profile()
+    kernels = ""
+    seqs = [engine.new_sequence() for _ in range(max(batches))]
+    try:
+        for seq in seqs:
+            engine.forward([7, 8, 9], seq, last=True)
+        for p in pieces:
+            for mixed in (True, False):
+                name = f"prompt {p[0]}x{p[1]} {'mixed with' if mixed else 'alone, then'} the B-row step"
+                out[name] = {b: mixed_ms(engine, seqs[:b], p, steps, device, mixed) for b in batches if b > 1}
+        mixed_ms(engine, seqs[:profile_at], pieces[-1], steps, device, True, profiler)
+        if device.startswith("cuda"):
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                mixed_ms(engine, seqs[:profile_at], pieces[-1], KERNEL_STEPS, device, True)
+            kernels = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    finally:
+        for seq in seqs:
+            seq.close()
+    return out, profiler, kernels
+
+
 def measure(engine, batches: list[int], steps: int, device: str, profile_at: int | None
             ) -> tuple[dict[str, dict[int, float]], cProfile.Profile | None]:
     """ms a step for every batch size, over slots 0..B-1 and over them less slot 1 (B > 2)."""
@@ -106,6 +179,12 @@ def measure(engine, batches: list[int], steps: int, device: str, profile_at: int
     return out, profiler
 
 
+def piece(text: str) -> tuple[int, int]:
+    """--mixed's TOKENS or NxTOKENS -> (prompts, tokens each)."""
+    n, _, length = text.rpartition("x")
+    return int(n or 1), int(length)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -122,6 +201,9 @@ def main() -> int:
                         'or worker (as decode_settings.py takes them; "" the defaults)')
     p.add_argument("--kernels", type=lambda v: [int(b) for b in v.split(",") if b], default=[1, 4],
                    help="batch sizes whose eager resident steps are profiled kernel by kernel (CUDA)")
+    p.add_argument("--mixed", type=lambda v: [piece(n) for n in v.split(",") if n], default=[],
+                   help="the prompt pieces of mixed steps timed over the cache, comma-separated: TOKENS (one "
+                        "prompt) or NxTOKENS (N prompts of TOKENS each); none by default")
     args = p.parse_args()
     batches = sorted({int(b) for b in args.batches.split(",")})
 
@@ -159,6 +241,10 @@ def main() -> int:
                              name="profile-batch")
         engine.expert_cache.fill()
         results["expert cache"], profiler = measure(engine, batches, args.steps, args.device, args.profile_batch)
+        mixed_profiler = None
+        if args.mixed:
+            results["expert cache, mixed"], mixed_profiler, kernel_tables["a mixed step"] = measure_mixed(
+                engine, batches, args.mixed, max(4, args.steps // 4), args.device, args.profile_batch, args.top)
         kinds = sorted({kind.__name__ for kind, _ in engine._batch_graphs})
         engine.close()
     finally:
@@ -170,15 +256,24 @@ def main() -> int:
         for name, ms in by.items():
             print(f"{case + ', ' + name + ', ms':64}" + "".join(f"{ms[b]:10.3f}" if b in ms else f"{'':>10}"
                                                                for b in batches))
-        ms = by["slots 0..B-1"]
-        print(f"{case + ', tokens/s':64}" + "".join(f"{b / ms[b] * 1000:10.1f}" for b in batches))
-    for b, table in kernel_tables.items():
-        print(f"GPU kernels of the resident step of {b}, eager, {KERNEL_STEPS} steps (torch.profiler):")
+        ms = by.get("slots 0..B-1")
+        if ms:
+            print(f"{case + ', tokens/s':64}" + "".join(f"{b / ms[b] * 1000:10.1f}" for b in batches))
+    for b, table in ((b, t) for b, t in kernel_tables.items() if t):
+        what = f"{b} over the cache" if b == "a mixed step" else f"the resident step of {b}, eager"
+        print(f"GPU kernels of {what}, {KERNEL_STEPS} steps (torch.profiler, {KERNEL_STEPS + 3} with the warm-up's):")
         print(table)
     if profiler is not None:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
         print(f"host time of the cache's step of {args.profile_batch} rows, {args.steps} steps (cProfile, own time):")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:5000])
+    if mixed_profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(mixed_profiler, stream=out).sort_stats("tottime").print_stats(args.top)
+        n, length = args.mixed[-1]
+        print(f"host time of the mixed step of {n} pieces of {length} tokens and {args.profile_batch} rows "
+              "(cProfile, own time):")
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:5000])
     print(json.dumps({"bench": "profile_batch", "date": date.today().isoformat(), "model": stem,
                       "machine": f"{os.uname().nodename} {os.cpu_count()} cpu", "device": args.device,
