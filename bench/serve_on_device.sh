@@ -10,21 +10,19 @@
 # --dest .peer/llama.cpp), in one call of about 7 minutes (the llama.cpp build runs meanwhile):
 #   bash bench/serve_on_device.sh peer LAYERS CACHE_GIB MAX_TOKENS [CONCURRENCY [REPEAT]]
 # which starts the build, serves the pack through expertd and expert-worker (measured once the build is
-# done, which would take its CPU), then the GGUF through
-# `llama-server -ngl 99 -np CONCURRENCY`, runs `expertpack bench serve` on each and compares them
-# (each set's prompts sent REPEAT times, by default enough for twice CONCURRENCY requests a set;
-# expert-worker with --max-batch CONCURRENCY, so that both run that many together). PEER=0 measures
-# expert-worker alone (no build, no llama-server: a couple of minutes); there CONCURRENCY may be a
-# list (1,4,16: one worker with --max-batch of the largest, one `bench serve` each) and EXPERTD_FLAGS
-# goes to expertd (--ram-cache-gib 0: every miss read from the SSD), and each run prints the pack
-# bytes expertd read per completion token (`expertctl stats`), what streaming costs the disk.
+# done, which would take its CPU), then the GGUF through `llama-server -ngl 99 -np N`, runs
+# `expertpack bench serve` on each and compares them (each set's prompts sent REPEAT times, by
+# default enough for twice CONCURRENCY requests a set). CONCURRENCY may be a list (4,16): one
+# expert-worker with --max-batch N and one llama-server with -np N, N the largest, and one
+# `bench serve` and comparison each, so that both run as many together. PEER=0 measures
+# expert-worker alone (no build, no llama-server: a couple of minutes); there EXPERTD_FLAGS goes
+# to expertd (--ram-cache-gib 0: every miss read from the SSD), and each run prints the pack bytes
+# expertd read per completion token (`expertctl stats`), what streaming costs the disk.
 set -euo pipefail
 if [ "${1:-}" = peer ]; then
     layers=${2:-12} cache_gib=${3:-8} max_tokens=${4:-64} concurrency=${5:-1}
     peer=${PEER:-1}
-    [ "$peer" = 1 ] && [ "${concurrency//,/}" != "$concurrency" ] && { echo "a list of concurrencies needs PEER=0" >&2; exit 2; }
     max_batch=$(tr , '\n' <<< "$concurrency" | sort -n | tail -1)
-    repeat=${6:-$(( (2 * max_batch + 4) / 5 ))}
     [ "$peer" = 1 ] && bash bench/peer_on_device.sh start-build
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site .
@@ -65,24 +63,30 @@ print(f'concurrency $n: {t} tokens in {w:.2f} s ({t / w:.1f} tok/s), {gb:.3f} GB
     done
     # where the generation thread's time went: decode steps by rows, the tokens taken from them, prompt pieces
     python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/metrics').read().decode())" \
-        | grep -E '^expertpack_(decode_steps|mixed_steps|generation_thread)' || true
+        | grep -E '^expertpack_(decode_steps|prompt_p|generation_thread)' || true
     kill -TERM "$worker" && wait "$worker" || true
     kill -TERM "$daemon" && wait "$daemon" || true
     worker= daemon=
     [ "$peer" = 1 ] || { trap - EXIT; exit 0; }
     while [ ! -f /tmp/llama-build.rc ]; do sleep 5; done
     [ "$(cat /tmp/llama-build.rc)" = 0 ] || { tail -20 /tmp/llama-build.log; exit 1; }
-    /tmp/llama-build/bin/llama-server -m "bench-out/$stem.gguf" -ngl 99 -np "$concurrency" --port 8080 \
+    /tmp/llama-build/bin/llama-server -m "bench-out/$stem.gguf" -ngl 99 -np "$max_batch" --port 8080 \
         > "$out/llama-server.log" 2>&1 &
     server=$!
     up http://127.0.0.1:8080
-    expertpack bench serve --endpoint http://127.0.0.1:8080 --max-tokens "$max_tokens" --concurrency "$concurrency" \
-        --repeat "$repeat" --out "$out/llama" --label "llama-server -ngl 99" 2>&1 | tail -4
+    for n in ${concurrency//,/ }; do
+        [ "$n" = "$concurrency" ] && suffix= || suffix="-$n"
+        expertpack bench serve --endpoint http://127.0.0.1:8080 --max-tokens "$max_tokens" --concurrency "$n" \
+            --repeat "${6:-$(( (2 * n + 4) / 5 ))}" --out "$out/llama$suffix" --label "llama-server -ngl 99" 2>&1 | tail -4
+    done
     kill -TERM "$server" && wait "$server" || true
     server=
     trap - EXIT
-    expertpack bench serve --compare "$out/expertpack/bench-serve.json" "$out/llama/bench-serve.json" --out "$out" 2>&1 \
-        | tail -12
+    for n in ${concurrency//,/ }; do
+        [ "$n" = "$concurrency" ] && suffix= || suffix="-$n"
+        expertpack bench serve --compare "$out/expertpack$suffix/bench-serve.json" "$out/llama$suffix/bench-serve.json" \
+            --out "$out${suffix:+/compare$suffix}" 2>&1 | tail -12
+    done
     exit 0
 fi
 layers=${1:-48}

@@ -66,7 +66,7 @@ def test_batched_steps_on_cuda_give_each_sequence_its_own_tokens(model: str, syn
 
 @pytest.mark.parametrize("model", sorted(m for m in MODELS if m != "deepseek4") + ["qwen3-30b-a3b-2L"])
 def test_a_prompt_beside_running_sequences_on_cuda(model: str, synth: Path) -> None:
-    """Mixed steps (Engine.mixed_step) on the kernels: a newcomer's prompt in one step with the
+    """Mixed steps (Engine.mixed_step) on the kernels: newcomers' prompts in one step with the
     running rows' next tokens gives every sequence its own tokens, its logits within float32 rounding."""
     path = synth if model == "qwen3-30b-a3b-2L" else FIXTURES / MODELS[model]
     engine = Engine.load(path, "cuda", resident_experts=True)

@@ -16,10 +16,11 @@ MODELS = {
 }
 PROMPTS = {"a": [1, 5, 9, 200, 33, 17], "b": [4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19], "c": [250, 6],
            "d": [7, 7, 1000, 42], "e": [42]}
-# name -> (the batched step at which it joins, after its prefill; its decode steps): a leaves after
-# step 5 and d takes its slot at step 7. Triton's interpreter takes ~5 s a token of these models
+# name -> (the batched step at which it joins, after its prefill; its decode steps): b and c join
+# together (a mixed step: both prompts beside a's token), a leaves after step 5 and d takes its slot
+# at step 7. Triton's interpreter takes ~5 s a token of these models
 # (prompt tokens too, up to 8): the kernels' run is one step of two rows at different positions.
-SCENARIOS = {"torch": {"a": (0, 6), "b": (2, 8), "c": (3, 5), "d": (7, 4)}, "kernels": {"c": (0, 1), "e": (0, 1)}}
+SCENARIOS = {"torch": {"a": (0, 6), "b": (2, 8), "c": (2, 5), "d": (7, 4)}, "kernels": {"c": (0, 1), "e": (0, 1)}}
 
 
 def eager_step(engine: Engine, seq: Sequence, token: int) -> torch.Tensor:
@@ -47,9 +48,9 @@ def alone(engine: Engine, name: str, steps: int) -> tuple[list[int], list[torch.
 
 def batched(engine: Engine, scenario: dict[str, tuple[int, int]], mixed: bool = False
             ) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
-    """The scenario's sequences in batched steps; with `mixed`, a newcomer's prompt runs in one step
+    """The scenario's sequences in batched steps; with `mixed`, the newcomers' prompts run in one step
     with the running sequences' next tokens (Engine.mixed_step) where any run, as expert-worker's
-    scheduler runs it."""
+    scheduler runs them."""
     running: dict[str, Sequence] = {}
     out: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
     step = 0
@@ -64,20 +65,19 @@ def batched(engine: Engine, scenario: dict[str, tuple[int, int]], mixed: bool = 
 
     while len(out) < len(scenario) or running:
         stepped = False
-        for name, (at, _) in scenario.items():
-            if at != step:
-                continue
-            seq = engine.new_sequence()
-            names = list(running)
-            if mixed and names:
-                rows = engine.mixed_step(seq, PROMPTS[name], [running[n] for n in names],
-                                         [out[n][0][-1] for n in names])
-                out[name] = ([int(rows[0].argmax())], [])
-                took(names, rows[1:])
-                stepped = True
-            else:
+        joining = {name: engine.new_sequence() for name, (at, _) in scenario.items() if at == step}
+        names = list(running)
+        if mixed and names and joining:
+            rows = engine.mixed_step([(seq, PROMPTS[name]) for name, seq in joining.items()],
+                                     [running[n] for n in names], [out[n][0][-1] for n in names])
+            for name, row in zip(joining, rows):
+                out[name] = ([int(row.argmax())], [])
+            took(names, rows[len(joining):])
+            stepped = True
+        else:
+            for name, seq in joining.items():
                 out[name] = ([prefill(engine, seq, PROMPTS[name])], [])
-            running[name] = seq
+        running.update(joining)
         if running and not stepped:
             names = list(running)
             took(names, engine.decode_batch([running[n] for n in names], [out[n][0][-1] for n in names]))

@@ -56,7 +56,7 @@ def how_served(worker: Worker) -> str:
     the server ran by rows (a row decoded beside another may round otherwise on the CPU, where a
     batched step is one matrix product), its generation thread's time and its last log lines."""
     metrics = [line for line in worker.get("/metrics")[1].splitlines()
-               if line.startswith(("expertpack_decode_steps", "expertpack_mixed_steps", "expertpack_generation_thread"))]
+               if line.startswith(("expertpack_decode_steps", "expertpack_prompt_p", "expertpack_generation_thread"))]
     return "server: " + "; ".join(metrics) + "\n" + "\n".join(worker.log.splitlines()[-12:])
 
 

@@ -42,8 +42,8 @@ def test_batched_steps_give_each_sequence_its_own_tokens(model: str, fast: bool)
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_a_prompt_beside_running_sequences_gives_each_its_own_tokens(model: str) -> None:
-    """Mixed steps (Engine.mixed_step, continuous batching while a prompt is admitted): a newcomer's
-    prompt in one step with the running sequences' next tokens. Each sequence's greedy tokens are
+    """Mixed steps (Engine.mixed_step, continuous batching while prompts are admitted): two
+    newcomers' prompts in one step with the running sequences' next tokens. Each sequence's greedy tokens are
     its own alone, its logits its own eager steps' within float32 rounding. DeepSeek-V4's
     sequences keep compressed states a static step updates in place: it says it does not mix."""
     engine = Engine.load(FIXTURES / MODELS[model], resident_experts=True)
@@ -51,9 +51,9 @@ def test_a_prompt_beside_running_sequences_gives_each_its_own_tokens(model: str)
     if model == "deepseek4":
         with engine.new_sequence() as running, engine.new_sequence() as newcomer:
             prefill(engine, running, [1, 5, 9])
-            assert not engine.mixes(newcomer, [running])
+            assert not engine.mixes([newcomer, running])
             with pytest.raises(BatchUnsupported, match="keep no states"):
-                engine.mixed_step(newcomer, [4, 81], [running], [3])
+                engine.mixed_step([(newcomer, [4, 81])], [running], [3])
         return
     want = {name: alone(engine, name, steps) for name, (_, steps) in scenario.items()}
     got = batched(engine, scenario, mixed=True)
@@ -65,14 +65,16 @@ def test_a_prompt_beside_running_sequences_gives_each_its_own_tokens(model: str)
 
 
 def test_a_mixed_step_checks_what_it_is_given() -> None:
+    """A token for each running sequence, a piece for each prompt, every sequence once: else
+    nothing runs and no cache moves."""
     engine = Engine.load(FIXTURES / MODELS["qwen3moe"], resident_experts=True)
-    with engine.new_sequence() as a, engine.new_sequence() as b:
+    with engine.new_sequence() as a, engine.new_sequence() as b, engine.new_sequence() as c:
         prefill(engine, a, [1, 5])
-        with pytest.raises(ValueError, match="a token for each"):
-            engine.mixed_step(b, [4, 81], [a], [])
-        with pytest.raises(ValueError, match="a token for each"):
-            engine.mixed_step(a, [4], [a], [3])
-        assert (a.kv.length, b.kv.length) == (2, 0)
+        for pieces, seqs, tokens in (([(b, [4, 81])], [a], []), ([(a, [4])], [a], [3]),
+                                     ([(b, [4]), (b, [5])], [a], [3]), ([(b, [4]), (c, [])], [a], [3]), ([], [a], [3])):
+            with pytest.raises(ValueError, match="a token for each"):
+                engine.mixed_step(pieces, seqs, tokens)
+        assert (a.kv.length, b.kv.length, c.kv.length) == (2, 0, 0)
 
 
 def test_a_model_of_one_sequence_a_step_says_so() -> None:

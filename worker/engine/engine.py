@@ -286,44 +286,51 @@ class Engine:
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             return self.model.forward(ids, BatchKV([s.kv for s in seqs])).to(torch.float32)
 
-    def mixes(self, seq: Sequence, seqs: list[Sequence]) -> bool:
-        """Whether a prompt piece of `seq` can run in one step beside the next tokens of `seqs`
-        (mixed_step): for the models of batched steps whose sequences keep no states of their own
-        (KDA's, DeepSeek-V4's compressed ones, which a static step updates in place and an eager
-        pass would have to take over)."""
-        return (getattr(self.model, "batched_decode", False) and bool(seqs)
-                and not any(s.kv.state for s in [seq, *seqs]))
+    def mixes(self, seqs: list[Sequence]) -> bool:
+        """Whether these sequences' tokens can run in one step, pieces of prompts beside next
+        tokens (mixed_step): for the models of batched steps whose sequences keep no states of
+        their own (KDA's, DeepSeek-V4's compressed ones, which a static step updates in place and
+        an eager pass would have to take over)."""
+        return (getattr(self.model, "batched_decode", False) and len(seqs) > 1
+                and not any(s.kv.state for s in seqs))
 
     @torch.inference_mode()
-    def mixed_step(self, seq: Sequence, piece: list[int], seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
-        """A piece of `seq`'s prompt and the next token of each of `seqs` in one pass, continuous
-        batching's step while a prompt is admitted: the running sequences take their next token
-        while the prompt runs, rather than wait for it, and the pass reads a layer's experts once
-        for the prompt's and the rows' picks together. -> logits [1 + len(seqs), n_vocab] (float32):
-        row 0 after the piece's last token, row 1 + i after tokens[i].
+    def mixed_step(self, pieces: list[tuple[Sequence, list[int]]], seqs: list[Sequence], tokens: list[int]
+                   ) -> torch.Tensor:
+        """Pieces of prompts (each sequence's next tokens of its prompt) and the next token of each
+        of `seqs` (none or more) in one pass: prompts admitted together run as one, reading a
+        layer's experts once for every row's picks (expert-worker's scheduler; serve/batching.py
+        says why it keeps its running sequences' tokens out). -> logits [len(pieces) + len(seqs),
+        n_vocab] (float32): row i after the last token of pieces[i], then one row after each of
+        `tokens`.
 
-        Eager (the prompt's length varies), each sequence's attention over its own cache (BatchKV
+        Eager (the pieces' lengths vary), each sequence's attention over its own cache (BatchKV
         runs). Over the expert cache's device table where a prompt would take it (_prompt_from_table:
         no host stop per layer), else through the expert source. Rows are computed as a prompt's
         are, so a running sequence's logits equal its own decode step's within float32 rounding,
         as a batched step's do (decode_batch)."""
-        if not self.mixes(seq, seqs):
-            raise BatchUnsupported(f"{self.files.arch}: a prompt piece runs beside other sequences' steps only for "
+        prompts = [seq for seq, _ in pieces]
+        if len(seqs) != len(tokens) or not pieces or not all(piece for _, piece in pieces) or (
+                len({id(s) for s in prompts + seqs}) != len(prompts) + len(seqs)):
+            raise ValueError(f"a mixed step takes pieces of prompts of sequences of their own and a token for each of "
+                             f"the {len(seqs)} other sequences: pieces of {[len(p) for _, p in pieces]} tokens, "
+                             f"{len(tokens)} tokens")
+        if not self.mixes(prompts + seqs):
+            raise BatchUnsupported(f"{self.files.arch}: prompt pieces run beside other sequences' steps only for "
                                    "models of batched steps whose sequences keep no states of their own")
-        if len(seqs) != len(tokens) or not piece or seq in seqs:
-            raise ValueError(f"a mixed step takes a prompt piece of another sequence and a token for each of the "
-                             f"{len(seqs)} sequences: {len(piece)} prompt tokens, {len(tokens)} tokens")
-        kv = BatchKV([seq.kv, *(s.kv for s in seqs)], counts=[len(piece), *([1] * len(seqs))])
-        rows = 1 + len(seqs)
+        counts = [len(piece) for _, piece in pieces] + [1] * len(seqs)
+        kv = BatchKV([s.kv for s in prompts + seqs], counts=counts)
+        ends = torch.tensor(counts).cumsum(0) - 1  # each run's last row: the rows whose logits are read
+        ids = [t for _, piece in pieces for t in piece] + list(tokens)
         with self.place.running():
-            if self._prompt_from_table(seq.kv) and TableDecode.usable(self.model, kv.caches):
-                logits = TableDecode(self.model, kv, self.device, last=rows, capture=False, static=False).step(
-                    piece + tokens)
+            last = ends.to(self.device)
+            if self._prompt_from_table(prompts[0].kv) and TableDecode.usable(self.model, kv.caches):
+                logits = TableDecode(self.model, kv, self.device, last=last, capture=False, static=False).step(ids)
                 if logits is not None:
                     return logits
                 self._note_step(missed=True)
-            ids = torch.tensor(piece + tokens, dtype=torch.int64, device=self.device)
-            return self.model.forward(ids, kv, rows).to(torch.float32)
+            return self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), kv, last
+                                      ).to(torch.float32)
 
     def _static_batch(self, seqs: list[Sequence], tokens: list[int]) -> torch.Tensor:
         """A batched step with static shapes, every cache reserved as a one-sequence step reserves

@@ -308,15 +308,17 @@ class TableDecode:
     eager pass.
 
     A prompt of `tokens` tokens (logits of its last `last`), or a batched step (a list of
-    caches, a token each), runs the same way (and eagerly, a BatchKV's runs: Engine.mixed_step), as static shapes (a graph per prompt length or set
-    of slots, `capture`) or eagerly with `static` off (a long prompt), except that it takes
+    caches, a token each), runs the same way (and eagerly, a BatchKV's runs: Engine.mixed_step),
+    as static shapes (a graph per prompt length or set of slots, `capture`) or eagerly with
+    `static` off (a long prompt), except that it takes
     experts from the VRAM slots only: the transit slots hold one token's k, so a pass that needs
     a kept block is run again the usual way, as one that needs an absent expert is. Where the
     cache holds every expert that is never: a prompt or a batch costs a few launches a layer
     instead of the host's work per expert (engine._table_prompt, engine._batch_step)."""
 
     def __init__(self, model: Model, cache: KVCache | list[KVCache] | BatchKV, device: torch.device, tokens: int = 1,
-                 last: int = 0, pool: object = None, capture: bool | None = None, static: bool = True) -> None:
+                 last: int | torch.Tensor = 0, pool: object = None, capture: bool | None = None,
+                 static: bool = True) -> None:
         if isinstance(cache, BatchKV) and (static or capture):
             raise ValueError("runs of several sequences' tokens (a mixed step) take the table eagerly only")
         self.model, self.cache, self.device = model, cache, device

@@ -32,10 +32,11 @@ class Model(Protocol):
     # An architecture with its own per-layer states (KVCache.state) that a static prompt can start
     # from also has `new_states() -> dict[int, LayerCache]`: the states before a first token.
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | torch.Tensor = 0) -> torch.Tensor:
         """tokens [T] (on the device) -> logits [T, n_vocab] (the last `last` positions' only where
-        it is not 0; True: the last one's); continues the cache. The models with `batched_decode`
-        also take a BatchKV: several sequences' tokens in one pass."""
+        it is not 0; True: the last one's; a tensor of positions: theirs, ops.output_logits);
+        continues the cache. The models with `batched_decode` also take a BatchKV: several
+        sequences' tokens in one pass."""
         ...
 
 

@@ -173,7 +173,7 @@ class Model:
             out = out + layer.shared(self.ops, h)
         return out
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | torch.Tensor = 0) -> torch.Tensor:
         ops = self.ops
         a, t = self.args, len(tokens)
         x = ops.rows(self.token_embd, tokens)

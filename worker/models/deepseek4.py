@@ -186,7 +186,7 @@ class Model:
         decode step's. On the first device: static prompts run on workers of one device only."""
         return {i: LayerState(shape, self.device) for i, shape in enumerate(self.shapes)}
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | BatchKV, last: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | BatchKV, last: int | torch.Tensor = 0) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache. With a BatchKV the tokens are
         several sequences' (runs of them, BatchKV.counts): the attention runs run by run, each over its own sequence's
         compressed states and window, as that sequence's own step does; the hyper-connections,

@@ -75,7 +75,7 @@ class Model:
         self.layers = [GqaMoeLayer.load(w, i, a.n_layer, place, ffn_norm="post_attention_norm")
                        for i in range(a.n_layer)]
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | torch.Tensor = 0) -> torch.Tensor:
         ops = self.ops
         a, hd, t = self.args, self.args.head_dim, len(tokens)
         x = ops.rows(self.token_embd, tokens)

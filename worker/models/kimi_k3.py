@@ -200,7 +200,7 @@ class Model:
             out = out + self._mlp(moe.shared, h)
         return out
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | torch.Tensor = 0) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; continues the KV caches and the KDA states."""
         ops = self.ops
         a = self.args

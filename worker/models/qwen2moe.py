@@ -84,7 +84,7 @@ class Model:
         gate = h @ ops.dequant(layer.shared_router).reshape(-1, 1)  # [T, 1]
         return torch.sigmoid(gate) * y
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | torch.Tensor = 0) -> torch.Tensor:
         ops = self.ops
         a, hd, t = self.args, self.head_dim, len(tokens)
         x = ops.rows(self.token_embd, tokens)

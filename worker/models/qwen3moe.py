@@ -57,7 +57,7 @@ class Model:
         self.place, self.device, self.ops = place, place.first, place.ops
         self.layers = [GqaMoeLayer.load(w, i, self.args.n_layer, place) for i in range(self.args.n_layer)]
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last: int | torch.Tensor = 0) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab]; appends to the cache."""
         ops = self.ops
         a = self.args

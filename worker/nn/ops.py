@@ -56,11 +56,13 @@ class TorchOps:
         """Rows `ids` of a matrix (an embedding lookup) without dequantizing the whole table."""
         return w.rows(ids, dtype)
 
-    def output_logits(self, h: torch.Tensor, head: QTensor, last: int) -> torch.Tensor:
+    def output_logits(self, h: torch.Tensor, head: QTensor, last: int | torch.Tensor) -> torch.Tensor:
         """The output head over every position, or over the last `last` rows only (True: one) where
-        nothing else reads the prompt's logits (a generation's prefill; a mixed step's prompt piece
-        and next tokens, Engine.mixed_step): the head is a step's largest matrix, and a long
-        prompt's logits are its largest product."""
+        nothing else reads the prompt's logits (a generation's prefill), or over the rows a tensor
+        `last` names (a mixed step's pieces' last rows and next tokens, Engine.mixed_step): the
+        head is a step's largest matrix, and a long prompt's logits are its largest product."""
+        if isinstance(last, torch.Tensor):
+            return self.linear(h.index_select(0, last), head)
         return self.linear(h[-int(last):] if last else h, head)
 
     # -- pointwise

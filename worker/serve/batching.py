@@ -1,14 +1,20 @@
 """expert-worker's generation thread: continuous batching over the engine.
 
 Requests arrive on a queue; the one thread that owns the engine loops: it admits waiting choices
-while fewer than `max_batch` run (each gets a sequence of its own in the engine's arena), then runs
-one step: the next piece of at most one admitted prompt (`prefill_chunk` tokens, so that a long
-prompt delays the others' next token by one piece, not by the whole prompt) together with the next
-token of every running choice (Engine.mixed_step: the running choices go on while a prompt runs,
-and the step reads a layer's experts once for both), or where the model cannot mix them the piece
-and then a decode step; a decode step alone through the engine's captured graph (Engine.forward),
-together through Engine.decode_batch, where a layer's experts are fetched once for the union of the
-rows' picks. A choice that ends leaves at once and its slot takes the next waiting one.
+while fewer than `max_batch` run (each gets a sequence of its own in the engine's arena), runs the
+next pieces of the admitted prompts in one pass (`prefill_chunk` tokens in all, so that a long
+prompt delays the others' next token by one piece, not by the whole prompt, and prompts that wait
+together share a pass: Engine.mixed_step), then one decode step for every running choice: alone
+through the engine's captured graph (Engine.forward), together through Engine.decode_batch, where
+a layer's experts are fetched once for the union of the rows' picks. A choice that ends leaves at
+once and its slot takes the next waiting one.
+
+The running choices' next tokens are not run in the prompts' pass, though Engine.mixed_step can:
+that pass is eager (its shapes vary), and each sequence's attention there costs launches and host
+time that the captured decode step does not pay. On the H100 (bench/profile_batch.py --mixed,
+Q3-12L, every expert cached), a 64-token prompt beside 16 running rows took 66.8 ms in one pass
+against 31.6 ms for the prompt alone and then the 16-row step; four prompts of 50 tokens alone
+and then the step, 81.0 ms.
 
 A choice's tokens do not depend on its company beyond the steps' rounding: each row samples from
 its own logits with its own sampler, and decode_batch's logits equal a sequence's own step's
@@ -36,7 +42,7 @@ from .generation import Choice, Completion, Generator, Request, TokenLogprob, sy
 
 log = logging.getLogger("expertpack.worker.batching")
 
-PREFILL_CHUNK = 512  # prompt tokens run between two decode steps of the running choices
+PREFILL_CHUNK = 512  # prompt tokens a pass runs between two decode steps of the running choices
 
 
 @dataclass
@@ -77,9 +83,9 @@ class ThreadTimes:
     steps: dict[int, int] = field(default_factory=dict)  # rows of a decode step -> steps run
     step_seconds: dict[int, float] = field(default_factory=dict)  # rows -> seconds, launch to logits ready
     token_seconds: float = 0.0  # sampling, stop checks, text and logprobs handed to the streams
-    prompt_seconds: float = 0.0  # prompt pieces run alone, their first token included
-    mixed_steps: int = 0  # steps that ran a prompt piece beside the running choices' next tokens
-    mixed_seconds: float = 0.0  # their seconds, launch to logits ready
+    prompt_seconds: float = 0.0  # prompt passes, their first tokens included
+    prompt_passes: int = 0  # passes of the admitted prompts' next pieces
+    prompt_pieces: int = 0  # the pieces they ran: several a pass where prompts wait together
 
     def stepped(self, rows: int, seconds: float) -> None:
         self.steps[rows] = self.steps.get(rows, 0) + 1
@@ -171,13 +177,9 @@ class BatchScheduler:
                         waiting = True
             if self._stopping.is_set() and not running and not admitting:
                 return
-            if admitting and running and self.generator.engine.mixes(admitting[0].choice.seq,
-                                                                     [r.choice.seq for r in running]):
-                self._step(running, admitting[0], admitting)
-                continue
             if admitting:
-                self._settle(running)  # the last step's text first: a prompt piece may take a while
-                self._prefill(admitting[0], admitting, running)
+                self._settle(running)  # the last step's text first: a prompt pass may take a while
+                self._prefill(admitting, running)
             if running:
                 self._step(running)
             if not running:  # no next step to hand the last one's text out beside
@@ -192,48 +194,71 @@ class BatchScheduler:
         cancelled = lambda: job.cancelled() or self._stopping.is_set()  # noqa: E731
         return _Running(Choice(self.generator, job.req, seq, job.on_text, cancelled, job.on_logprobs), job)
 
-    def _prefill(self, r: _Running, admitting: list[_Running], running: list[_Running]) -> None:
-        """The next piece of the first admitted prompt, alone; a prompt run to its end joins the running."""
+    def _prefill(self, admitting: list[_Running], running: list[_Running]) -> None:
+        """The admitted prompts' next pieces in one pass (pieces: _pieces), or the first one's alone
+        where there is one or the model cannot run several sequences' tokens together; a prompt
+        run to its end joins the running. One piece runs as engine.forward runs it (a captured
+        graph where its length has one); several, as Engine.mixed_step's runs."""
+        engine = self.generator.engine
+        pieces = self._pieces(admitting, running)
+        if len(pieces) > 1 and not engine.mixes([r.choice.seq for r, _ in pieces]):
+            pieces = pieces[:1]
+        if not pieces:
+            return
         start = time.perf_counter()
         try:
-            piece = r.choice.next_piece(self.prefill_chunk if running else None)
-            logits = self.generator.engine.forward(piece, r.choice.seq, last=True)[-1] if piece else None
-        except Exception as exc:  # this request's failure, not the others'
-            log.exception("a prompt failed")
-            admitting.remove(r)
-            r.close(exc)
+            if len(pieces) == 1:
+                (r, piece), = pieces
+                firsts = [engine.forward(piece, r.choice.seq, last=True)[-1]]
+            else:
+                firsts = list(engine.mixed_step([(r.choice.seq, piece) for r, piece in pieces], [], []))
+        except Exception as exc:  # these requests' failure, not the others'
+            log.exception("a prompt pass of %d prompts failed", len(pieces))
+            for r, _ in pieces:
+                admitting.remove(r)
+                r.close(exc)
             return
         finally:
             self.times.prompt_seconds += time.perf_counter() - start
-        self._piece_done(r, piece, logits, admitting, running)
+        self.times.prompt_passes += 1
+        self.times.prompt_pieces += len(pieces)
+        for (r, piece), first in zip(pieces, firsts):
+            self._piece_done(r, piece, first, admitting, running)
 
-    def _step(self, running: list[_Running], prompt: _Running | None = None,
-              admitting: list[_Running] | None = None) -> None:
-        """One decode step of every running choice, with `prompt`'s next piece where given (a
-        mixed step; a prompt run to its end joins the running); the ones that end leave. The step
-        is launched first, then the previous step's tokens are settled (their text handed out,
-        stop strings looked for) while the GPU runs it; a choice a stop string ended has its row
-        dropped. A failure of the step ends the choices in it; a failure of one row's sampling or
-        sinks ends that row's."""
+    def _pieces(self, admitting: list[_Running], running: list[_Running]) -> list[tuple[_Running, list[int]]]:
+        """The next pieces of the admitted prompts, the first admitted first, up to `prefill_chunk`
+        tokens in all (the first prompt whole where nothing else runs), so that prompts waiting
+        together share a pass and a long one delays the others' next token by one piece, not by
+        the whole prompt. A prompt whose client left meanwhile leaves here."""
+        pieces: list[tuple[_Running, list[int]]] = []
+        budget = self.prefill_chunk
+        for r in list(admitting):
+            if budget <= 0:
+                break
+            piece = r.choice.next_piece(None if not running and not pieces else budget)
+            if not piece:  # its client left while it waited
+                self._piece_done(r, piece, None, admitting, running)
+                continue
+            pieces.append((r, piece))
+            budget -= len(piece)
+        return pieces
+
+    def _step(self, running: list[_Running]) -> None:
+        """One decode step of every running choice; the ones that end leave. The step is launched
+        first, then the previous step's tokens are settled (their text handed out, stop strings
+        looked for) while the GPU runs it; a choice a stop string ended has its row dropped. A
+        failure of the step ends the choices in it; a failure of one row's sampling or sinks ends
+        that row's."""
         engine = self.generator.engine
-        piece = prompt.choice.next_piece(self.prefill_chunk) if prompt is not None else []
-        if prompt is not None and not piece:  # its client left while it waited
-            self._piece_done(prompt, piece, None, admitting, running)
-            prompt = None
         start = time.perf_counter()
-        first = None
         try:
-            if prompt is not None:
-                out = engine.mixed_step(prompt.choice.seq, piece, [r.choice.seq for r in running],
-                                        [r.choice.token for r in running])
-                first, rows = out[0], list(out[1:])
-            elif len(running) == 1:
+            if len(running) == 1:
                 rows = [engine.forward([running[0].choice.token], running[0].choice.seq)[-1]]
             else:
                 rows = list(engine.decode_batch([r.choice.seq for r in running], [r.choice.token for r in running]))
         except Exception as exc:
             self._settle(running)
-            self._fail_step(running, exc, prompt, admitting)
+            self._fail_step(running, exc)
             return
         launched = time.perf_counter()
         stepped = list(running)
@@ -246,17 +271,11 @@ class BatchScheduler:
             greedy = [i for i, r in enumerate(running) if r.choice.req.sampler.greedy]  # one argmax for them
             chosen = dict(zip(greedy, torch.stack([live[i] for i in greedy]).argmax(-1).tolist())) if greedy else {}
         except Exception as exc:  # the step failed on the device: its choices end, not the thread
-            self._fail_step(running, exc, prompt, admitting)
+            self._fail_step(running, exc)
             return
-        if prompt is None:
-            self.times.stepped(len(rows), launched - start + ready - settled)
-        else:
-            self.times.mixed_steps += 1
-            self.times.mixed_seconds += launched - start + ready - settled
+        self.times.stepped(len(rows), launched - start + ready - settled)
         try:
             self._take(running, live, chosen)
-            if prompt is not None:
-                self._piece_done(prompt, piece, first, admitting, running)
         finally:
             self.times.token_seconds += settled - launched + time.perf_counter() - ready
 
@@ -279,12 +298,8 @@ class BatchScheduler:
             admitting.remove(r)
             running.append(r)
 
-    def _fail_step(self, running: list[_Running], exc: Exception, prompt: _Running | None = None,
-                   admitting: list[_Running] | None = None) -> None:
+    def _fail_step(self, running: list[_Running], exc: Exception) -> None:
         log.exception("a decode step of %d sequences failed", len(running), exc_info=exc)
-        if prompt is not None:  # a mixed step's prompt was in it too
-            admitting.remove(prompt)
-            prompt.close(exc)
         for r in running:
             r.close(exc)
         running.clear()

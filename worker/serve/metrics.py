@@ -81,13 +81,13 @@ def render(serve: ServeCounters, cache: dict | None, daemon: dict | None, daemon
                [(steps[rows], {"rows": str(rows)}) for rows in sorted(steps)], "_total")
         metric("expertpack_generation_thread_seconds", "counter",
                "The generation thread's time by part: decode steps (by rows, launch to logits ready), the "
-               "tokens taken from their logits (sampling, stop checks, text to the streams), prompt pieces alone, "
-               "mixed steps (a prompt piece beside the running sequences' next tokens).",
+               "tokens taken from their logits (sampling, stop checks, text to the streams), prompt passes.",
                [(step_seconds[rows], {"part": "decode_step", "rows": str(rows)}) for rows in sorted(step_seconds)]
-               + [(thread.token_seconds, {"part": "tokens"}), (thread.prompt_seconds, {"part": "prompt"}),
-                  (thread.mixed_seconds, {"part": "mixed_step"})], "_total")
-        metric("expertpack_mixed_steps", "counter", "Steps that ran a prompt piece beside the running sequences' "
-               "next tokens.", [(thread.mixed_steps, None)], "_total")
+               + [(thread.token_seconds, {"part": "tokens"}), (thread.prompt_seconds, {"part": "prompt"})], "_total")
+        metric("expertpack_prompt_passes", "counter", "Passes of admitted prompts' pieces.",
+               [(thread.prompt_passes, None)], "_total")
+        metric("expertpack_prompt_pieces", "counter", "Prompt pieces those passes ran: several a pass where prompts "
+               "wait together.", [(thread.prompt_pieces, None)], "_total")
     if cache is not None:
         for key, help_text in (("hits", "Unique experts of a step found in the cache."),
                                ("misses", "Unique experts of a step fetched from expertd."),
