@@ -272,7 +272,11 @@ def mxfp4_block(rowp, b, mb):
 def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
     """Q4_K as [BN, 4, 2, 32] (32-byte group, low/high nibble, byte): the quants read as int32 words
     (a block's 144 bytes keep them 4-byte aligned), each giving eight values; scales once per
-    sub-block, d and dmin once per row."""
+    sub-block, d and dmin once per row. The words are addressed through an int32 pointer plus word
+    offsets, so that Triton sees a group's eight words contiguous and puts lanes along them: a
+    warp's load takes whole 32-byte sectors of four rows. Byte offsets cast to an int32 pointer hid
+    that; its layout put the lanes across 16 rows (four bytes used a sector per load) and the decode
+    kernels took more registers (gate/up 143 against 128: bench/kernel_registers.py)."""
     bp = rowp + c * 144  # [BN, 1]
     mr = tl.reshape(tl.max(m.to(tl.int32), axis=1), (BN, 1)) > 0  # the row's mask (a K-quant row ends at a chunk)
     s8 = tl.arange(0, 8)[None, :]
@@ -285,7 +289,7 @@ def _q4_k_rows(rowp, c, m, BN: tl.constexpr):
     h = tl.arange(0, 2)[None, None, :, None, None]
     w4 = tl.arange(0, 8)[None, None, None, :, None]
     b = tl.arange(0, 4)[None, None, None, None, :]
-    wp = (bp[:, :, None, None, None] + 16 + g * 32 + w4 * 4).to(tl.pointer_type(tl.int32))
+    wp = (bp + 16).to(tl.pointer_type(tl.int32))[:, :, None, None, None] + g * 8 + w4
     word = tl.load(wp, mask=mr[:, :, None, None, None], other=0)  # [BN, 4, 1, 8, 1]: byte l = 4 * w4 + b
     q = (word >> (b * 8 + h * 4)) & 0xF  # [BN, 4, 2, 8, 4]
     return tl.reshape(scale * q.to(tl.float32) - offset, (BN, 256))
@@ -308,7 +312,7 @@ def q4_k_integer_rows(rowp, c, m, BN: tl.constexpr):
     h = tl.arange(0, 2)[None, None, :, None, None]
     w4 = tl.arange(0, 8)[None, None, None, :, None]
     b = tl.arange(0, 4)[None, None, None, None, :]
-    wp = (bp[:, :, None, None, None] + 16 + g * 32 + w4 * 4).to(tl.pointer_type(tl.int32))
+    wp = (bp + 16).to(tl.pointer_type(tl.int32))[:, :, None, None, None] + g * 8 + w4  # as _q4_k_rows
     word = tl.load(wp, mask=mr[:, :, None, None, None], other=0)
     q = ((word >> (b * 8 + h * 4)) & 0xF) - 8  # [BN, 4, 2, 8, 4]
     ints = tl.reshape(sc, (BN, 4, 2, 1, 1)) * q
@@ -326,7 +330,7 @@ def q4_k_integer_block(bp, b, mr, BN: tl.constexpr):
     sc, mn = _k_scale_min(bp + 4, b, mr)  # [BN, 1]
     w4 = tl.arange(0, 8)[None, :, None]
     byte = tl.arange(0, 4)[None, None, :]
-    wp = (bp[:, :, None] + 16 + (b // 2) * 32 + w4 * 4).to(tl.pointer_type(tl.int32))  # [BN, 8, 1]
+    wp = (bp + 16 + (b // 2) * 32).to(tl.pointer_type(tl.int32))[:, :, None] + w4  # [BN, 8, 1], as _q4_k_rows
     word = tl.load(wp, mask=mr[:, :, None], other=0)
     q = ((word >> (byte * 8 + (b % 2) * 4)) & 0xF) - 8  # [BN, 8, 4]: value 4 * word + byte
     mins = _f16(bp + 2, mr) * mn.to(tl.float32) - (8.0 * _f16(bp, mr)) * sc.to(tl.float32)
