@@ -40,8 +40,8 @@ def row_bytes(ggml_type: int, k: int) -> int:
 def _matvec_kernel(x_ptr, w_ptr, y_ptr, tab, N, K, row_bytes, chunks_per_split, H,
                    QT: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
     """y[t, s, n] = sum over the chunks of split s of x[t, k] * W[h, n, k], h = t % H (a matrix per
-    head for H > 1: x's rows are (token, head) pairs); grid (N/BN, T*H, splits)."""
-    pid_n, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    head for H > 1: x's rows are (token, head) pairs); grid (T*H, N/BN, splits)."""
+    t, pid_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     S = tl.num_programs(2)
     n = pid_n * BN + tl.arange(0, BN)
     j = tl.arange(0, CH)
@@ -76,7 +76,7 @@ def _matvec_q8_0r_kernel(x_ptr, w_ptr, y_ptr, N, K, row_bytes, chunks_per_split,
     block's eight words summed, then times its scale; the blocks are summed once, after the loop.
     In the GGUF layout Triton spread a block over lanes and paid shuffles and barriers for every
     chunk: twice the instructions per value (bench/kernel_registers.py)."""
-    pid_n, t, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t, pid_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     S = tl.num_programs(2)
     n = pid_n * BN + tl.arange(0, BN)
     rowp = w_ptr + ((t % H) * N + n).to(tl.int64)[:, None] * row_bytes
@@ -146,9 +146,12 @@ def _rows_per_program(ggml_type: int) -> int:
 
 def _launch_matvec(x: torch.Tensor, raw: torch.Tensor, y: torch.Tensor, ggml_type: int, k: int, n: int,
                    x_rows: int, splits: int, per_split: int, heads: int) -> None:
-    """The matvec kernel for the weights' layout, over grid (N / rows per program, x_rows, splits)."""
+    """The matvec kernel for the weights' layout, over grid (x_rows, N / rows per program, splits):
+    x's rows on the first axis, so that the programs of one block of W for every row run together
+    and the block comes from HBM once, then from L2. Blocks first, a batched step read a matrix
+    larger than L2 (lm_head: 330 MB at Qwen3-30B-A3B's Q8_0) from HBM once per row."""
     bn = _rows_per_program(ggml_type)
-    grid = (triton.cdiv(n, bn), x_rows, splits)
+    grid = (x_rows, triton.cdiv(n, bn), splits)
     if ggml_type == Q8_0_REGROUPED:
         _matvec_q8_0r_kernel[grid](x, raw, y, n, k, row_bytes(ggml_type, k), per_split, heads, BN=bn,
                                    num_warps=MATVEC_WARPS)
