@@ -34,7 +34,7 @@ from expertpack.worker.kernels.dequant_tl import CHUNK
 POINTERS = {"x_ptr": "*fp32", "pool_ptr": "*u8", "off_ptr": "*i64", "pair_ptr": "*i32", "gu_ptr": "*fp32",
             "w_ptr": "*u8", "y_ptr": "*fp32", "tok_ptr": "*i32", "block_ptr": "*i64", "table_ptr": "*i32",
             "order_ptr": "*i32", "wt_ptr": "*fp32", "out_ptr": "*fp32", "base_ptr": "*i64", "n_ptr": "*i64",
-            "tiles_ptr": "*i32"}
+            "tiles_ptr": "*i32", "av_ptr": "*fp32"}
 # Arguments every launch gives as multiples of 16, which Triton's launcher specializes on (the
 # regrouped matvec's 128-bit loads need them; other kernels are compiled without, as before).
 ALIGNED = {linear_tl._matvec_q8_0r_kernel: ("x_ptr", "w_ptr", "y_ptr", "K", "row_bytes")}
@@ -119,6 +119,11 @@ def kernels(qt: int) -> list[tuple[str, object, dict, int, int | None]]:
     if qt == int(GGMLQuantizationType.Q8_0):  # trunk matrices of 256-value multiples, as placed on the GPU
         extra.append(("matvec regrouped (trunk)", linear_tl._matvec_q8_0r_kernel, {"BN": linear_tl.BN_REGROUPED},
                       linear_tl.MATVEC_WARPS, linear_tl.BN_REGROUPED * CHUNK))
+    if qt == int(GGMLQuantizationType.Q4_K):  # Q4_K experts without biases: tiles of their own (moe_tiles)
+        extra += [("Q4_K tiles gate+up (prompt)", moe_tiles._gate_up_q4_k_kernel, {"G": moe_tiles.G_Q4_K, "BN": moe_tiles.BN},
+                   moe_tiles.WARPS, 2 * moe_tiles.BN * CHUNK),
+                  ("Q4_K tiles down (prompt)", moe_tiles._down_q4_k_kernel, {"G": moe_tiles.G_Q4_K, "BN": moe_tiles.BN},
+                   moe_tiles.WARPS, moe_tiles.BN * CHUNK)]
     return [
         ("matvec (trunk)", linear_tl._matvec_kernel, {"QT": qt, "BN": linear_tl.BN_MATVEC, "CH": CHUNK},
          linear_tl.MATVEC_WARPS, linear_tl.BN_MATVEC * CHUNK),

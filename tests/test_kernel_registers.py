@@ -29,5 +29,8 @@ def test_every_hot_kernel_compiles_for_sm90_and_reports_its_registers() -> None:
     assert {"matvec (trunk)", "experts gate+up (decode)", "experts down (decode)"} <= loops.keys()
     for r in loops.values():
         assert 2 < r["loop_per_value"] < 100 and r["loop_top"].get("FFMA", 0) > 0, r
+    # Q4_K experts' own tile kernels: a row mask, not one per value, and the activation once a pair
+    for role in ("gate+up", "down"):
+        assert loops[f"Q4_K tiles {role} (prompt)"]["loop_per_value"] < loops[f"tiles {role} (prompt)"]["loop_per_value"]
     bad = subprocess.run([sys.executable, str(SCRIPT), "--types", "Q9_Z"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "unknown ggml type" in bad.stderr

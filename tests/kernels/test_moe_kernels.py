@@ -136,6 +136,37 @@ def test_expert_tiles_equal_the_reference(act: Activation, types: tuple[T, T], f
                                       torch.arange(1, ids.numel(), 3, dtype=torch.int32, device=device))
 
 
+
+def test_q4_k_expert_tiles_equal_the_general_ones(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    """Q4_K experts in tiles take kernels of their own (moe_tiles' _q4_k kernels: the activation once
+    a row, then down): over two superblocks of K and of F they give the reference, and the very bits
+    of the general tile kernels whatever the pairs a tile (2 or 4); a wave gives the whole step's bits."""
+    from expertpack.worker.kernels import moe_tiles
+
+    module = __import__(__name__, fromlist=["D"])
+    monkeypatch.setattr(module, "D", 512)
+    monkeypatch.setattr(module, "F", 512)
+    lay = layout(T.Q4_K, T.Q4_K, False, False)
+    pool = pool_of(lay, seed=4)
+    g = torch.Generator().manual_seed(5)
+    n_tokens = 10
+    x = torch.randn(n_tokens, 512, generator=g)
+    ids = torch.stack([torch.randperm(N_EXPERT, generator=g)[:K_TOP] for _ in range(n_tokens)])
+    assert torch.bincount(ids.flatten()).max() > moe_tiles.G_Q4_K  # an expert needs two tiles
+    w = torch.rand(n_tokens, K_TOP, generator=g)
+    want = reference(lay, pool, x, ids, w, ACTS[3])
+    args = (x.to(device), pool.to(device), (ids.flatten() * lay.stride).to(device), w.flatten().to(device),
+            expert_roles(lay), ACTS[3])
+    got = moe_tiles.experts_in_tiles(*args)
+    rel = ((got.cpu().double() - want).norm() / want.norm()).item()
+    assert rel < 1e-5, f"relative error {rel:.2e}"
+    assert_a_wave_gives_the_same_bits(moe_tiles.experts_in_tiles, args, lay.stride,
+                                      torch.arange(1, ids.numel(), 3, dtype=torch.int32, device=device))
+    monkeypatch.setattr(moe_tiles, "G_Q4_K", 2)
+    assert torch.equal(moe_tiles.experts_in_tiles(*args), got)
+    monkeypatch.setattr(moe_tiles, "integer_runs", lambda roles: False)  # the general kernels
+    assert torch.equal(moe_tiles.experts_in_tiles(*args), got)
+
 def assert_a_wave_gives_the_same_bits(run, args: tuple, stride: int, wave: torch.Tensor) -> None:
     """`run` over only the pairs `wave`, the blocks moved elsewhere in another pool (as a cache's
     slots): those rows are the whole step's bits, the others untouched."""
@@ -393,7 +424,8 @@ def test_i_quant_experts_never_take_the_tiles_path() -> None:
 def test_a_long_prompts_q4_k_experts_take_the_integer_paths() -> None:
     """Experts whose three matrices are Q4_K and have no biases run in moe_integer's tiles from
     INTEGER_TILES_MIN_PAIRS_PER_EXPERT pairs an expert and unpacked from INTEGER_MIN_PAIRS_PER_EXPERT;
-    another type or a bias keeps them dense; a few pairs an expert stay in tiles."""
+    another type or a bias keeps them dense; a few pairs an expert stay in tiles, and for them from
+    one pair an expert (a batched decode step; moe_tiles' Q4_K kernels), where others run per pair."""
     from expertpack.worker.kernels import moe_integer
     from expertpack.worker.nn.moe import (DENSE_MIN_PAIRS_PER_EXPERT, INTEGER_MIN_PAIRS_PER_EXPERT,
                                           INTEGER_TILES_MIN_PAIRS_PER_EXPERT, fused_path)
@@ -409,6 +441,8 @@ def test_a_long_prompts_q4_k_experts_take_the_integer_paths() -> None:
         roles = expert_roles(layout(*types, False, biases))
         assert TritonOps.experts_integer(roles) == moe_integer.runs(roles) == integer
         assert fused_path(pairs(2), N_EXPERT, False, True, integer) == "tiles"
+        assert fused_path(pairs(1), N_EXPERT, False, True, integer) == ("tiles" if integer else "per_pair")
+        assert fused_path(pairs(1)[:1], N_EXPERT, False, True, integer) == "per_pair"  # one token: split over K
         assert fused_path(between, N_EXPERT, False, True, integer) == ("integer_tiles" if integer else "dense")
         assert fused_path(pairs(INTEGER_MIN_PAIRS_PER_EXPERT), N_EXPERT, False, True, integer) == (
             "integer" if integer else "dense")

@@ -56,6 +56,10 @@ DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequan
 INTEGER_TILES_MIN_PAIRS_PER_EXPERT = 6
 INTEGER_MIN_PAIRS_PER_EXPERT = 12
 TILES_MIN_PAIRS_PER_EXPERT = 2  # from this many, decode each expert once per tile of its pairs (moe_tiles)
+# The same for `integer` experts, whose tiles take moe_tiles' Q4_K kernels: from one pair an expert (H100,
+# resident Q3-12L: a step of 16 rows 10.26 ms in tiles of 2 pairs, 10.92 per pair; of 4 rows, a quarter of
+# a pair an expert, 3.38 against 3.17).
+Q4_K_TILES_MIN_PAIRS_PER_EXPERT = 1
 
 
 def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False, tiles: bool = True,
@@ -69,7 +73,8 @@ def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False, tiles: b
     than repay that but at least INTEGER_TILES_MIN_PAIRS_PER_EXPERT, "integer_tiles" (moe_integer's
     products in tiles of a few pairs, decoded on chip); "tiles" (moe_tiles: an expert's bytes
     decoded once per tile of its pairs) where experts are shared by a few pairs and `tiles` (their
-    types decode well in tiles: not the i-quants, TritonOps.experts_tiled); else "per_pair"
+    types decode well in tiles: not the i-quants, TritonOps.experts_tiled), and for `integer`
+    experts (moe_tiles' Q4_K kernels) from one pair an expert, a batched decode step; else "per_pair"
     (moe_tl, a decode step). A function of the step's shape and the experts' types alone: no host
     sync, and every wave of a cache decides alike. The thresholds are where bench/moe_prefill.py
     and decode_settings.py find each path the fastest (BENCHMARKS.md)."""
@@ -82,6 +87,8 @@ def fused_path(ids: torch.Tensor, n_expert: int, grouped: bool = False, tiles: b
         return "integer_tiles"
     if ids.numel() >= DENSE_MIN_PAIRS_PER_EXPERT * n_expert:
         return "dense"
+    if integer and ids.shape[0] > 1 and ids.numel() >= Q4_K_TILES_MIN_PAIRS_PER_EXPERT * n_expert:
+        return "tiles"
     return "tiles" if many and tiles else "per_pair"
 
 
