@@ -81,6 +81,10 @@ def test_a_second_fetch_is_answered_from_ram_byte_exact(tiny_pack: Path, tmp_pat
 
 
 def test_a_small_budget_evicts_and_keeps_the_hot_block(tiny_pack: Path, tmp_path: Path) -> None:
+    """Four blocks of tier, a hot key and a scan of 20 cold ones: the hot block stays and is never
+    read again, the scan evicts all but the latest cold keys, and an evicted key is read again. The
+    scrub may check a block mid-scan, and a block under its check is not the victim: then one of the
+    latest cold keys went instead of an older one (CI under load met it), and is read again."""
     m = Manifest.load(tiny_pack)
     packed = np.fromfile(tiny_pack / PACK_FILE, dtype=np.uint8)
     hot, cold = ExpertKey(0, 0), [k for k in all_keys(m) if k != ExpertKey(0, 0)][:20]
@@ -89,17 +93,23 @@ def test_a_small_budget_evicts_and_keeps_the_hot_block(tiny_pack: Path, tmp_path
         assert client.welcome.ram_slots == 4
         for _ in range(10):
             fetch_all(client, [hot], m, packed)
+        scan = client.stats()
         for key in cold:  # a scan: each cold key once, in its own request
             fetch_all(client, [key], m, packed)
         before = client.stats()
         fetch_all(client, [hot], m, packed)  # still resident: no read
+        kept = client.stats()
         fetch_all(client, cold[-3:], m, packed)  # the latest cold keys displaced the older ones
         after = client.stats()
         fetch_all(client, cold[:1], m, packed)  # the first cold key was evicted: read again
         last = client.stats()
     assert before["ram"]["resident"] == 4 and before["counters"]["ram_evictions"] == len(cold) - 3
-    assert after["counters"]["pack_read_bytes"] == before["counters"]["pack_read_bytes"]
-    assert after["counters"]["ram_hits"] == before["counters"]["ram_hits"] + 4
+    assert kept["counters"]["pack_read_bytes"] == before["counters"]["pack_read_bytes"]
+    assert kept["counters"]["ram_hits"] == before["counters"]["ram_hits"] + 1
+    read_again = after["counters"]["ram_misses"] - kept["counters"]["ram_misses"]
+    checked = after["counters"]["ram_checks"] - scan["counters"]["ram_checks"]
+    assert read_again == 0 or (read_again == 1 and checked > 0), f"{read_again} re-read, {checked} scrub checks"
+    assert after["counters"]["ram_hits"] == kept["counters"]["ram_hits"] + 3 - read_again
     assert last["counters"]["pack_read_bytes"] == after["counters"]["pack_read_bytes"] + m.max_stride
 
 
