@@ -191,7 +191,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dir", type=Path, default=REPO / "bench-out")
-    p.add_argument("--cache-gib", type=float, default=8.0, help="the VRAM cache (8: every Q3-12L expert)")
+    p.add_argument("--cache-gib", type=float, default=8.0, help="the VRAM cache (8: every Q3-12L expert; 0: the resident cases only)")
     p.add_argument("--batches", default="1,2,4,8,16", help="batch sizes, comma-separated")
     p.add_argument("--steps", type=int, default=32, help="steps timed per batch size")
     p.add_argument("--profile-batch", type=int, default=4, help="rows of the cache's step profiled")
@@ -224,6 +224,8 @@ def main() -> int:
             engine = Engine.load(pack, args.device, resident_experts=True)
             case = "resident" + (f" [{text}]" if text else "")
             results[case], _ = measure(engine, batches, args.steps, args.device, None)
+            print(f"{case}: " + "; ".join(f"{name} " + " ".join(f"{ms[b]:.3f}" for b in batches if b in ms)
+                                          for name, ms in results[case].items()), file=sys.stderr, flush=True)
             if args.device.startswith("cuda"):
                 kernel_tables |= {f"{b} rows{f' [{text}]' if text else ''}": kernel_table(engine, b, args.top)
                                   for b in args.kernels}
@@ -233,23 +235,24 @@ def main() -> int:
                 torch.cuda.empty_cache()
         finally:
             apply(defaults)
-    workdir = Path(tempfile.mkdtemp(prefix="profile-batch-"))
-    daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64,
-                                    ram_cache_gib=expert_bytes * 1.05 / 2**30)
-    try:
-        engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
-                             name="profile-batch")
-        engine.expert_cache.fill()
-        results["expert cache"], profiler = measure(engine, batches, args.steps, args.device, args.profile_batch)
-        mixed_profiler = None
-        if args.mixed:
-            results["expert cache, mixed"], mixed_profiler, kernel_tables["a mixed step"] = measure_mixed(
-                engine, batches, args.mixed, max(4, args.steps // 4), args.device, args.profile_batch, args.top)
-        kinds = sorted({kind.__name__ for kind, _ in engine._batch_graphs})
-        engine.close()
-    finally:
-        daemon.stop()
-
+    kinds: list[str] = []
+    profiler = mixed_profiler = None
+    if args.cache_gib > 0:
+        workdir = Path(tempfile.mkdtemp(prefix="profile-batch-"))
+        daemon = bench_io.DaemonProcess(pack, workdir, threads=8, splits=4, slots=64,
+                                        ram_cache_gib=expert_bytes * 1.05 / 2**30)
+        try:
+            engine = Engine.load(pack, args.device, daemon=daemon.endpoint, cache_bytes=int(args.cache_gib * 2**30),
+                                 name="profile-batch")
+            engine.expert_cache.fill()
+            results["expert cache"], profiler = measure(engine, batches, args.steps, args.device, args.profile_batch)
+            if args.mixed:
+                results["expert cache, mixed"], mixed_profiler, kernel_tables["a mixed step"] = measure_mixed(
+                    engine, batches, args.mixed, max(4, args.steps // 4), args.device, args.profile_batch, args.top)
+            kinds = sorted({kind.__name__ for kind, _ in engine._batch_graphs})
+            engine.close()
+        finally:
+            daemon.stop()
     print(f"model {stem} on {args.device}, {args.steps} steps a size; batched graphs of the cache: {kinds}")
     print(f"{'case':64}" + "".join(f"{f'B={b}':>10}" for b in batches))
     for case, by in results.items():
