@@ -35,9 +35,15 @@ POINTERS = {"x_ptr": "*fp32", "pool_ptr": "*u8", "off_ptr": "*i64", "pair_ptr": 
             "w_ptr": "*u8", "y_ptr": "*fp32", "tok_ptr": "*i32", "block_ptr": "*i64", "table_ptr": "*i32",
             "order_ptr": "*i32", "wt_ptr": "*fp32", "out_ptr": "*fp32", "base_ptr": "*i64", "n_ptr": "*i64",
             "tiles_ptr": "*i32", "av_ptr": "*fp32"}
-# Arguments every launch gives as multiples of 16, which Triton's launcher specializes on (the
-# regrouped matvec's 128-bit loads need them; other kernels are compiled without, as before).
-ALIGNED = {linear_tl._matvec_q8_0r_kernel: ("x_ptr", "w_ptr", "y_ptr", "K", "row_bytes")}
+# Triton's launcher specializes a kernel on every argument that is a multiple of 16 (a pointer's
+# address, an integer's value): torch's tensors are, and so are a real model's shapes, row bytes
+# and role offsets. Compiled without that, a kernel's loads and stores of consecutive values came
+# out one value each (moe_integer's rows kernel: 2-byte loads of its activations), and its
+# instructions a value counted high.
+ALIGNED_INTS = {"D", "F", "K", "N", "N1", "row_bytes", "gate_rb", "up_rb", "down_rb", "gate_off", "up_off",
+                "down_off", "role_off", "role2_off", "out_width", "w_stride", "expert_stride", "gate_b", "up_b",
+                "down_b"}
+FLOATS = {"limit", "alpha", "beta", "linear_beta"}  # the activations' parameters
 
 
 # Where a kernel's argument of a common name points at other data: moe_dense's products read the
@@ -77,9 +83,11 @@ def compile_report(fn, constexprs: dict, warps: int, arch: int, values: int | No
     SASS instructions per value a thread decodes and its commonest opcodes."""
     names = list(fn.arg_names)
     pointers = {**POINTERS, **POINTERS_OF.get(fn, {})}
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in FLOATS else "i32")
+                 for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED.get(fn, ())}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n not in constexprs and (signature[n].startswith("*") or n in ALIGNED_INTS)}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

@@ -117,9 +117,9 @@ def _down_kernel(gu_ptr, pool_ptr, block_ptr, table_ptr, order_ptr, w_ptr, y_ptr
 
 # Q4_K experts (no biases): each superblock decoded once per tile by _q4_k_rows with a mask per row,
 # not per value (a K-quant row ends at a superblock), and the activation computed once a pair by
-# moe_tl._act_kernel, not by every program of down for every value: gate+up / down 12.5 / 14.2 SASS
-# instructions a value at G = 4 against the general kernels' 19.9 / 33.2 (bench/kernel_registers.py
-# --sass), 8.9 / 9.5 at G = 2. Each pair's products are reduced per superblock and added in order, as
+# moe_tl._act_kernel, not by every program of down for every value: gate+up / down 12.7 / 14.0 SASS
+# instructions a value at G = 4 against the general kernels' 15.6 / 22.8 (bench/kernel_registers.py
+# --sass), 9.0 / 9.7 at G = 2. Each pair's products are reduced per superblock and added in order, as
 # in the general kernels: the same bits (tests/kernels/test_moe_kernels.py).
 @triton.jit
 def _gate_up_q4_k_kernel(x_ptr, tok_ptr, pool_ptr, block_ptr, table_ptr, gu_ptr, gate_off, up_off, gate_rb, up_rb, F, K,
