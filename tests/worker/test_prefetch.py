@@ -537,6 +537,7 @@ def test_over_a_ram_tier_prefetches_hold_half_its_hold_share_and_demand_still_ru
         n = manifest.model.n_expert
         loaded = cache.load(now, list(range(n)))
         assert sorted(loaded) == list(range(n)) and cache.counters.misses == n
+        cache.link.settle()  # STATS comes on another socket: let the KEEPs and RELEASEs sent land first
         (client,) = cache.link.stats()["clients"]
         # the prefetches wait in RAM, beside the blocks the cache keeps (the tier less the hold share: 8)
         assert client["ram_held"] == 4 + client["ram_kept"] and client["free"] == client["slots"]
