@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from expertpack.worker.engine.engine import Engine
+from expertpack.worker.kernels.linear_tl import MATVEC_MAX_ROWS
 from expertpack.worker.nn.backend import kernels_on_cpu
 
 from ..conftest import FIXTURES, IQ_FIXTURES
@@ -27,18 +28,24 @@ MODELS = [  # one of each expert activation and weight family the fixtures hold
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu runs these models through "
                                                                   "the kernels on CUDA; the interpreter is for CPUs"),
               pytest.mark.usefixtures("interpreter_tiles")]
-TOKENS = [1, 5, 9, 200, 33, 17, 4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19, 250]  # prefill: trunk through cuBLAS
+TOKENS = [1, 5, 9, 200, 33, 17, 4, 81, 2, 77, 300, 12, 8, 64, 3, 5, 19, 250]
 
 
 @pytest.mark.parametrize("path", MODELS)
 def test_kernels_give_the_torch_paths_logits(path: str) -> None:
+    """A prompt, then two decode steps, through the kernels: the torch path's logits. The prompt
+    has more rows than the trunk's matvec takes, so its trunk is dequantized and multiplied (the
+    matvec of several rows is test_linear_kernels', where the interpreter's time is seconds, not
+    minutes: a 16-row matvec of deepseek3-a's IQ3_S trunk took 2 of this test's 2.6 minutes)."""
+    tokens, prompt = TOKENS + [7], MATVEC_MAX_ROWS + 1
     engine = Engine.load(FIXTURES / path, resident_experts=True)
-    want = engine.forward(TOKENS, engine.new_sequence())
+    want = engine.forward(tokens, engine.new_sequence())
     with kernels_on_cpu():
         engine = Engine.load(FIXTURES / path, resident_experts=True)  # its ops: the kernels
         cache = engine.new_sequence()
-        got = torch.cat([engine.forward(TOKENS[:16], cache), engine.forward(TOKENS[16:17], cache),
-                         engine.forward(TOKENS[17:], cache)])
+        got = torch.cat([engine.forward(tokens[:prompt], cache), engine.forward(tokens[prompt:prompt + 1], cache),
+                         engine.forward(tokens[prompt + 1:prompt + 2], cache)])
+    assert got.shape[0] == len(tokens) == prompt + 2
     err = (got - want).abs().max().item()
     assert err < 1e-4, f"{path}: max |diff| {err:.2e} (mean {(got - want).abs().mean().item():.2e})"
 
