@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 # On every core (pytest-xdist), a test module's tests on one worker, so that its fixtures (models,
-# packs, daemons) are built once: about 15 minutes on 2 cores (BENCHMARKS.md, "CPU tests").
+# packs, daemons) are built once: about 19 minutes on 2 cores (BENCHMARKS.md, "CPU tests").
 test: system-tools $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadscope tests
 
