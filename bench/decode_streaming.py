@@ -17,7 +17,11 @@ Decode feeds a fixed pseudo-random token stream, one token at a time through the
 than the model's own greedy output: a random-weight model's greedy output soon repeats one token,
 whose experts are then always cached, which would flatter the cache far beyond real text.
   python3 bench/decode_streaming.py [--preset qwen3-30b-a3b] [--cache-gib 4] [--device cuda|cuda:0,cuda:1]
-                                    [--prefetch both|on|off] [--dir bench-out]
+                                    [--prefetch both|on|off] [--dir bench-out] [--set "MODULE.CONST=V ..."]
+                                    [--trace DIR]
+--set changes kernel or worker constants for every run of the call (an A/B: two calls, or one of
+them against the defaults); --trace writes, after each streaming run, a chrome trace of a few
+decode steps, which on CUDA shows each kernel on its stream: what overlaps what in a step.
 """
 
 from __future__ import annotations
@@ -80,6 +84,30 @@ def run(engine, prompt: list[int], n_decode: int, device: str, on_phase, seed: i
     return {"prefill_tps": len(prompt) / prefill_s, "decode_tps": (n_decode - 1) / decode_s, "tokens": tokens}
 
 
+TRACED_STEPS = 4  # decode steps a --trace records, after a prompt and as many untraced ones
+
+
+def trace_steps(engine, prompt: list[int], device: str, path: Path) -> None:
+    """A chrome trace (chrome://tracing, ui.perfetto.dev) of TRACED_STEPS decode steps of a new
+    sequence: on CUDA its kernels by stream, which shows what overlaps what inside a step's graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with engine.new_sequence() as cache:
+        logits = engine.forward(prompt, cache, last=True)
+        feed = random.Random(len(prompt)).choices(range(logits.shape[-1]), k=2 * TRACED_STEPS)
+        for token in feed[:TRACED_STEPS]:  # the graphs of this slot captured before the trace
+            engine.forward([token], cache)
+        sync(device)
+        with profile(activities=activities) as prof:
+            for token in feed[TRACED_STEPS:]:
+                engine.forward([token], cache)
+            sync(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    print(f"trace of {TRACED_STEPS} decode steps: {path}", file=sys.stderr)
+
+
 def prepare_pack(preset: str, layers: int | None, workdir: Path, routing_skew: float = 0.0,
                  expert_type: str | None = None, expert_mix: str | None = None) -> tuple[str, Path]:
     """(name, pack directory) of the synthetic preset (cut to `layers`, its routing skewed by
@@ -137,6 +165,8 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
             cache.fill()
         for seed in range(args.passes):  # the last pass is measured; the ones before warm the tiers
             out = run(engine, prompt, args.decode, args.device, mark, seed=seed)
+        if args.trace is not None:  # after the measured pass: the profiler's own cost stays out of it
+            trace_steps(engine, prompt, args.device, args.trace / f"decode-prefetch-{'on' if prefetch else 'off'}.json")
         out.update(slots=cache.n_slots, slot_bytes=cache.slot_bytes, pinned=cache.link.pinned, load_s=load_s)
         engine.close()
         engine = cache = None  # the device memory goes back before the next run
@@ -206,7 +236,20 @@ def main() -> int:
                         "worker's are, its cache filled first as expert-worker does (default 1: cold)")
     p.add_argument("--prefetch", choices=sorted(MODES), default="both",
                    help="stream with the worker's prefetch off, on, or both side by side (default)")
+    p.add_argument("--set", default="", metavar='"MODULE.CONST=VALUE ..."',
+                   help="integer or string constants of worker/kernels or worker modules for every run, as "
+                        'decode_settings.py takes them (e.g. "routing_tl.GATHER_PROGRAMS=32")')
+    p.add_argument("--trace", type=Path, metavar="DIR",
+                   help=f"after each streaming run, a chrome trace of {TRACED_STEPS} decode steps into "
+                        "DIR/decode-prefetch-MODE.json (on CUDA: kernels by stream)")
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from decode_settings import apply, parse_setting
+
+    try:
+        apply(parse_setting(args.set))
+    except (ValueError, ModuleNotFoundError) as exc:
+        p.error(f"--set: {exc}")
 
     from expertpack.packtools.layout import Manifest
     from expertpack.worker.experts import lookahead
@@ -248,6 +291,8 @@ def main() -> int:
     print(f"cache     {args.cache_gib:g} GiB = {n_slots} slots of {slot_bytes / 2**20:.2f} MiB "
           f"({n_slots * slot_bytes / expert_bytes:.0%} of the experts), staging pinned: {pinned}; load {load_s:.1f} s; "
           f"expertd client_slots {args.client_slots}")
+    if args.set:
+        print(f"settings  {args.set}")
     print(f"disk      {bandwidth:.2f} GB/s ({bandwidth_how}; {before:.2f} before the streaming runs, {after:.2f} after); "
           f"prefetch {lookahead.LOOKAHEAD_LAYERS} MoE layers ahead")
     print(f"{'':26}{'prefill tok/s':>14}{'decode tok/s':>14}{'hit rate':>10}{'SSD MB/token':>14}{'stall s/token':>15}"
@@ -285,7 +330,7 @@ def main() -> int:
         + (f" --type {args.type}" if args.type else "") + (f" --mix {args.mix}" if args.mix else "")
         + (f" --routing-skew {args.routing_skew:g}" if args.routing_skew else ""),
         "expert_bytes": expert_bytes, "cache_bytes": n_slots * slot_bytes, "slots": n_slots, "staging_pinned": pinned,
-        "ram_cache_gib": args.ram_cache_gib, "passes": args.passes, "client_slots": args.client_slots, "lookahead_layers": lookahead.LOOKAHEAD_LAYERS,
+        "settings": args.set, "ram_cache_gib": args.ram_cache_gib, "passes": args.passes, "client_slots": args.client_slots, "lookahead_layers": lookahead.LOOKAHEAD_LAYERS,
         "disk_gb_per_s": round(bandwidth, 3), "disk_gb_per_s_before": round(before, 3), "disk_gb_per_s_after": round(after, 3),
         "disk_measured_by": bandwidth_how,
         "streaming": {f"prefetch_{mode}": {"prefill_tokens_per_s": round(r["prefill_tps"], 3),
