@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from expertpack.packtools.build import PARTIAL
 from expertpack.packtools.build_state import STATE_FILE
 from expertpack.packtools.layout import MANIFEST_FILE, PACK_FILE, TRUNK_FILE, Manifest
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
@@ -71,8 +72,13 @@ def looks_complete(out: Path) -> bool:
 
 
 def assert_not_complete(out: Path) -> None:
+    """No manifest.json, so nothing to verify. The pack and trunk are their partials, except where
+    the kill landed among the final renames (build.py renames them before manifest.json, and a rerun
+    finishes from there): then a file has its final name and no partial, never both."""
     assert not (out / MANIFEST_FILE).exists()
-    assert not (out / PACK_FILE).exists() and not (out / TRUNK_FILE).exists()
+    for name in (PACK_FILE, TRUNK_FILE):
+        assert not ((out / name).exists() and (out / (name + PARTIAL)).exists()), name
+    assert (out / PACK_FILE).exists() or not (out / TRUNK_FILE).exists(), "renamed out of order"
     assert run_cli("verify", out, "-q").returncode != 0
 
 
