@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from expertpack.packtools.build import PARTIAL
+from expertpack.packtools.build import PARTIAL, BuildOptions, build_pack
 from expertpack.packtools.build_state import STATE_FILE
 from expertpack.packtools.layout import MANIFEST_FILE, PACK_FILE, TRUNK_FILE, Manifest
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
@@ -170,3 +170,36 @@ def test_replaced_source_with_same_size_and_mtime_starts_over(small_gguf: Path, 
     assert src.stat().st_size == st.st_size and src.stat().st_mtime_ns == st.st_mtime_ns
     rerun = run_cli("build", src, "-o", out)
     assert rerun.returncode == 0 and "starting over" in rerun.stderr
+
+
+class _Stopped(BaseException):
+    """Stands for a SIGKILL at one exact instant: nothing of the build's own clean-up runs after it."""
+
+
+def test_a_build_stopped_among_its_final_renames_resumes(small_gguf: Path, reference: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The instant the SIGKILL test above hit once by chance (2026-12-07): experts.pack renamed,
+    trunk.gguf and manifest.json not yet. The directory does not look complete, and rerunning the
+    command finishes it byte-identical to an uninterrupted build."""
+    out = tmp_path / "pack"
+    real_replace, renamed = os.replace, []
+
+    def replace_once(src, dst) -> None:  # the outputs' renames; the build state's own writes pass
+        if Path(dst).name in (PACK_FILE, TRUNK_FILE, MANIFEST_FILE):
+            if renamed:
+                raise _Stopped
+            renamed.append(Path(dst).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_once)
+    with pytest.raises(_Stopped):
+        build_pack(small_gguf, out, BuildOptions(progress=False, safety_margin_bytes=0))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert renamed == [PACK_FILE]
+    assert (out / (TRUNK_FILE + PARTIAL)).exists() and (out / STATE_FILE).exists()
+    assert_not_complete(out)
+    rerun = run_cli("build", small_gguf, "-o", out, "-q")
+    assert rerun.returncode == 0, rerun.stderr
+    assert Manifest.load(out).fingerprint == Manifest.load(reference).fingerprint
+    for name in (PACK_FILE, TRUNK_FILE):
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
