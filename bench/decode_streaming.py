@@ -251,7 +251,7 @@ def main() -> int:
     from decode_settings import apply, parse_setting
 
     try:
-        apply(parse_setting(args.set))
+        settings = parse_setting(args.set)
     except (ValueError, ModuleNotFoundError) as exc:
         p.error(f"--set: {exc}")
 
@@ -269,11 +269,12 @@ def main() -> int:
     prompt = list(range(100, 100 + args.prompt))
 
     pcie_gb_s, pcie_how = PCIE_GB_PER_S, "nominal: H200.md's pinned copies"
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda"):  # before --set: the machine's rate, not a setting's
         from expertpack.bench.host_bandwidth import gather_gb_s
-        pcie_gb_s = gather_gb_s(torch.device(args.device.split(",")[0]), m.model.n_expert_used,
-                                max(layout.payload_bytes for layout in m.layers))
-        pcie_how = "measured: the table step's gather from pinned host memory"
+        first = torch.device(args.device.split(",")[0])
+        pcie_gb_s = gather_gb_s(first, m.model.n_expert_used, max(layout.payload_bytes for layout in m.layers))
+        pcie_how = f"measured: the table step's gather from pinned host memory to {first}"
+    apply(settings)
     runs = {mode: streaming_run(pack, workdir, prompt, args, mode == "on") for mode in MODES[args.prefetch]}
     # The lent H200's virtual disk reads faster after a rest than under sustained reads (before the
     # runs 1.44-1.95 GB/s, after them 1.31-1.72, 2026-12-02): the bound takes the mean of the two.

@@ -88,9 +88,12 @@ def registered(m: mmap.mmap, flags: int) -> Iterator[torch.Tensor]:
 def _fill(m: mmap.mmap) -> None:
     """Touches every page with bytes that differ block to block (the check compares them)."""
     view = torch.frombuffer(m, dtype=torch.uint8)
-    torch.manual_seed(0)
-    view.copy_(torch.randint(0, 256, (len(m),), dtype=torch.uint8))
+    view.copy_(_random_bytes(len(m)))
     del view
+
+
+def _random_bytes(n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
 
 
 @contextmanager
@@ -98,8 +101,7 @@ def host_memory(kind: str, nbytes: int) -> Iterator[torch.Tensor]:
     """`nbytes` of host memory of `kind`, filled, as a tensor the GPU can read (pinned)."""
     if kind == "cudaHostAlloc":
         t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        torch.manual_seed(0)
-        t.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+        t.copy_(_random_bytes(nbytes))
         yield t
         return
     path: Path | None = None
@@ -116,6 +118,7 @@ def host_memory(kind: str, nbytes: int) -> Iterator[torch.Tensor]:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
+                os.posix_fallocate(fd, 0, nbytes)  # too little room raises here, not SIGBUS while filling
                 m = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
@@ -145,23 +148,29 @@ def host_memory(kind: str, nbytes: int) -> Iterator[torch.Tensor]:
             path.unlink(missing_ok=True)
 
 
-def huge_share(kind: str) -> str:
-    """How much of the memory just made the kernel backed with huge pages (from /proc/meminfo)."""
+def huge_share() -> str:
+    """The machine's huge page counters (/proc/meminfo) with this kind's memory made and filled:
+    beside the counters printed at start, whether the kind got huge pages."""
     info = {line.split(":")[0]: line.split(":")[1].strip() for line in Path("/proc/meminfo").read_text().splitlines()}
     return f"AnonHuge {info.get('AnonHugePages')}, ShmemHuge {info.get('ShmemHugePages')}, " \
            f"HugePages_Free {info.get('HugePages_Free')}"
 
 
 def timed(fn: Callable[[], None], rounds: int) -> float:
+    """Seconds of GPU time a round of `fn`: each round held behind a sleeping kernel until it is
+    enqueued, so that launch time is not counted where the copies are small."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
-    torch.cuda.synchronize()
-    start.record()
+    spent_ms = 0.0
     for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000)  # ~0.5 ms
+        start.record()
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / rounds
+        end.record()
+        end.synchronize()
+        spent_ms += start.elapsed_time(end)
+    return spent_ms / 1e3 / rounds
 
 
 def measure(host: torch.Tensor, k: int, block: int, rounds: int, device: torch.device) -> dict[str, float]:
@@ -279,8 +288,13 @@ def gather_gb_s(device: torch.device, k: int, block: int, gib: float = 0.5, roun
     memory into VRAM on this machine: the PCIe bound of a decode that reads the RAM tier."""
     block = -(-block // 4096) * 4096  # as the tier's slots: aligned for the kernel's 16-byte loads
     nbytes = max(int(gib * 2**30), 4 * k * block)
-    with host_memory("cudaHostAlloc", nbytes) as host:
-        return measure(host, k, block, rounds, device)["gather_gb_s"]
+    with torch.cuda.device(device), host_memory("cudaHostAlloc", nbytes) as host:
+        rate = measure(host, k, block, rounds, device)["gather_gb_s"]
+    del host
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache", None)
+    if empty_host_cache is not None:  # the pinned block back to the system before the runs
+        empty_host_cache()
+    return rate
 
 
 KINDS = ("cudaHostAlloc", "shm read-only", "shm", "shm + MADV_HUGEPAGE", "anon + MADV_HUGEPAGE", "anon MAP_HUGETLB",
@@ -315,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.kinds.split(","):
         try:
             with host_memory(kind, nbytes) as host:
-                pages_now = huge_share(kind)
+                pages_now = huge_share()
                 r = measure(host, args.k, block, args.rounds, device)
+            del host  # unmapped before the next kind is made (hugetlbfs pages are reserved for one kind)
         except (OSError, ValueError, RuntimeError) as exc:
             print(f"{kind:24} {'-':>9} {'-':>12}  not run: {exc}")
             rows.append({"kind": kind, "error": str(exc)})
