@@ -26,6 +26,11 @@ def test_a_run_with_settings_and_a_trace(tmp_path: Path) -> None:
     assert report["argmax_identical"] and report["settings"] == "experts.lookahead.LOOKAHEAD_LAYERS=2"
     assert report["lookahead_layers"] == 2  # the setting reached the module the worker reads
     assert "prefetch 2 MoE layers ahead" in proc.stdout
+    # no GPU: the PCIe bound is the nominal rate, said so, and it divides the bytes the tier gave a token
+    assert report["pcie_gb_per_s"] == 55.0 and report["pcie_measured_by"].startswith("nominal")
+    run_ = report["streaming"]["prefetch_on"]
+    if run_["decode"]["kept_hits"]:
+        assert run_["pcie_bound_decode_tokens_per_s"] > 0 and "PCIe bound (55.00 GB/s, nominal" in proc.stdout
     trace = json.loads((tmp_path / "trace" / "decode-prefetch-on.json").read_text())
     assert any(e.get("name") == "aten::mm" or e.get("cat") == "cpu_op" for e in trace["traceEvents"])
 
