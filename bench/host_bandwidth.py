@@ -36,6 +36,10 @@ HUGE_2M = 2 << 20
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 
+def hugetlbfs_mounts() -> list[str]:
+    return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] == "hugetlbfs"]
+
+
 def machine_pages() -> dict[str, str]:
     """The settings that decide which page sizes host memory can get."""
     out = {}
@@ -51,8 +55,7 @@ def machine_pages() -> dict[str, str]:
             out[key] = value.strip()
     iommu = Path("/sys/class/iommu")
     out["iommu"] = ",".join(sorted(p.name for p in iommu.iterdir())) if iommu.exists() else "none"
-    out["hugetlbfs"] = ",".join(line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-                                if line.split()[2] == "hugetlbfs") or "none"
+    out["hugetlbfs"] = ",".join(hugetlbfs_mounts()) or "none"
     return out
 
 
@@ -108,8 +111,7 @@ def host_memory(kind: str, nbytes: int) -> Iterator[torch.Tensor]:
     if kind.startswith("shm"):
         path = Path("/dev/shm") / f"host-bandwidth-{os.getpid()}"
     elif kind == "hugetlbfs file":
-        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-                  if line.split()[2] == "hugetlbfs"]
+        mounts = hugetlbfs_mounts()
         if not mounts:
             raise OSError("no hugetlbfs mounted")
         path = Path(mounts[0]) / f"host-bandwidth-{os.getpid()}"
