@@ -157,13 +157,14 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
         sync(args.device)
         load_s = time.perf_counter() - t0
         cache = engine.expert_cache
-        marks: dict[str, tuple[dict, int]] = {}
+        marks: dict[str, tuple[dict, int, dict]] = {}
         disk_marks: dict[str, DiskSample] = {}
 
         def mark(phase: str) -> None:
             if disk is not None:
                 disk_marks[phase] = disk.sample()
-            marks[phase] = (cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"])
+            marks[phase] = (cache.counters.snapshot(), cache.link.stats()["counters"]["pack_read_bytes"],
+                            cache.read_ahead())
 
         if args.passes > 1:  # warm as a serving worker is: every expert read once where the model fits
             cache.fill()
@@ -180,13 +181,13 @@ def streaming_run(pack: Path, workdir: Path, prompt: list[int], args: argparse.N
         torch.cuda.empty_cache()
 
     def phase(name: str, before: str) -> dict:
-        (c1, r1), (c0, r0) = marks[name], marks[before]
+        (c1, r1, a1), (c0, r0, a0) = marks[name], marks[before]
         d = {k: c1[k] - c0[k] for k in c1}
         looked = d["hits"] + d["misses"]
         return {"hit_rate": d["hits"] / looked if looked else 0.0, "ssd_bytes": r1 - r0, "stall_s": d["stall_s"],
                 "h2d_bytes": d["h2d_bytes"], "kept_hits": d["kept_hits"], "prefetch_issued": d["prefetch_issued"],
                 "prefetch_used": d["prefetch_used"], "prefetch_stale": d["prefetch_stale"],
-                **prefetch_rates(d)}
+                **prefetch_rates(d), "ahead": {k: a1[k] - a0[k] for k in a1}}
 
     out.update(prefill=phase("prefill", "start"), decode=phase("decode", "prefill"))
     out["disk"] = None if disk is None else DiskCounters.between(disk_marks["prefill"], disk_marks["decode"])
@@ -328,6 +329,13 @@ def main() -> int:
             print(f"PCIe bound ({pcie_gb_s:.2f} GB/s, {pcie_how} / {pcie / 1e6:.1f} MB per token, "
                   f"{dec['kept_hits'] / decode_tokens:.1f} kept blocks a token), prefetch {mode}: {bound:.2f} tok/s; "
                   f"decode at {r['decode_tps'] / ceiling:.2f}x of min(it, resident)")
+    for mode, r in runs.items():
+        ahead = r["decode"]["ahead"]
+        if ahead["copied_ahead"] and ahead["kept_pairs"]:  # table steps copied guessed kept blocks ahead (TableDecode)
+            print(f"copied ahead, prefetch {mode}: {ahead['read_ahead'] / ahead['kept_pairs']:.1%} of the guessed layers' "
+                  f"{ahead['kept_pairs'] / decode_tokens:.1f} kept pairs a token read ahead; "
+                  f"{ahead['copied_ahead'] / decode_tokens:.1f} blocks copied ahead a token "
+                  f"(~{(ahead['copied_ahead'] - ahead['read_ahead']) * slot_bytes / decode_tokens / 1e6:.1f} MB of wrong guesses)")
     for mode, r in runs.items():
         if r["disk"] is not None:
             print(f"decode, prefetch {mode:4} {r['disk'].describe()}")

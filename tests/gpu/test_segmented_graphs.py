@@ -240,8 +240,10 @@ def test_table_steps_over_kept_ram_tier_blocks_equal_the_eager_step(model: str, 
     """Issue 34 on the GPU: a cache of part of the experts over a RAM tier that holds the pack,
     filled at start, keeps the rest in the tier (protocol v8). Every step then finds its experts in
     VRAM or kept: with graphs, it runs as one graph whose lookup copies the kept blocks into VRAM on
-    the GPU; eagerly, the expert kernels read them where they lie, over PCIe. expertd is asked for
-    nothing after the fill, and the two give the same logits, bit for bit."""
+    the GPU; eagerly, the expert kernels read them where they lie, over PCIe; with the lookahead
+    on, the graph also copies the next layer's guessed kept blocks ahead on a side stream and
+    reads the right guesses from there. expertd is asked for nothing after the fill, and all give
+    the same logits, bit for bit."""
     pack = packs[model]
     manifest = Manifest.load(pack)
     every = len(manifest.layers) * manifest.model.n_expert
@@ -250,11 +252,11 @@ def test_table_steps_over_kept_ram_tier_blocks_equal_the_eager_step(model: str, 
     prompt = random.Random(2).choices(range(100), k=9)
     d = start_daemon(pack, tmp_path, "--client-slots", "8", "--ram-cache-gib", "1")
     d.wait_for("READY=1")
-    runs, ran = {}, []
+    runs, ran, ahead = {}, [], {}
     try:
-        for graphs in (False, True):
+        for graphs, prefetch in ((False, False), (True, False), (True, True)):
             engine = Engine.load(pack, "cuda", daemon=d.endpoint, cache_bytes=slots * slot_bytes(manifest),
-                                 prefetch=False)
+                                 prefetch=prefetch)
             engine.graphs = graphs
             real_step = TableDecode.step
 
@@ -270,16 +272,51 @@ def test_table_steps_over_kept_ram_tier_blocks_equal_the_eager_step(model: str, 
                 fetches = cache.fetches
                 with pytest.MonkeyPatch.context() as m:
                     m.setattr(TableDecode, "step", counted)
-                    runs[graphs] = decode(engine, prompt, 10)
+                    runs[graphs, prefetch] = decode(engine, prompt, 10)
                 assert cache.fetches == fetches  # nothing asked of expertd after the fill
+                ahead[prefetch] = cache.read_ahead()
             finally:
                 engine.close()
     finally:
         assert d.stop()[0] == 0
-    (got, got_tokens), (want, want_tokens) = runs[True], runs[False]
+    want, want_tokens = runs[False, False]
     assert ran and all(kept for kept, _ in ran) and any(tier for _, tier in ran), ran
+    assert ahead[False] == {"kept_pairs": 0, "read_ahead": 0, "copied_ahead": 0}, ahead
+    copies = ahead[True]  # the fill leaves the first layer's experts kept: these two-layer models' guessed
+    assert copies["read_ahead"] <= min(copies["kept_pairs"], copies["copied_ahead"]), copies  # one has few if any
+    for (graphs, prefetch), (got, got_tokens) in runs.items():
+        assert got_tokens == want_tokens, (graphs, prefetch)
+        assert torch.equal(got, want), f"{model} {graphs=} {prefetch=}: max |diff| {(got - want).abs().max().item():.2e}"
+
+
+def test_captured_steps_copy_guessed_kept_blocks_ahead_with_the_same_bits(tiny_pack: Path, tmp_path: Path) -> None:
+    """The copies ahead in the captured graph (the side stream, its events, the ahead slots), on a
+    pack of 4 MoE layers (16 experts top-4) read once at start with half its experts then kept in
+    the tier: most kept pairs of the guessed layers are read from their ahead slots, and the logits
+    and tokens are the eager steps' bit for bit (tests/worker/test_table_decode.py: the same on the CPU)."""
+    manifest = Manifest.load(tiny_pack)
+    every = len(manifest.layers) * manifest.model.n_expert
+    cache_bytes = (every - every // 2 + 4) * slot_bytes(manifest)  # beside the keeps expertd allows
+    prompt = random.Random(3).choices(range(100), k=9)
+    d = start_daemon(tiny_pack, tmp_path, "--client-slots", "8", "--ram-cache-gib", "1")
+    d.wait_for("READY=1")
+    runs = {}
+    try:
+        for graphs, prefetch in ((False, False), (True, True)):
+            engine = Engine.load(tiny_pack, "cuda", daemon=d.endpoint, cache_bytes=cache_bytes, prefetch=prefetch)
+            engine.graphs = graphs
+            try:
+                engine.expert_cache.fill()
+                runs[graphs] = decode(engine, prompt, 12)
+                copies = engine.expert_cache.read_ahead()
+            finally:
+                engine.close()
+    finally:
+        assert d.stop()[0] == 0
+    assert 0 < copies["read_ahead"] <= min(copies["kept_pairs"], copies["copied_ahead"]), copies
+    (got, got_tokens), (want, want_tokens) = runs[True], runs[False]
     assert got_tokens == want_tokens
-    assert torch.equal(got, want), f"{model}: max |diff| {(got - want).abs().max().item():.2e}"
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max().item():.2e}"
 
 
 @pytest.mark.parametrize("model", ["qwen3moe-a", "gptoss-a", "deepseek3-a"])

@@ -10,7 +10,8 @@ lookups that the CUDA graph replays (tests/gpu replays the graph itself). Agains
   tokens and counters are still the eager step's;
 - a cache of half the experts over a RAM tier that holds them all: the evicted ones stay kept in
   the tier (protocol v8), table steps copy them in on the device and keep their logits, which are
-  the eager step's (reading them in place) bit for bit, and expertd is asked nothing more.
+  the eager step's (reading them in place) bit for bit, and expertd is asked nothing more; with
+  the lookahead on, the guessed ones copied ahead of their layer, still bit for bit.
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ def counters(engine: Engine) -> tuple[int, ...]:
 
 
 def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_try: bool = False,
-        n_steps: int = N_STEPS, fill: bool = False) -> tuple[tuple[list[torch.Tensor], list[int]], tuple[int, ...], dict[str, int]]:
-    """Greedy decode through expertd, prefetch off (a table step sends nothing ahead), every expert
-    read first with `fill`; the logits and tokens, the cache's counters, and how the steps ran
-    (table steps kept and dropped, kept ones that read an expert from a kept RAM-tier block, and
-    ones whose record was not looked at before the next step)."""
+        n_steps: int = N_STEPS, fill: bool = False, prefetch: bool = False
+        ) -> tuple[tuple[list[torch.Tensor], list[int]], tuple[int, ...], dict]:
+    """Greedy decode through expertd, prefetch off unless asked (with it, table steps copy kept
+    blocks ahead), every expert read first with `fill`; the logits and tokens, the cache's
+    counters, and how the steps ran (table steps kept and dropped, kept ones that read an expert
+    from a kept RAM-tier block, ones whose record was not looked at before the next step, and
+    what was copied ahead)."""
     ran = {"kept": 0, "dropped": 0, "from_tier": 0, "unread": 0}
     real_step, real_found = TableDecode.step, ExpertCache.found_on_device
 
@@ -62,7 +65,7 @@ def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_t
         ran["from_tier"] += logits is not None and bool(((at != -1) & ((at < 0) | (at >= self.source.slots_end))).any())
         return logits
 
-    engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=False)
+    engine = Engine.load(pack, daemon=endpoint, cache_bytes=cache_bytes, prefetch=prefetch)
     engine.table_steps = table_steps
     try:
         if fill:
@@ -80,6 +83,7 @@ def run(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, always_t
             result = greedy_run(engine, PROMPT, n_steps)
         ran["kept_hits"] = engine.expert_cache.counters.kept_hits
         ran["fetches"] = engine.expert_cache.fetches
+        ran["ahead"] = engine.expert_cache.read_ahead()
         return result, counters(engine), ran
     finally:
         engine.close()
@@ -143,7 +147,32 @@ def test_table_steps_read_kept_ram_tier_blocks_with_the_same_bits(fixture_packs,
     assert want_counters[2] > 0 and eager["kept_hits"] > 0, (want_counters, eager)  # evicted, then read from the tier
     assert ran["from_tier"] >= 1, ran  # (a step choosing an expert never fetched before is dropped)
     assert ran["fetches"] <= eager["fetches"]
+    assert ran["ahead"] == {"kept_pairs": 0, "read_ahead": 0, "copied_ahead": 0}, ran  # no lookahead, no copies
     assert_same(got, want, "steps from the table, kept blocks copied in on the device")
+
+
+def test_table_steps_copy_guessed_kept_blocks_ahead_with_the_same_bits(tiny_pack: Path, tmp_path: Path) -> None:
+    """With the lookahead on, a table step copies the next layer's guessed kept blocks ahead of it
+    (4 MoE layers, 16 experts top-4: three layers a step are guessed; every expert read once first,
+    as expert-worker starts, half of them then kept in the tier): the right guesses are read
+    from their ahead slots, the others copied in as before, and the logits and tokens are the eager
+    steps' bit for bit."""
+    manifest = Manifest.load(tiny_pack)
+    every_expert = len(manifest.layers) * manifest.model.n_expert
+    # the keeps expertd allows (half the experts) leave a sixteenth free: the slots hold a few more than the rest
+    cache_bytes = (every_expert - every_expert // 2 + 4) * slot_bytes(manifest)
+    d = daemon_for(tiny_pack, tmp_path, "--ram-cache-gib", "1")
+    try:
+        with kernels_on_cpu():
+            want, _, _ = run(tiny_pack, d.endpoint, cache_bytes, table_steps=False, n_steps=8, fill=True)
+            got, _, ran = run(tiny_pack, d.endpoint, cache_bytes, table_steps=True, n_steps=8, prefetch=True,
+                              fill=True)
+    finally:
+        assert d.stop()[0] == 0
+    copies = ran["ahead"]
+    assert ran["from_tier"] >= 1, ran
+    assert 0 < copies["read_ahead"] <= min(copies["kept_pairs"], copies["copied_ahead"]), (ran, copies)
+    assert_same(got, want, "steps from the table, kept blocks copied ahead")
 
 
 def run_turns(pack: Path, endpoint: str, cache_bytes: int, table_steps: bool, try_prompts: bool = False

@@ -626,6 +626,9 @@ class Engine:
         """The step as one graph over the cache's device table (TableDecode): its logits, or None
         where an expert was absent (nothing of that pass is kept; the caller fetches and runs it)."""
         graph = self._table_graphs.get(slot)
+        if graph is not None and graph.ahead != (graph.transit and TableDecode.copies_ahead(self.model)):
+            del self._table_graphs[slot]  # captured with the lookahead's copies, or without: again
+            graph = None
         if graph is None:
             try:
                 graph = self._table_graphs[slot] = TableDecode(self.model, cache, self.device)

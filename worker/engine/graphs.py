@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from ..experts.expert_cache import ExpertCache
+from ..experts.expert_cache import AHEAD_TRANSIT, ExpertCache
 from ..experts.source import ExpertRows
 from ..nn.layers import BatchKV, KVCache
+from ..nn.ops import AheadSlots
 
 if TYPE_CHECKING:
     from ..experts.lookahead import Guesses
@@ -223,9 +224,11 @@ class SegmentedDecode:
             raise RuntimeError(f"the pass stopped at {self._at} MoE layers, the step has {len(self.stops)}")
         return logits
 
-    def _boundary(self, layer: int, ids: torch.Tensor, guesses: Guesses) -> ExpertRows:
-        """ExpertFFN's stop at `layer`: the routing (and the lookahead's guesses) into the stop's
-        buffer, then the host step (eager) or the end of one graph and the start of the next (capture)."""
+    def _boundary(self, layer: int, ids: torch.Tensor, x: torch.Tensor) -> ExpertRows:
+        """ExpertFFN's stop at `layer`: the routing (and the lookahead's guesses from the router's
+        input `x`) into the stop's buffer, then the host step (eager) or the end of one graph and
+        the start of the next (capture)."""
+        guesses = self.model.moe.guesses(layer, x)
         if self._at == len(self.stops) and not self._capturing:
             self.stops.append(_Stop.make(layer, ids.numel(), guesses, self.device))
         stop = self.stops[self._at] if self._at < len(self.stops) else None
@@ -293,6 +296,16 @@ class SegmentedDecode:
             current.wait_stream(side)
 
 
+@dataclass
+class _Ahead:
+    """What a table step's pass copies ahead for served layer `layer` (TableDecode._copy_ahead),
+    and the side stream's events: the guesses made, the copies done."""
+    layer: int
+    slots: AheadSlots
+    guessed: torch.cuda.Event | None = None  # on the GPU
+    copied: torch.cuda.Event | None = None
+
+
 class TableDecode:
     """A decode step over the expert cache as one CUDA graph, for a step expected to find every
     expert it selects in VRAM or kept in expertd's RAM tier: each MoE layer looks its experts'
@@ -314,7 +327,17 @@ class TableDecode:
     experts from the VRAM slots only: the transit slots hold one token's k, so a pass that needs
     a kept block is run again the usual way, as one that needs an absent expert is. Where the
     cache holds every expert that is never: a prompt or a batch costs a few launches a layer
-    instead of the host's work per expert (engine._table_prompt, engine._batch_step)."""
+    instead of the host's work per expert (engine._table_prompt, engine._batch_step).
+
+    With the lookahead on (the engine's prefetch) over a cache that keeps RAM-tier blocks
+    (ExpertCache.n_transit has room for them), a decode step also copies ahead: after each served
+    layer's lookup, a side stream guesses the next served layer's experts (its router on this
+    layer's router input, lookahead.guess) and copies the guessed kept blocks into ahead slots
+    (ops.expert_ahead) while the layer computes; the next layer's lookup waits for that stream and
+    reads the kept blocks it guessed right from there, copying only the others. The layers' kept
+    blocks then cross PCIe beside the compute rather than between it, and what each layer reads is
+    still what its own routing picks: a wrong guess costs PCIe time, never a different byte.
+    ExpertCache.ahead_counts says how many kept pairs were read ahead."""
 
     def __init__(self, model: Model, cache: KVCache | list[KVCache] | BatchKV, device: torch.device, tokens: int = 1,
                  last: int | torch.Tensor = 0, pool: object = None, capture: bool | None = None,
@@ -327,10 +350,15 @@ class TableDecode:
                        else tokens)
         self.last, self.static = last, static
         self.transit = self.tokens == 1  # one token's k: the kept blocks through the transit slots
+        self.source: ExpertCache = model.moe.source
+        self.ahead = self.transit and self.copies_ahead(model)  # one token's k only: its ahead slots hold k
+        self._ahead_stream = (torch.cuda.Stream(device, priority=-1) if self.ahead and device.type == "cuda"
+                              else None)  # high priority: its loads wait on PCIe, let them start
+        self._ahead: _Ahead | None = None  # what this pass copies ahead for the next served layer
+        self._held: list[object] = []  # what the side stream reads or records, alive as long as the graph
         # A decode step's record, not a prompt's, may be left on the device (found_on_device): a
         # prompt's T*k pairs a step would make the owed records' ring as long as the prompt.
         self.decode = self.tokens == 1 or isinstance(cache, list)
-        self.source: ExpertCache = model.moe.source
         self._index = {layer: i for i, layer in enumerate(self.source.served)}
         pairs = self.tokens * self.source.manifest.model.n_expert_used
         self.record = torch.zeros(2, len(self._index), pairs, dtype=torch.int64, device=device)  # ids, offsets
@@ -350,6 +378,15 @@ class TableDecode:
         return self.graph.buffers if self.graph is not None else buffers_of(self.caches)
 
     @staticmethod
+    def copies_ahead(model: Model) -> bool:
+        """Whether a decode step captured now copies the next layer's guessed kept blocks ahead:
+        with the lookahead on (a prefetching source and the model's router to guess with) over a
+        cache with room for the ahead slots (one that may keep RAM-tier blocks and evict)."""
+        moe, source = model.moe, model.moe.source
+        return (moe.prefetching and moe.router is not None
+                and source.n_transit >= AHEAD_TRANSIT * source.manifest.model.n_expert_used)
+
+    @staticmethod
     def usable(model: Model, cache: KVCache | list[KVCache]) -> bool:
         """Whether a step's pass can be discarded: it updates no state in place (KDA's, DeepSeek-V4's)."""
         caches = cache if isinstance(cache, list) else [cache]
@@ -357,24 +394,66 @@ class TableDecode:
 
     @contextlib.contextmanager
     def _looking_up(self):
+        """The model's MoE layers stop at _lookup for the passes run inside."""
         moe = self.model.moe
-        prefetch, moe.prefetch, moe.boundary = moe.prefetch, False, self._lookup  # nothing to send ahead
+        moe.boundary = self._lookup
         try:
             yield
         finally:
-            moe.prefetch, moe.boundary = prefetch, None
+            moe.boundary = None
 
-    def _lookup(self, layer: int, ids: torch.Tensor, guesses: Guesses) -> ExpertRows:
-        """ExpertFFN's boundary: the layer's offsets from the table, recorded with its ids."""
+    def _lookup(self, layer: int, ids: torch.Tensor, x: torch.Tensor) -> ExpertRows:
+        """ExpertFFN's boundary: the layer's offsets from the table, recorded with its ids; the
+        kept blocks copied ahead for it read from there, and the next layer's copied ahead (`x`:
+        the layer's router input)."""
         i = self._index[layer]
         source = self.source
-        if self.transit:
-            offsets = self.model.moe.ops.expert_lookup(ids, source.table[layer], self.record[0, i], self.record[1, i],
-                                                       source.memory, source.slots_end, source.slot_bytes,
-                                                       source.layout(layer).payload_bytes)
-        else:
+        if not self.transit:
             offsets = slot_lookup(ids, source.table[layer], self.record[0, i], self.record[1, i], source.slots_end)
+            return ExpertRows(source.memory, offsets)
+        ahead = self._ahead if self._ahead is not None and self._ahead.layer == i else None
+        self._ahead = None
+        current = torch.cuda.current_stream(self.device) if self._ahead_stream is not None else None
+        if ahead is not None and current is not None:
+            current.wait_event(ahead.guessed)  # the lookup reads the guesses; the copies may still run
+        offsets = self.model.moe.ops.expert_lookup(ids, source.table[layer], self.record[0, i], self.record[1, i],
+                                                   source.memory, source.slots_end, source.slot_bytes,
+                                                   source.layout(layer).payload_bytes,
+                                                   None if ahead is None else ahead.slots)
+        if ahead is not None and current is not None:
+            current.wait_event(ahead.copied)  # the side stream joins: the layer's kernels read its copies
+        if self.ahead and i + 1 < len(source.served):
+            self._copy_ahead(i + 1, x)
         return ExpertRows(source.memory, offsets)
+
+    def _copy_ahead(self, j: int, x: torch.Tensor) -> None:
+        """Served layer j's guessed kept blocks into its ahead slots, on the side stream (forked
+        behind this layer's lookup, joined at j's): the guess from `x` by j's router, then the
+        copies. Two sets of ahead slots after the transit slots, by j's parity, so that copies for
+        j never overwrite what layer j-1's kernels read. The lookup at j tells which guesses were
+        copied from the same table row the copies read: the table changes only between steps
+        (ExpertCache._set_table, on the compute stream), never during a pass."""
+        source, moe = self.source, self.model.moe
+        target = source.served[j]
+        stream = self._ahead_stream
+        k = source.manifest.model.n_expert_used
+        base = source.slots_end + (1 + j % 2) * k * source.slot_bytes
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            slots = AheadSlots(moe.guess(target, x).reshape(-1).contiguous(), base, source.ahead_counts)
+            assert slots.guess.numel() == k, "a decode step's guess is one token's k experts: its ahead slots"
+            ahead = _Ahead(j, slots)
+            if stream is not None:
+                ahead.guessed, ahead.copied = torch.cuda.Event(), torch.cuda.Event()
+                ahead.guessed.record(stream)
+            moe.ops.expert_ahead(source.table[target], slots, source.memory, source.slots_end, source.slot_bytes,
+                                 source.layout(target).payload_bytes)
+            if stream is not None:
+                ahead.copied.record(stream)
+        if stream is not None:  # the allocator must not hand these to the compute stream while the side reads them
+            self._held += [x, ahead]
+        self._ahead = ahead
 
     def step(self, tokens: int | list[int]) -> torch.Tensor | None:
         """The logits after `tokens` (a decode step's token, the prompt's, or each sequence's of a

@@ -46,6 +46,9 @@ from .source import ExpertRows, ExpertWeights
 log = logging.getLogger("expert-worker")
 
 
+AHEAD_TRANSIT = 3  # a table step's slots past the cache's, in steps' k: transit, then two sets ahead
+
+
 def slot_bytes(manifest: Manifest) -> int:
     """One cache slot: the largest expert block, rounded up to the pack's alignment so that slots
     start where blocks start on disk and every role keeps its alignment (typed views, DMA)."""
@@ -167,10 +170,22 @@ class ExpertCache:
         every_expert = len(self.served) * manifest.model.n_expert  # no use for more slots than that
         self.n_slots = min(every_expert, slot_count(cache_bytes, free, reserve_bytes, self.slot_bytes,
                                                     manifest.model.n_expert_used))
-        # After the slots, a decode step's transit slots: where a table step copies the kept blocks it reads.
+        # The device reads host memory at its address only where the staging is registered with CUDA.
+        self._may_keep = device.type == "cpu" or link.pinned
+        # A cache with a slot for every expert it serves never evicts (victims are empty slots first):
+        # its policy's touches change nothing it does, and owed steps pay only their counters.
+        self._evicts = self.n_slots < every_expert
+        # After the slots, a decode step's transit slots: where a table step copies the kept blocks it
+        # reads; and where it may keep blocks and evict, the two sets of ahead slots it copies the next
+        # layer's guessed kept blocks into (engine.TableDecode): 3k slots beside the cache's (64 MB for
+        # Qwen3-30B-A3B's Q4_K experts), out of the device's reserve.
         self.slots_end = self.n_slots * self.slot_bytes
-        self.n_transit = manifest.model.n_expert_used
+        k = manifest.model.n_expert_used
+        self.n_transit = AHEAD_TRANSIT * k if self._may_keep and self._evicts else k
         self.memory = torch.empty(self.slots_end + self.n_transit * self.slot_bytes, dtype=torch.uint8, device=device)
+        # Kept pairs table steps looked up with a guess ahead, of those read from the ahead slots, and
+        # the blocks copied ahead (ops.expert_lookup adds to it on the device: read_ahead() says)
+        self.ahead_counts = torch.zeros(3, dtype=torch.int64, device=device)
         self.policy = CachePolicy(self.n_slots)
         self._counters = CacheCounters()
         # Where each expert sits now, for steps that look their experts up on the device
@@ -183,16 +198,11 @@ class ExpertCache:
         self._owing = threading.RLock()
         self.kept: dict[ExpertKey, Expert] = {}  # kept RAM-tier blocks, the oldest kept first
         self.keep_share = 1.0  # of the session's ram_keeps (a worker spanning devices splits it between its caches)
-        # The device reads host memory at its address only where the staging is registered with CUDA.
-        self._may_keep = device.type == "cpu" or link.pinned
         if not self._may_keep:
             log.warning("the staging is not registered with CUDA: RAM-tier experts are copied in at each miss, "
                         "never read where they lie")
         self._unkept: list[Expert] = []  # kept holds ended during a fetch, released once no step reads them
         self._ending: list[Expert] = []  # kept holds ended, their RELEASE maybe not sent yet
-        # A cache with a slot for every expert it serves never evicts (victims are empty slots first):
-        # its policy's touches change nothing it does, and owed steps pay only their counters.
-        self._evicts = self.n_slots < every_expert
         self.ready: dict[int, torch.cuda.Event] = {}  # slot -> event its last copy recorded
         self._pending: deque[_Pending] = deque() if pending is None else pending  # staging slots whose copy may still run
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -665,6 +675,13 @@ class ExpertCache:
         session then)."""
         n_slots = self.link.n_staging_slots
         return n_slots - keep_free - min(self.link.ahead.held, prefetch_budget(n_slots))
+
+    def read_ahead(self) -> dict[str, int]:
+        """What table steps copied ahead so far (engine.TableDecode): the kept pairs of layers
+        looked up after a guess, those read from an ahead slot, and the blocks copied ahead. Reads
+        the device (a sync): for benchmarks and tests, never the token's path."""
+        kept, ahead, copied = self.ahead_counts.tolist()
+        return {"kept_pairs": kept, "read_ahead": ahead, "copied_ahead": copied}
 
     def stats(self) -> dict:
         """The cache's cumulative counters and state, and the daemon's counters and RAM tier next to

@@ -25,6 +25,17 @@ Guesses = tuple[tuple[int, torch.Tensor], ...]
 LOOKAHEAD_LAYERS = 6  # MoE layers ahead of the running one whose experts are asked for
 
 
+def guess(target: int, x: torch.Tensor, router: Router | None, static_routes: Mapping[int, torch.Tensor],
+          tokens: torch.Tensor | None) -> torch.Tensor | None:
+    """Layer `target`'s experts (ids [T, k], on the device) as the lookahead predicts them from a
+    router input `x` of an earlier layer: a static layer's from the tokens, the others' by their
+    router on `x`; None where neither is known."""
+    table = static_routes.get(target)
+    if table is not None and tokens is not None:
+        return table[tokens.to(table.device)]
+    return None if router is None else router(target, x)[0]
+
+
 def next_guesses(source: PrefetchingSource, layer: int, x: torch.Tensor, router: Router | None,
                  static_routes: Mapping[int, torch.Tensor], tokens: torch.Tensor | None) -> Guesses:
     """The experts (ids [T, k], left on the device) of each of the next MoE layers after `layer`
@@ -34,11 +45,9 @@ def next_guesses(source: PrefetchingSource, layer: int, x: torch.Tensor, router:
     copy."""
     out = []
     for target in source.ahead(layer, LOOKAHEAD_LAYERS):
-        table = static_routes.get(target)
-        if table is not None and tokens is not None:
-            out.append((target, table[tokens.to(table.device)]))
-        elif router is not None:
-            out.append((target, router(target, x)[0]))
+        ids = guess(target, x, router, static_routes, tokens)
+        if ids is not None:
+            out.append((target, ids))
     return tuple(out)
 
 

@@ -5,13 +5,20 @@ left, ties to the lower expert id) and writes ids and weights. float32, the form
 routing.py. And the routed experts' lookup in the expert cache's device table (engine.TableDecode)
 in one launch instead of three, and the copy of the kept RAM-tier blocks it finds into VRAM: the
 GPU reads host memory at PCIe's speed with its own loads (as fast as a DMA copy, measured with
-bench/kernel_bandwidth.py --host), where the matvec reading them in place reached 30 GB/s of 50."""
+bench/kernel_bandwidth.py --host), where the matvec reading them in place reached 30 GB/s of 50;
+and the copy of the next layer's guessed kept blocks ahead of it (expert_ahead), beside the
+running layer's kernels."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from ..nn.ops import AheadSlots
 
 
 @triton.jit
@@ -113,8 +120,11 @@ def sqrtsoftplus_route(logits: torch.Tensor, k: int, scale: float, bias: torch.T
 
 
 @triton.jit
-def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offsets_ptr, N, E, resident_bytes,
-                          slot_bytes, BN: tl.constexpr):
+def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offsets_ptr, guess_ptr, counts_ptr, N,
+                          E, resident_bytes, slot_bytes, ahead_base, BN: tl.constexpr, AHEAD: tl.constexpr):
+    """AHEAD: a kept pair whose expert is among the N guessed ones (guess_ptr, whose kept blocks
+    _expert_ahead_kernel copies into ahead slots) is read from its ahead slot, and counts_ptr [3]
+    gains the kept pairs, those read ahead, and the blocks copied ahead (one program: no atomics)."""
     i = tl.arange(0, BN)
     inside = i < N
     ids = tl.load(ids_ptr + i, mask=inside, other=0)
@@ -124,19 +134,30 @@ def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offset
     tl.store(rec_offsets_ptr + i, at, mask=inside)
     transit = resident_bytes + i.to(tl.int64) * slot_bytes
     resident = (at >= 0) & (at < resident_bytes)
-    tl.store(offsets_ptr + i, tl.where(resident, at, tl.where(at == -1, 0, transit)), mask=inside)
+    kept = inside & ~resident & (at != -1)
+    offsets = tl.where(resident, at, tl.where(at == -1, 0, transit))
+    if AHEAD:
+        guess = tl.minimum(tl.maximum(tl.load(guess_ptr + i, mask=inside, other=0), 0), E - 1)
+        guess_at = tl.load(row_ptr + guess, mask=inside, other=-1)
+        copied = inside & (guess_at != -1) & ((guess_at < 0) | (guess_at >= resident_bytes))
+        match = (ids[:, None] == guess[None, :]) & copied[None, :] & kept[:, None]
+        found = tl.max(match.to(tl.int32), axis=1) > 0
+        g = tl.argmax(match.to(tl.int32), axis=1).to(tl.int64)
+        offsets = tl.where(found, ahead_base + g * slot_bytes, offsets)
+        c = tl.arange(0, 4)
+        add = tl.where(c == 0, tl.sum(kept.to(tl.int64), axis=0),
+                       tl.where(c == 1, tl.sum(found.to(tl.int64), axis=0), tl.sum(copied.to(tl.int64), axis=0)))
+        tl.store(counts_ptr + c, tl.load(counts_ptr + c, mask=c < 3, other=0) + add, mask=c < 3)
+    tl.store(offsets_ptr + i, offsets, mask=inside)
 
 
 @triton.jit
-def _gather_kept_kernel(pool_ptr, rec_offsets_ptr, nbytes, resident_bytes, slot_bytes, BLOCK: tl.constexpr):
-    """Program (c, p): pair p's kept block, where its offset reaches outside the resident slots,
-    into its transit slot, every c-th BLOCK of it; nothing for a resident or absent expert."""
-    p = tl.program_id(1)
-    at = tl.load(rec_offsets_ptr + p)
-    kept = (at != -1) & ((at < 0) | (at >= resident_bytes))
-    at = tl.multiple_of(tl.where(kept, at, 0), 16)
-    dst = tl.multiple_of(resident_bytes + p.to(tl.int64) * slot_bytes, 16)
-    end = tl.cdiv(nbytes, BLOCK) * kept.to(tl.int32)
+def _copy_block(pool_ptr, at, dst, nbytes, copy, BLOCK: tl.constexpr):
+    """This program's share (every num_programs(0)-th BLOCK) of one block's `nbytes` from `at` to
+    `dst` in the pool, where `copy`."""
+    at = tl.multiple_of(tl.where(copy, at, 0), 16)
+    dst = tl.multiple_of(dst, 16)
+    end = tl.cdiv(nbytes, BLOCK) * copy.to(tl.int32)
     o = tl.arange(0, BLOCK).to(tl.int64)
     for chunk in range(tl.program_id(0), end, tl.num_programs(0)):
         at_o = o + chunk * BLOCK
@@ -144,20 +165,60 @@ def _gather_kept_kernel(pool_ptr, rec_offsets_ptr, nbytes, resident_bytes, slot_
         tl.store(pool_ptr + dst + at_o, tl.load(pool_ptr + at + at_o, mask=inside), mask=inside)
 
 
+@triton.jit
+def _gather_kept_kernel(pool_ptr, rec_offsets_ptr, offsets_ptr, nbytes, resident_bytes, slot_bytes,
+                        BLOCK: tl.constexpr):
+    """Program (c, p): pair p's kept block, where the lookup sent it to its transit slot, into that
+    slot, every c-th BLOCK of it; nothing for a resident or absent expert, or one copied ahead."""
+    p = tl.program_id(1)
+    at = tl.load(rec_offsets_ptr + p)
+    dst = resident_bytes + p.to(tl.int64) * slot_bytes
+    kept = (at != -1) & ((at < 0) | (at >= resident_bytes)) & (tl.load(offsets_ptr + p) == dst)
+    _copy_block(pool_ptr, at, dst, nbytes, kept, BLOCK)
+
+
+@triton.jit
+def _expert_ahead_kernel(guess_ptr, row_ptr, pool_ptr, E, nbytes, resident_bytes, slot_bytes, ahead_base,
+                         BLOCK: tl.constexpr):
+    """Program (c, g): guessed expert g's block, where it is kept in the RAM tier, into ahead slot
+    g, every c-th BLOCK of it."""
+    g = tl.program_id(1)
+    e = tl.minimum(tl.maximum(tl.load(guess_ptr + g), 0), E - 1)
+    at = tl.load(row_ptr + e)
+    kept = (at != -1) & ((at < 0) | (at >= resident_bytes))
+    _copy_block(pool_ptr, at, ahead_base + g.to(tl.int64) * slot_bytes, nbytes, kept, BLOCK)
+
+
 GATHER_BLOCK = 4096  # bytes a program copies per turn
 GATHER_PROGRAMS = 64  # programs per kept block: enough reads in flight for PCIe's bandwidth (~50 GB/s on the H200)
+# Programs per block copied ahead, beside the running layer's kernels: fewer, to leave them the SMs
+# (a step's guesses keep a few blocks in flight together).
+AHEAD_PROGRAMS = 16
 
 
 def expert_lookup(ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor,
-                  pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int) -> torch.Tensor:
+                  pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int,
+                  ahead: AheadSlots | None = None) -> torch.Tensor:
     """TorchOps.expert_lookup's formula: the lookup in one program (a step's pairs are a few dozen
-    at most), then the kept blocks copied into their transit slots by GATHER_PROGRAMS programs each
-    (one on the CPU, under the interpreter)."""
+    at most), then the kept blocks not copied ahead copied into their transit slots by
+    GATHER_PROGRAMS programs each (one on the CPU, under the interpreter)."""
     n = ids.numel()
     offsets = torch.empty(n, dtype=torch.int64, device=ids.device)
-    _expert_lookup_kernel[(1,)](ids.reshape(-1), row, rec_ids, rec_offsets, offsets, n, row.shape[0], resident_bytes,
-                                slot_bytes, BN=max(16, triton.next_power_of_2(n)), num_warps=1)
+    _expert_lookup_kernel[(1,)](ids.reshape(-1), row, rec_ids, rec_offsets, offsets,
+                                offsets if ahead is None else ahead.guess, offsets if ahead is None else ahead.counts,
+                                n, row.shape[0], resident_bytes, slot_bytes, 0 if ahead is None else ahead.base,
+                                BN=max(16, triton.next_power_of_2(n)), AHEAD=ahead is not None, num_warps=1)
     programs = 1 if pool.device.type == "cpu" else min(GATHER_PROGRAMS, triton.cdiv(nbytes, GATHER_BLOCK))
-    _gather_kept_kernel[(programs, n)](pool, rec_offsets, nbytes, resident_bytes, slot_bytes, BLOCK=GATHER_BLOCK,
-                                       num_warps=4)
+    _gather_kept_kernel[(programs, n)](pool, rec_offsets, offsets, nbytes, resident_bytes, slot_bytes,
+                                       BLOCK=GATHER_BLOCK, num_warps=4)
     return offsets
+
+
+def expert_ahead(row: torch.Tensor, ahead: AheadSlots, pool: torch.Tensor, resident_bytes: int, slot_bytes: int,
+                 nbytes: int) -> None:
+    """TorchOps.expert_ahead's formula: AHEAD_PROGRAMS programs a guessed expert (one on the CPU)."""
+    guess = ahead.guess
+    n = guess.numel()
+    programs = 1 if pool.device.type == "cpu" else min(AHEAD_PROGRAMS, triton.cdiv(nbytes, GATHER_BLOCK))
+    _expert_ahead_kernel[(programs, n)](guess.reshape(-1), row, pool, row.shape[0], nbytes, resident_bytes,
+                                        slot_bytes, ahead.base, BLOCK=GATHER_BLOCK, num_warps=4)

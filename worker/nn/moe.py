@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ..experts.lookahead import Guesses, Router, look_ahead, next_guesses
+from ..experts.lookahead import Guesses, Router, guess, look_ahead, next_guesses
 from ..experts.source import ExpertRows, ExpertSource, ExpertWeights, PrefetchingSource
 from ..weights.expert_roles import ExpertRoles, expert_roles
 from .activation import SWIGLU, Activation
@@ -44,9 +44,10 @@ def torch_expert(ops: TorchOps, x: torch.Tensor, w: ExpertWeights, act: Activati
     return ops.linear(act(gate, up), w["down"], w.get("down.bias"))
 
 
-# Where a segmented decode step stops at an MoE layer: (layer, ids [T, k], the lookahead's guesses
-# for the layers after it) -> where the layer's experts sit (offsets in a buffer of the step's own).
-Boundary = Callable[[int, torch.Tensor, Guesses], ExpertRows]
+# Where a segmented decode step stops at an MoE layer: (layer, ids [T, k], the router's input [T, D],
+# from which ExpertFFN.guesses / guess predict later layers' experts) -> where the layer's experts
+# sit (offsets in a buffer of the step's own).
+Boundary = Callable[[int, torch.Tensor, torch.Tensor], ExpertRows]
 
 DENSE_MIN_PAIRS_PER_EXPERT = 6  # from this many pairs per routed expert, dequantize once and multiply (bench/moe_prefill.py)
 # For experts moe_integer runs (Q4_K): from INTEGER_TILES_MIN_PAIRS_PER_EXPERT its products in tiles decoded on
@@ -113,7 +114,7 @@ class ExpertFFN:
         # Look ahead: set by Engine.load (prefetch=...) where the source is the expertd-fed cache.
         self.prefetch = False
         self.tokens: torch.Tensor | None = None  # this pass's token ids, for static routes (begin)
-        self.boundary: Boundary | None = None  # set by engine.SegmentedDecode for the passes it runs
+        self.boundary: Boundary | None = None  # set by engine.SegmentedDecode and TableDecode for their passes
         self._roles: dict[int, ExpertRoles] = {}
 
     def begin(self, tokens: torch.Tensor) -> None:
@@ -142,10 +143,7 @@ class ExpertFFN:
             self.routing_log.setdefault(layer, []).append(ids.cpu())
         prefetching = self.prefetching
         if self.boundary is not None:  # a segmented decode step: the host work waits for the boundary
-            x = h if router_in is None else router_in
-            guesses = (next_guesses(self.source, layer, x, self.router, self.static_routes, self.tokens)
-                       if prefetching else ())
-            y = self._fused(layer, h, ids, weights, [self.boundary(layer, ids, guesses)])
+            y = self._fused(layer, h, ids, weights, [self.boundary(layer, ids, h if router_in is None else router_in)])
             return y.sum(dim=1).to(h.dtype) if summed else y
         ahead = partial(look_ahead, self.source, layer, h if router_in is None else router_in, self.router,
                         self.static_routes, self.tokens) if prefetching else None
@@ -157,6 +155,18 @@ class ExpertFFN:
         if prefetching:
             self.source.layer_done(layer)
         return y
+
+    def guesses(self, layer: int, x: torch.Tensor) -> Guesses:
+        """The lookahead's guesses (on the device) for the layers after `layer` the source
+        prefetches for, from the layer's router input `x`: none where it does not prefetch."""
+        if not self.prefetching:
+            return ()
+        return next_guesses(self.source, layer, x, self.router, self.static_routes, self.tokens)
+
+    def guess(self, target: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Layer `target`'s experts [T, k] as predicted from an earlier layer's router input `x`
+        (lookahead.guess), None where they cannot be."""
+        return guess(target, x, self.router, self.static_routes, self.tokens)
 
     def host_step(self, layer: int, chosen: list[int], guesses: Sequence[tuple[int, list[int]]]) -> list[int]:
         """A segmented decode step's host work at `layer`, what an eager call does around its

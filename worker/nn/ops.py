@@ -10,12 +10,38 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..weights.qtensor import QTensor
 from . import hyper_connections, layers, routing
 from .layers import Rope
+
+
+@dataclass
+class AheadSlots:
+    """A layer's guessed experts, whose kept RAM-tier blocks a table step copies ahead of it
+    (ops.expert_ahead), for its lookup (ops.expert_lookup): device tensors a CUDA graph reads and
+    writes in place. Both find which guesses are kept from the layer's table row, alike."""
+    guess: torch.Tensor  # [k] int64: the guessed experts; guess g's kept block goes to ahead slot g
+    base: int  # byte offset of ahead slot 0 from the pool
+    counts: torch.Tensor  # [3] int64, added to: kept pairs looked up, of those read ahead, blocks copied ahead
+
+
+def _kept_guesses(row: torch.Tensor, ahead: AheadSlots, resident_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The guesses clamped into the row, and which of them are kept blocks (copied ahead)."""
+    guess = ahead.guess.reshape(-1).clamp(0, row.shape[0] - 1)
+    at = row[guess]
+    return guess, (at != -1) & ((at < 0) | (at >= resident_bytes))
+
+
+def _read_kept(pool: torch.Tensor, at: int, dst: int, nbytes: int) -> None:
+    """A kept block (host memory at pool's address + `at`) into the pool at `dst`: the CPU's read."""
+    if pool.device.type != "cpu":
+        raise RuntimeError("TorchOps reads kept RAM-tier blocks on the CPU only; the GPU's are TritonOps'")
+    block = (ctypes.c_uint8 * nbytes).from_address(pool.data_ptr() + at)
+    pool[dst:dst + nbytes].copy_(torch.frombuffer(block, dtype=torch.uint8))
 
 
 class TorchOps:
@@ -120,7 +146,8 @@ class TorchOps:
 
     # -- the expert cache's device table (engine.TableDecode)
     def expert_lookup(self, ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor,
-                      pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int) -> torch.Tensor:
+                      pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int,
+                      ahead: AheadSlots | None = None) -> torch.Tensor:
         """Where a step's experts `ids` [T, k] sit: `row` [E] holds each expert's byte offset from
         `pool`: in its resident slots [0, resident_bytes), -1 where absent, anywhere else for a block
         the cache keeps in expertd's RAM tier (host memory the device reads at its address). Records
@@ -128,8 +155,11 @@ class TorchOps:
         offsets into `rec_ids`, `rec_offsets` [T*k]; copies each kept block's `nbytes` into its
         pair's transit slot (pair p's at resident_bytes + p * slot_bytes) and returns the offsets
         the kernels read: resident ones as they are, kept ones their transit slot's, absent ones 0
-        (a pass the host will drop reads only the cache). Here on the CPU only: kept blocks are
-        read at their address (the Triton kernel, TritonOps, does it on the GPU)."""
+        (a pass the host will drop reads only the cache). With `ahead` (one token's k, whose guessed
+        kept blocks expert_ahead copied), a kept block found there is read from its ahead slot and
+        not copied again; ahead.counts gains the kept pairs, those, and the blocks copied ahead.
+        Here on the CPU only: kept blocks are read at their address (the Triton kernel, TritonOps,
+        does it on the GPU)."""
         inside = ids.reshape(-1).clamp(0, row.shape[0] - 1)
         rec_ids.copy_(inside)
         torch.index_select(row, 0, inside, out=rec_offsets)
@@ -137,13 +167,29 @@ class TorchOps:
         transit = resident_bytes + torch.arange(at.numel(), dtype=torch.int64, device=at.device) * slot_bytes
         resident = (at >= 0) & (at < resident_bytes)
         kept = ~resident & (at != -1)
+        offsets = torch.where(resident, at, torch.where(kept, transit, 0))
+        if ahead is not None:
+            guess, copied = _kept_guesses(row, ahead, resident_bytes)
+            match = (inside[:, None] == guess[None, :]) & copied[None, :] & kept[:, None]
+            found = match.any(dim=1)
+            offsets = torch.where(found, ahead.base + match.to(torch.int64).argmax(dim=1) * slot_bytes, offsets)
+            ahead.counts += torch.stack([kept.sum(), found.sum(), copied.sum()])
+            kept = kept & ~found
         for p in kept.nonzero().reshape(-1).tolist():
-            if pool.device.type != "cpu":
-                raise RuntimeError("TorchOps reads kept RAM-tier blocks on the CPU only; the GPU's are TritonOps'")
-            block = (ctypes.c_uint8 * nbytes).from_address(pool.data_ptr() + int(at[p]))
-            start = int(transit[p])
-            pool[start:start + nbytes].copy_(torch.frombuffer(block, dtype=torch.uint8))
-        return torch.where(resident, at, torch.where(kept, transit, 0))
+            _read_kept(pool, int(at[p]), int(transit[p]), nbytes)
+        return offsets
+
+    def expert_ahead(self, row: torch.Tensor, ahead: AheadSlots, pool: torch.Tensor, resident_bytes: int,
+                     slot_bytes: int, nbytes: int) -> None:
+        """The guessed experts ahead.guess [k] of the next layer (its router on this layer's router
+        input, lookahead.guess) that the cache keeps in the RAM tier (`row`, as expert_lookup reads
+        it): each block into its ahead slot (guess g's at ahead.base + g * slot_bytes). On the GPU
+        this runs on a side stream while the layer computes, so the next layer's lookup finds the
+        right guesses in VRAM; a wrong guess costs PCIe time only: what a layer reads is what its
+        own routing picks."""
+        guess, copied = _kept_guesses(row, ahead, resident_bytes)
+        for g in copied.nonzero().reshape(-1).tolist():
+            _read_kept(pool, int(row[guess[g]]), ahead.base + g * slot_bytes, nbytes)
 
     # -- DeepSeek-V4's hyper-connections (hyper_connections.py)
     def hc_weights(self, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,

@@ -23,11 +23,11 @@ from ..kernels.moe_dense import experts_dense
 from ..kernels.moe_tiles import experts_in_tiles
 from ..kernels.moe_tl import experts_per_pair
 from ..kernels.pointwise_tl import add_rms_norm, qkv_rope_store, rms_norm, rope
-from ..kernels.routing_tl import expert_lookup, softmax_topk, sqrtsoftplus_route
+from ..kernels.routing_tl import expert_ahead, expert_lookup, softmax_topk, sqrtsoftplus_route
 from ..weights.expert_roles import ExpertRoles
 from ..weights.qtensor import QTensor
 from .layers import DECODE_MAX_QUERIES, Rope, RopeStyle
-from .ops import TorchOps
+from .ops import AheadSlots, TorchOps
 
 
 class TritonOps(TorchOps):
@@ -126,8 +126,13 @@ class TritonOps(TorchOps):
         return sqrtsoftplus_route(logits, table.shape[1], scale, table=table, tokens=tokens)
 
     def expert_lookup(self, ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, rec_offsets: torch.Tensor,
-                      pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int) -> torch.Tensor:
-        return expert_lookup(ids, row, rec_ids, rec_offsets, pool, resident_bytes, slot_bytes, nbytes)
+                      pool: torch.Tensor, resident_bytes: int, slot_bytes: int, nbytes: int,
+                      ahead: AheadSlots | None = None) -> torch.Tensor:
+        return expert_lookup(ids, row, rec_ids, rec_offsets, pool, resident_bytes, slot_bytes, nbytes, ahead)
+
+    def expert_ahead(self, row: torch.Tensor, ahead: AheadSlots, pool: torch.Tensor, resident_bytes: int,
+                     slot_bytes: int, nbytes: int) -> None:
+        expert_ahead(row, ahead, pool, resident_bytes, slot_bytes, nbytes)
 
     # -- DeepSeek-V4's hyper-connections
     def hc_weights(self, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
