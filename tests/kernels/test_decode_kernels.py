@@ -221,18 +221,22 @@ def test_expert_lookup_records_ids_and_offsets_and_gathers_kept_blocks(t: int, k
             assert torch.equal(want_pool[want[p]:want[p] + nbytes], tier_bytes[(e % 16) * slot:][:nbytes])
 
 
-def test_blocks_copied_ahead_are_read_from_their_ahead_slots(device: torch.device) -> None:
+@pytest.mark.parametrize("most", [8, 3])
+def test_blocks_copied_ahead_are_read_from_their_ahead_slots(device: torch.device, most: int) -> None:
     """engine.TableDecode's copies ahead: expert_ahead copies the guessed experts' kept blocks
-    (not resident or absent ones) into their ahead slots; the next lookup reads a kept pair whose
-    expert was guessed from its ahead slot and copies only the other kept pairs into their transit
-    slots, and counts kept pairs, those read ahead and blocks copied ahead. The kernels against
-    TorchOps' formula, and each pair's bytes against the tier's."""
+    (not resident or absent ones), the first `most` of them in the guess's order, into their ahead
+    slots; the next lookup reads a kept pair whose expert's block was copied ahead from its ahead
+    slot and copies only the other kept pairs into their transit slots, and counts kept pairs,
+    those read ahead and blocks copied ahead. The kernels against TorchOps' formula, and each
+    pair's bytes against the tier's."""
     slot, nbytes, n_resident, k = 4096, 3000, 40, 8
     g = torch.Generator().manual_seed(11)
     where = torch.randint(0, n_resident, (64,), generator=g) * slot
     kind = torch.arange(64) % 3  # 0 resident, 1 absent, 2 kept (in tier slot e % 16)
     ids = torch.tensor([[2, 5, 8, 11, 0, 3, 14, 1]])  # kept: 2, 5, 8, 11, 14
     guess = torch.tensor([5, 11, 17, 6, 20, 2, 4, 9])  # kept and right: 5, 11, 2; kept, wrong: 17, 20; others not kept
+    copied = [5, 11, 17, 20, 2][:most]  # the kept guesses in order, as many as copied ahead
+    right = [e for e in copied if e in ids[0].tolist()]
     tier_bytes = torch.randint(0, 256, (16 * slot,), dtype=torch.uint8, generator=g)
     pool_bytes = torch.randint(0, 256, ((n_resident + 3 * k) * slot,), dtype=torch.uint8, generator=g)
     base = (n_resident + k) * slot
@@ -242,7 +246,7 @@ def test_blocks_copied_ahead_are_read_from_their_ahead_slots(device: torch.devic
         pool = pool_bytes.to(on, copy=True)
         kept_at = tier.data_ptr() - pool.data_ptr() + (torch.arange(64) % 16) * slot
         row = torch.where(kind == 0, where, torch.where(kind == 1, -1, kept_at)).to(on)
-        ahead = AheadSlots(guess.to(on), base, torch.tensor([1, 0, 0], dtype=torch.int64, device=on))
+        ahead = AheadSlots(guess.to(on), base, torch.tensor([1, 0, 0], dtype=torch.int64, device=on), most)
         rec = torch.zeros(2, k, dtype=torch.int64, device=on)
         args = (rec[0], rec[1], pool, n_resident * slot, slot, nbytes)
         if not results:
@@ -257,16 +261,16 @@ def test_blocks_copied_ahead_are_read_from_their_ahead_slots(device: torch.devic
         results.append((got.cpu(), ahead.counts.cpu(), pool.cpu()))
     (want, want_counts, want_pool), (got, got_counts, got_pool) = results
     assert torch.equal(got, want) and torch.equal(got_pool, want_pool) and torch.equal(got_counts, want_counts)
-    assert want_counts.tolist() == [1 + 5, 3, 5]  # added to what was there
-    for g_, e in enumerate(guess.tolist()):  # the kept guesses in their ahead slots, the others not written
+    assert want_counts.tolist() == [1 + 5, len(right), len(copied)]  # added to what was there
+    for g_, e in enumerate(guess.tolist()):  # the copied guesses in their ahead slots, the others not written
         at = base + g_ * slot
-        if kind[e] == 2:
+        if e in copied:
             assert torch.equal(want_pool[at:at + nbytes], tier_bytes[(e % 16) * slot:][:nbytes])
         else:
             assert torch.equal(want_pool[at:at + slot], pool_bytes[at:at + slot])
     for p, e in enumerate(ids[0].tolist()):
         transit = (n_resident + p) * slot
-        if kind[e] == 2 and e in (5, 11, 2):
+        if e in right:
             assert want[p] == base + guess.tolist().index(e) * slot
             assert torch.equal(want_pool[transit:transit + slot], pool_bytes[transit:transit + slot])  # not copied again
         elif kind[e] == 2:

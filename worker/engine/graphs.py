@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from ..experts.lookahead import Guesses
     from ..models import Model
 
+# Kept blocks a table step copies ahead for the next layer: the router's likeliest guesses only,
+# as many as PCIe moves while this layer computes (~0.1 ms, ~5 MB at 50 GB/s: two Q4_K experts of
+# Qwen3-30B-A3B). Copying all k guesses made the next layer wait for them and spent 13% more PCIe
+# on the wrong ones (the traces of decode_streaming --trace). On the H100 (BENCHMARKS.md), Q3-12L
+# over a warm RAM tier: 2 blocks 1.12x of none; 1 block 1.05x, 3 (at 32 programs a block) 1.10x.
+AHEAD_BLOCKS = 2
+
 
 class StaticInputs:
     """A static pass's inputs on the device and the caches it runs over: `tokens` consecutive
@@ -441,7 +448,7 @@ class TableDecode:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            slots = AheadSlots(moe.guess(target, x).reshape(-1).contiguous(), base, source.ahead_counts)
+            slots = AheadSlots(moe.guess(target, x).reshape(-1).contiguous(), base, source.ahead_counts, AHEAD_BLOCKS)
             assert slots.guess.numel() == k, "a decode step's guess is one token's k experts: its ahead slots"
             ahead = _Ahead(j, slots)
             if stream is not None:

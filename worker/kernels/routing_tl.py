@@ -121,7 +121,7 @@ def sqrtsoftplus_route(logits: torch.Tensor, k: int, scale: float, bias: torch.T
 
 @triton.jit
 def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offsets_ptr, guess_ptr, counts_ptr, N,
-                          E, resident_bytes, slot_bytes, ahead_base, BN: tl.constexpr, AHEAD: tl.constexpr):
+                          E, resident_bytes, slot_bytes, ahead_base, most, BN: tl.constexpr, AHEAD: tl.constexpr):
     """AHEAD: a kept pair whose expert is among the N guessed ones (guess_ptr, whose kept blocks
     _expert_ahead_kernel copies into ahead slots) is read from its ahead slot, and counts_ptr [3]
     gains the kept pairs, those read ahead, and the blocks copied ahead (one program: no atomics)."""
@@ -138,8 +138,7 @@ def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offset
     offsets = tl.where(resident, at, tl.where(at == -1, 0, transit))
     if AHEAD:
         guess = tl.minimum(tl.maximum(tl.load(guess_ptr + i, mask=inside, other=0), 0), E - 1)
-        guess_at = tl.load(row_ptr + guess, mask=inside, other=-1)
-        copied = inside & (guess_at != -1) & ((guess_at < 0) | (guess_at >= resident_bytes))
+        copied = _copied_ahead(guess, row_ptr, inside, resident_bytes, most)
         match = (ids[:, None] == guess[None, :]) & copied[None, :] & kept[:, None]
         found = tl.max(match.to(tl.int32), axis=1) > 0
         g = tl.argmax(match.to(tl.int32), axis=1).to(tl.int64)
@@ -149,6 +148,15 @@ def _expert_lookup_kernel(ids_ptr, row_ptr, rec_ids_ptr, rec_offsets_ptr, offset
                        tl.where(c == 1, tl.sum(found.to(tl.int64), axis=0), tl.sum(copied.to(tl.int64), axis=0)))
         tl.store(counts_ptr + c, tl.load(counts_ptr + c, mask=c < 3, other=0) + add, mask=c < 3)
     tl.store(offsets_ptr + i, offsets, mask=inside)
+
+
+@triton.jit
+def _copied_ahead(guess, row_ptr, inside, resident_bytes, most):
+    """Which guesses (clamped ids, in the guess's order) _expert_ahead_kernel copies: kept blocks,
+    the first `most` of them."""
+    at = tl.load(row_ptr + guess, mask=inside, other=-1)
+    kept = (inside & (at != -1) & ((at < 0) | (at >= resident_bytes))).to(tl.int32)
+    return (kept > 0) & (tl.cumsum(kept, axis=0) - kept < most)
 
 
 @triton.jit
@@ -178,15 +186,18 @@ def _gather_kept_kernel(pool_ptr, rec_offsets_ptr, offsets_ptr, nbytes, resident
 
 
 @triton.jit
-def _expert_ahead_kernel(guess_ptr, row_ptr, pool_ptr, E, nbytes, resident_bytes, slot_bytes, ahead_base,
-                         BLOCK: tl.constexpr):
-    """Program (c, g): guessed expert g's block, where it is kept in the RAM tier, into ahead slot
-    g, every c-th BLOCK of it."""
+def _expert_ahead_kernel(guess_ptr, row_ptr, pool_ptr, N, E, nbytes, resident_bytes, slot_bytes, ahead_base, most,
+                         BN: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (c, g): guessed expert g's block, where it is among the first `most` kept in the
+    RAM tier, into ahead slot g, every c-th BLOCK of it."""
     g = tl.program_id(1)
-    e = tl.minimum(tl.maximum(tl.load(guess_ptr + g), 0), E - 1)
-    at = tl.load(row_ptr + e)
-    kept = (at != -1) & ((at < 0) | (at >= resident_bytes))
-    _copy_block(pool_ptr, at, ahead_base + g.to(tl.int64) * slot_bytes, nbytes, kept, BLOCK)
+    i = tl.arange(0, BN)
+    inside = i < N
+    guess = tl.minimum(tl.maximum(tl.load(guess_ptr + i, mask=inside, other=0), 0), E - 1)
+    copied = _copied_ahead(guess, row_ptr, inside, resident_bytes, most)
+    mine = tl.sum(tl.where(i == g, copied.to(tl.int32), 0), axis=0) > 0
+    at = tl.load(row_ptr + tl.sum(tl.where(i == g, guess, 0), axis=0))
+    _copy_block(pool_ptr, at, ahead_base + g.to(tl.int64) * slot_bytes, nbytes, mine, BLOCK)
 
 
 GATHER_BLOCK = 4096  # bytes a program copies per turn
@@ -207,7 +218,7 @@ def expert_lookup(ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, r
     _expert_lookup_kernel[(1,)](ids.reshape(-1), row, rec_ids, rec_offsets, offsets,
                                 offsets if ahead is None else ahead.guess, offsets if ahead is None else ahead.counts,
                                 n, row.shape[0], resident_bytes, slot_bytes, 0 if ahead is None else ahead.base,
-                                BN=max(16, triton.next_power_of_2(n)), AHEAD=ahead is not None, num_warps=1)
+                                0 if ahead is None else ahead.most, BN=max(16, triton.next_power_of_2(n)), AHEAD=ahead is not None, num_warps=1)
     programs = 1 if pool.device.type == "cpu" else min(GATHER_PROGRAMS, triton.cdiv(nbytes, GATHER_BLOCK))
     _gather_kept_kernel[(programs, n)](pool, rec_offsets, offsets, nbytes, resident_bytes, slot_bytes,
                                        BLOCK=GATHER_BLOCK, num_warps=4)
@@ -220,5 +231,6 @@ def expert_ahead(row: torch.Tensor, ahead: AheadSlots, pool: torch.Tensor, resid
     guess = ahead.guess
     n = guess.numel()
     programs = 1 if pool.device.type == "cpu" else min(AHEAD_PROGRAMS, triton.cdiv(nbytes, GATHER_BLOCK))
-    _expert_ahead_kernel[(programs, n)](guess.reshape(-1), row, pool, row.shape[0], nbytes, resident_bytes,
-                                        slot_bytes, ahead.base, BLOCK=GATHER_BLOCK, num_warps=4)
+    _expert_ahead_kernel[(programs, n)](guess.reshape(-1), row, pool, n, row.shape[0], nbytes, resident_bytes,
+                                        slot_bytes, ahead.base, ahead.most, BN=max(16, triton.next_power_of_2(n)),
+                                        BLOCK=GATHER_BLOCK, num_warps=4)

@@ -24,16 +24,19 @@ class AheadSlots:
     """A layer's guessed experts, whose kept RAM-tier blocks a table step copies ahead of it
     (ops.expert_ahead), for its lookup (ops.expert_lookup): device tensors a CUDA graph reads and
     writes in place. Both find which guesses are kept from the layer's table row, alike."""
-    guess: torch.Tensor  # [k] int64: the guessed experts; guess g's kept block goes to ahead slot g
+    guess: torch.Tensor  # [k] int64: the guessed experts, the router's likeliest first; g's block goes to ahead slot g
     base: int  # byte offset of ahead slot 0 from the pool
     counts: torch.Tensor  # [3] int64, added to: kept pairs looked up, of those read ahead, blocks copied ahead
+    most: int  # kept guesses copied ahead: the first `most` of them, in the guess's order
 
 
 def _kept_guesses(row: torch.Tensor, ahead: AheadSlots, resident_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The guesses clamped into the row, and which of them are kept blocks (copied ahead)."""
+    """The guesses clamped into the row, and which of them are copied ahead: kept blocks, the
+    first ahead.most of them."""
     guess = ahead.guess.reshape(-1).clamp(0, row.shape[0] - 1)
     at = row[guess]
-    return guess, (at != -1) & ((at < 0) | (at >= resident_bytes))
+    kept = ((at != -1) & ((at < 0) | (at >= resident_bytes))).to(torch.int64)
+    return guess, (kept > 0) & (torch.cumsum(kept, 0) - kept < ahead.most)
 
 
 def _read_kept(pool: torch.Tensor, at: int, dst: int, nbytes: int) -> None:
@@ -183,7 +186,8 @@ class TorchOps:
                      slot_bytes: int, nbytes: int) -> None:
         """The guessed experts ahead.guess [k] of the next layer (its router on this layer's router
         input, lookahead.guess) that the cache keeps in the RAM tier (`row`, as expert_lookup reads
-        it): each block into its ahead slot (guess g's at ahead.base + g * slot_bytes). On the GPU
+        it), the likeliest ahead.most of them: each block into its ahead slot (guess g's at
+        ahead.base + g * slot_bytes). On the GPU
         this runs on a side stream while the layer computes, so the next layer's lookup finds the
         right guesses in VRAM; a wrong guess costs PCIe time only: what a layer reads is what its
         own routing picks."""
