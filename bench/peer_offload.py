@@ -7,8 +7,9 @@ the page cache, shared memory and mlocked pages), the page cache dropped before 
 
 The VRAM budget: llama.cpp's split K is one that fits it (the trunk and the GPU layers' experts,
 from the pack's sizes, plus LLAMA_VRAM_MARGIN_GIB for its KV cache and buffers); K is swept over
-every split that fits and the best decode counts. expertpack gets the same budget: the trunk, a
-cache of the rest less OUR_VRAM_MARGIN_GIB, and expertd's RAM tier of the RAM budget less
+every split that fits and the best decode counts. expertpack gets the same budget: the trunk (less
+its token embedding, which the worker, like llama.cpp, keeps in host memory), a cache of the rest
+less OUR_VRAM_MARGIN_GIB, and expertd's RAM tier of the RAM budget less
 HOST_RESERVE_GIB (the worker's own host memory: CUDA's context, the trunk on its way in). Prints
 a table and, last, one JSON line. Needs root (the cgroup) and a llama.cpp build
 (bench/peer_llamacpp.py build).
@@ -130,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peer_offload: no -ncmoe split of {stem} fits {args.vram_gib:g} GiB of VRAM (the trunk alone is "
               f"{m.trunk.size_bytes / GIB:.2f} GiB)", file=sys.stderr)
         return 2
-    cache_gib = args.vram_gib - m.trunk.size_bytes / GIB - OUR_VRAM_MARGIN_GIB
+    cache_gib = args.vram_gib - (m.trunk.size_bytes - embedding) / GIB - OUR_VRAM_MARGIN_GIB
     one_layer = m.model.n_expert_used * max(layer.payload_bytes for layer in m.layers) / GIB
     if cache_gib < one_layer:
         print(f"peer_offload: {args.vram_gib:g} GiB of VRAM leaves expertpack a cache of {cache_gib:.2f} GiB after the "
-              f"trunk and a {OUR_VRAM_MARGIN_GIB:g} GiB margin, less than one layer's top-k ({one_layer:.2f} GiB)",
+              f"trunk (less its embedding) and a {OUR_VRAM_MARGIN_GIB:g} GiB margin, less than one layer's top-k ({one_layer:.2f} GiB)",
               file=sys.stderr)
         return 2
     llama = [(s, llama_run(args.bin, gguf, s, args)) for s in candidates]

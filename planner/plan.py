@@ -1,5 +1,6 @@
 """`expertpack plan PACK`: how a pack would run on a machine, before running it. It sizes the worker's
-VRAM expert cache from the GPU memory left after the trunk and a reserve, and expertd's RAM tier
+VRAM expert cache from the GPU memory left after the trunk (less its token embedding, which the worker
+reads from host memory) and a reserve, and expertd's RAM tier
 behind it; predicts their hit rates (a routing trace, or uniform routing simulated, replayed
 through the worker's cache policy and the daemon's RAM tier policy); and from the bytes a token
 then reads predicts decode tok/s and which bound holds: the disk (expert blocks the RAM tier
@@ -98,7 +99,7 @@ class Inputs:
     block_bytes_per_token: int  # at 0% hit: top-k blocks (strides) of every MoE layer
     payload_bytes_per_token: int
     slot_bytes: int  # one cache slot, as the worker's ExpertCache sizes them
-    trunk_bytes: int
+    trunk_bytes: int  # what the trunk holds in VRAM: all of it but its token embedding (Placement.weights)
     vram_bytes: int
     reserve_bytes: int
     ram_bytes: int  # expertd's RAM tier
@@ -197,6 +198,7 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
     k, moe = m.model.n_expert_used, len(m.layers)
     blocks, payload = sum(k * l.stride for l in m.layers), sum(k * l.payload_bytes for l in m.layers)
     trunk, compute, prefill = m.trunk.size_bytes, args.compute_tok_s, args.prefill_tok_s
+    embedding, moe_trunk = _trunk_parts(args.pack / m.trunk.file, m)
     sources["compute"] = "--compute-tok-s" if compute else "not given"
     sources["host"] = ("--miss-host-ms" if args.miss_host_ms is not None
                        else "measured on the H200 machine with segmented graphs (BENCHMARKS.md, profile_streaming)")
@@ -207,7 +209,6 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
         if args.layers <= dense:
             raise PlanError(f"--layers {args.layers}: the model's first {dense} layers are dense; give more")
         n_moe = args.layers - dense
-        embedding, moe_trunk = _trunk_parts(args.pack / m.trunk.file, m)
         read_before = trunk - embedding + payload  # what a decode step reads: one embedding row only
         blocks, payload = blocks * n_moe // moe, payload * n_moe // moe
         trunk += moe_trunk * n_moe // moe - moe_trunk
@@ -229,7 +230,8 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
         staging = max(64, 2 * k) * ram_slot_bytes  # what expertd.toml gets (write_configs)
         slots, why = ram_slot_count(None, ram_slot_bytes, staging, lockable_bytes()[0], n_blocks)
         ram, sources["ram"] = slots * ram_slot_bytes, f"as expertd would size it on this host: {why}"
-    return Inputs(str(args.pack), n_moe, m.model.n_expert, k, blocks, payload, pack_slot_bytes(m), trunk, vram,
+    # the worker keeps the token embedding in pinned host memory and reads a step's rows in place
+    return Inputs(str(args.pack), n_moe, m.model.n_expert, k, blocks, payload, pack_slot_bytes(m), trunk - embedding, vram,
                   int(args.reserve_gib * GIB), ram, ram_slot_bytes, moe, disk, args.pcie_gbps or DEFAULT_PCIE_GBPS,
                   compute, (DEFAULT_MISS_HOST_MS if args.miss_host_ms is None else args.miss_host_ms) / 1e3,
                   args.prompt_tokens, prefill, sources)
@@ -264,7 +266,7 @@ def plan(inputs: Inputs, trace: Path | None = None) -> Plan:
     slots = min(n_total, max(0, cache) // inputs.slot_bytes)
     if slots < inputs.n_expert_used:
         raise PlanError(f"{human_bytes(inputs.vram_bytes)} of VRAM leaves {human_bytes(max(cache, 0))} for the expert "
-                        f"cache after the trunk ({human_bytes(inputs.trunk_bytes)}) and the reserve "
+                        f"cache after the trunk on the GPU ({human_bytes(inputs.trunk_bytes)}) and the reserve "
                         f"({human_bytes(inputs.reserve_bytes)}): it must hold one layer's top-{inputs.n_expert_used} "
                         f"({human_bytes(inputs.n_expert_used * inputs.slot_bytes)})")
     ram_slots = min(n_total, inputs.ram_bytes // inputs.ram_slot_bytes)
@@ -385,7 +387,8 @@ def render(inputs: Inputs, p: Plan) -> str:
         ("MoE layers x experts, top-k", f"{inputs.n_moe_layers} x {inputs.n_expert}, top-{inputs.n_expert_used}",
          s.get("layers", "")),
         ("GPU memory", human_bytes(inputs.vram_bytes), s["vram"]),
-        ("- trunk, - reserve", f"{human_bytes(inputs.trunk_bytes)}, {human_bytes(inputs.reserve_bytes)}", "--reserve-gib"),
+        ("- trunk, - reserve", f"{human_bytes(inputs.trunk_bytes)}, {human_bytes(inputs.reserve_bytes)}",
+         "the trunk less its token embedding (read from host memory); --reserve-gib"),
         ("expert cache", f"{human_bytes(p.cache_bytes)}: {p.slots} slots of {human_bytes(inputs.slot_bytes)}, "
                          f"{p.share_of_experts:.1%} of the experts", ""),
         ("RAM tier (expertd)", f"{human_bytes(p.ram_slots * inputs.ram_slot_bytes)}: {p.ram_slots} blocks of "

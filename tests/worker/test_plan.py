@@ -25,6 +25,15 @@ from ..conftest import run_cli
 GIB = 1 << 30
 
 
+def trunk_in_vram(pack: Path) -> int:
+    """The trunk's bytes on the GPU: all but its token embedding, which the worker reads from pinned
+    host memory (Placement.weights)."""
+    m = Manifest.load(pack)
+    embedding = sum(t.nbytes for t in open_source(pack / m.trunk.file).tensors if t.name.startswith("token_embd."))
+    assert 0 < embedding < m.trunk.size_bytes
+    return m.trunk.size_bytes - embedding
+
+
 def plan_json(*args: str | Path) -> dict:
     proc = run_cli("plan", *args, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -34,7 +43,7 @@ def plan_json(*args: str | Path) -> dict:
 def test_the_arithmetic_on_a_pack(tiny_pack: Path) -> None:
     m = Manifest.load(tiny_pack)
     slot = pack_slot_bytes(m)
-    trunk = m.trunk.size_bytes
+    trunk = trunk_in_vram(tiny_pack)
     vram = trunk + 20 * slot + 1000  # twenty slots' worth once the trunk is in
     got = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5",
                     "--pcie-gbps", "10", "--compute-tok-s", "400", "--ram-gib", "0", "--miss-host-ms", "0.5")
@@ -103,7 +112,7 @@ def test_a_model_that_fits_vram_and_the_kept_tier_pays_no_host_time_per_miss(tin
     n_total = len(m.layers) * m.model.n_expert
     k = m.model.n_expert_used
     slots = n_total // 2 + 8
-    vram = m.trunk.size_bytes + slots * slot + 1000
+    vram = trunk_in_vram(tiny_pack) + slots * slot + 1000
     common = ["--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "0.5", "--pcie-gbps", "10",
               "--compute-tok-s", "400", "--miss-host-ms", "0.5"]
     got = plan_json(tiny_pack, *common, "--ram-gib", str(n_total * m.max_stride / GIB))["plan"]
@@ -133,7 +142,7 @@ def test_a_traces_hit_rate_is_the_policys_replay(tiny_pack: Path, tmp_path: Path
     trace_path = tmp_path / "t.jsonl"
     run_cli("eval", tiny_pack, "--text", "the quick brown fox", "--greedy", "12", "--trace", trace_path, check=True)
     m = Manifest.load(tiny_pack)
-    vram = m.trunk.size_bytes + 10 * pack_slot_bytes(m)
+    vram = trunk_in_vram(tiny_pack) + 10 * pack_slot_bytes(m)
     got = plan_json(tiny_pack, "--vram-gib", str(vram / GIB), "--reserve-gib", "0", "--disk-gbps", "1",
                     "--trace", trace_path, "--ram-gib", str(6 * m.max_stride / GIB))
     want = replay(read_trace(trace_path), [10], policies=("in_use",))[0].hit_rate["in_use"]
@@ -142,7 +151,7 @@ def test_a_traces_hit_rate_is_the_policys_replay(tiny_pack: Path, tmp_path: Path
     vram_hit, ram_hit = tiered_hit_rates(requests_of(read_trace(trace_path)), 10, 6)
     assert vram_hit == pytest.approx(want) and got["plan"]["ram_hit_rate"] == pytest.approx(ram_hit) and ram_hit > 0
     # projected onto twice the layers, each tier holds half the share: replayed so
-    projected = plan_json(tiny_pack, "--vram-gib", str((vram + m.trunk.size_bytes) / GIB), "--reserve-gib", "0",
+    projected = plan_json(tiny_pack, "--vram-gib", str((vram + trunk_in_vram(tiny_pack)) / GIB), "--reserve-gib", "0",
                           "--disk-gbps", "1", "--trace", trace_path, "--ram-gib", str(12 * m.max_stride / GIB),
                           "--layers", str(2 * m.model.n_layer))["plan"]
     share = projected["slots"] / (2 * len(m.layers) * m.model.n_expert)
@@ -170,9 +179,9 @@ def test_a_truncated_pack_projects_onto_the_whole_model(tiny_pack: Path) -> None
     moe_layer_bytes = sum(t.nbytes for t in tensors if t.name.startswith("blk.") and int(t.name.split(".")[1]) in
                           m.model.moe_layers)
     embedding = sum(t.nbytes for t in tensors if t.name.startswith("token_embd."))
-    assert i["trunk_bytes"] == m.trunk.size_bytes - moe_layer_bytes + moe_layer_bytes * n_moe // moe
+    assert i["trunk_bytes"] == m.trunk.size_bytes - embedding - moe_layer_bytes + moe_layer_bytes * n_moe // moe
     # compute time grows with what a decode step reads: the trunk less its embedding table, the top-k experts
-    read = lambda inputs: inputs["trunk_bytes"] - embedding + inputs["payload_bytes_per_token"]
+    read = lambda inputs: inputs["trunk_bytes"] + inputs["payload_bytes_per_token"]
     assert i["compute_tok_s"] == pytest.approx(300 * read(b) / read(i))
     assert 300 / 3 < i["compute_tok_s"] < 300 * m.model.n_layer / n * 1.5  # under 3x the layers, not by 3x
     assert i["prefill_tok_s"] == pytest.approx(900 / 3)  # a prompt's compute: by the layers that run it

@@ -1,6 +1,6 @@
 """Where a model runs when a worker spans several devices: a pipeline over contiguous layer ranges,
-one range per device, the token embedding on the first device and the output norm and head on the
-last. `parse_devices` reads `--device` (`cuda`, `cuda:0,cuda:1`, `cpu`, and for tests `cpu,cpu`);
+one range per device, the token embedding read by the first device (from pinned host memory on GPUs)
+and the output norm and head on the last. `parse_devices` reads `--device` (`cuda`, `cuda:0,cuda:1`, `cpu`, and for tests `cpu,cpu`);
 `split_layers` is the pure balance (trunk bytes a layer holds plus the expert bytes it reads per
 token); a `Placement` puts each trunk tensor on its layer's device and moves a step's state (the
 hidden state and whatever else the layers carry: positions' cos/sin, hyper-connection streams,
@@ -210,13 +210,21 @@ class Placement:
         return self.first if name.startswith("token_embd.") else self.last
 
     def weights(self, trunk: Mapping[str, QTensor]) -> dict[str, QTensor]:
-        """Every trunk tensor on its device (a block's on its layer's). Placing regroups Q8_0 matrices
-        on the GPU (QTensor.to), through temporaries of up to twice a matrix that torch's allocator
-        keeps reserved: handed back here, before an expert cache sizes itself from the free memory."""
-        placed = {name: t.to(self.tensor_device(name), self.ops.kernels) for name, t in trunk.items()}
+        """Every trunk tensor on its device (a block's on its layer's), but on GPUs the token
+        embedding in pinned host memory, where the first GPU reads a step's rows of it in place
+        (TritonOps.rows): a step needs a row a token of a table of hundreds of MB, which in VRAM
+        would take an expert cache's room. Placing regroups Q8_0 matrices on the GPU (QTensor.to),
+        through temporaries of up to twice a matrix that torch's allocator keeps reserved: handed
+        back here, before an expert cache sizes itself from the free memory."""
+        placed = {name: t.pinned(self.ops.kernels) if self.embedding_on_host(name) else
+                  t.to(self.tensor_device(name), self.ops.kernels) for name, t in trunk.items()}
         if any(d.type == "cuda" for d in self.devices):
             torch.cuda.empty_cache()
         return placed
+
+    def embedding_on_host(self, name: str) -> bool:
+        """Whether tensor `name` is the token embedding, kept in pinned host memory (`weights`)."""
+        return name.startswith("token_embd.") and self.first.type == "cuda"
 
     def on_layer(self, layer: int, t: QTensor) -> QTensor:
         """`t` where layer `layer` runs: for a tensor read by the layer before its own (the next

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 from ..kernels import hyper_tl, linear_tl, moe_grouped, moe_integer
 from ..kernels.attention_tl import decode_attention
 from ..kernels.compress_tl import compress_step, step_visible
+from ..kernels.host_rows_tl import host_rows
 from ..kernels.iq_dot_tl import IQ_DOT_TYPES
 from ..kernels.linear_tl import dequantize, matmul, matvec_heads, matvec_parts
 from ..kernels.moe_dense import experts_dense
@@ -67,8 +68,11 @@ class TritonOps(TorchOps):
         return values if dtype is torch.float32 else values.to(dtype)
 
     def rows(self, w: QTensor, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """From VRAM, or from pinned host memory where the table lives there (the token embedding on
+        GPUs: Placement.weights), read in place by the GPU."""
         row_bytes = w.raw.numel() // w.shape[1]
-        picked = w.raw.reshape(w.shape[1], row_bytes)[ids.reshape(-1)]
+        table = w.raw.reshape(w.shape[1], row_bytes)
+        picked = table[ids.reshape(-1)] if table.device == ids.device else host_rows(table, ids.reshape(-1))
         out = dequantize(picked, w.kernel_type, w.shape[0], picked.shape[0])
         return out.reshape(*ids.shape, w.shape[0]).to(dtype)
 

@@ -86,6 +86,12 @@ class QTensor:
             raw = ungroup_q8_0(raw)
         return QTensor(self.name, self.ggml_type, self.shape, raw, regroup)
 
+    def pinned(self, kernels: bool = False) -> "QTensor":
+        """In page-locked host memory, which the GPU reads in place (kernels/host_rows_tl.py), laid
+        out as `to` lays it out for a device (`kernels`)."""
+        on_host = self.to("cpu", kernels)
+        return QTensor(self.name, self.ggml_type, self.shape, on_host.raw.pin_memory(), on_host.regrouped)
+
 
 def stacked_rows(name: str, parts: list[QTensor]) -> QTensor | None:
     """Matrices of one type and row length stacked into one (their output rows concatenated, bytes
