@@ -6,7 +6,7 @@
 #   bash ../shared/device/wheels.sh jinja2 markupsafe openai httpx2 httpcore2 truststore distro jiter sniffio certifi idna
 #       # .whl (the machine reaches no registry; openai: tests/worker helpers that tests/kernels import)
 #   .venv/bin/python bench/peer_llamacpp.py fetch --dest .peer/llama.cpp
-#   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 31 MiB) or b (41 MiB)
+#   bash bench/device_check.sh fixtures [SET]              # .gpufix: SET a (default, 22 MiB) or b (48 MiB)
 # The tree that travels to the machine is at most 64 MiB, so tests/fixtures (105 MB) must not: keep it
 # out of the checkout you run from (git sparse-checkout set --no-cone '/*' '!/tests/fixtures/') and
 # take the set from another copy (EXPERTPACK_FIXTURES=../shared/fixtures).
@@ -34,8 +34,9 @@
 # SSD at 13 GB/s, 13 GiB of RAM tier; its decode compute the H200's times 1.79/4.8 TB/s of memory
 # bandwidth, decode being bound by it). E.g. deepseek-v4-flash 2 43 1.1 / kimi-k3 2 93 0.25; FLAGS
 # --type IQ1_S --mix down=IQ2_XXS give the experts an i-quant mix (issue 36).
-# Set a holds what tests/kernels and most of tests/gpu read; set b the architectures the rest read
-# (mixtral-a, deepseek3-a at BF16, DeepSeek-V4 and Kimi-K3): `tests` with it, carried without .peer.
+# Set a holds the quantized fixtures, which tests/kernels and most of tests/gpu read; set b the full
+# precision ones (the four fixture models against transformers, DeepSeek-V4's BF16 graph buffers):
+# `tests` with it, carried without .peer. `tests` deselects what the carried set lacks.
 # Outputs (profiles, llama-bench JSON, chart) go to $OUT.
 set -uo pipefail
 fixtures=${EXPERTPACK_FIXTURES:-tests/fixtures}  # the copy to take a set from
@@ -50,20 +51,22 @@ fixtures)
     rm -rf .gpufix && mkdir -p .gpufix
     copy() { mkdir -p ".gpufix/$(dirname "$1")" && cp -r "$fixtures/$1" ".gpufix/$1"; }
     if [ "${2:-a}" = a ]; then
-        for f in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf gguf/qwen3moe-a/qwen3moe-a.BF16.gguf \
-                 gguf/gptoss-a/gptoss-a.MXFP4.gguf gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf \
-                 gguf/deepseek3-a/deepseek3-a.Q2_K.gguf flagship/kimi-k3/k3-tiny.Q2_K.gguf \
-                 flagship/deepseek4/dsv4-tiny.Q2_K.gguf; do copy "$f"; done
+        for f in gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf gguf/gptoss-a/gptoss-a.MXFP4_MOE.gguf \
+                 gguf/deepseek3-a/deepseek3-a.Q2_K.gguf gguf/mixtral-a/mixtral-a.Q4_K_M.gguf \
+                 flagship/deepseek4/dsv4-tiny.Q2_K.gguf \
+                 flagship/kimi-k3/k3-tiny.Q2_K.gguf flagship/kimi-k3/logits flagship/kimi-k3/reference.json; do
+            copy "$f"
+        done
         for m in qwen3moe-a gptoss-a; do
             for f in hf_logits_f32.npy hf_ref.json prompt_ids.npy; do copy "ref/$m/$f"; done
         done
     else
-        for f in gguf/mixtral-a/mixtral-a.F16.gguf gguf/deepseek3-a/deepseek3-a.BF16.gguf \
-                 flagship/deepseek4/dsv4-tiny.BF16.gguf flagship/deepseek4/logits flagship/deepseek4/reference.json \
-                 flagship/kimi-k3/k3-tiny.Q2_K.gguf flagship/kimi-k3/logits flagship/kimi-k3/reference.json; do
+        for f in gguf/qwen3moe-a/qwen3moe-a.BF16.gguf gguf/mixtral-a/mixtral-a.F16.gguf \
+                 gguf/deepseek3-a/deepseek3-a.BF16.gguf gguf/gptoss-a/gptoss-a.MXFP4.gguf \
+                 flagship/deepseek4/dsv4-tiny.BF16.gguf flagship/deepseek4/logits flagship/deepseek4/reference.json; do
             copy "$f"
         done
-        for m in mixtral-a deepseek3-a; do
+        for m in qwen3moe-a mixtral-a deepseek3-a gptoss-a; do
             for f in hf_logits_f32.npy hf_ref.json prompt_ids.npy; do copy "ref/$m/$f"; done
         done
     fi
@@ -188,6 +191,9 @@ run | tests)
     have gguf/qwen3moe-a/qwen3moe-a.Q4_K_M.gguf || skip+=(--deselect tests/gpu/test_expert_cache_cuda.py
         --deselect tests/gpu/test_cuda_worker.py::test_resident_experts_equal_read_per_use_on_cuda
         --deselect tests/gpu/test_multi_gpu.py::test_two_gpus_through_expertd_share_one_connection)
+    have gguf/mixtral-a/mixtral-a.Q4_K_M.gguf || skip+=(
+        --deselect "tests/gpu/test_batched_decode_cuda.py::test_batched_steps_on_cuda_give_each_sequence_its_own_tokens[mixtral]"
+        --deselect "tests/gpu/test_batched_decode_cuda.py::test_a_prompt_beside_running_sequences_on_cuda[mixtral]")
     for m in flagship/kimi-k3/k3-tiny.Q2_K flagship/deepseek4/dsv4-tiny.Q2_K; do
         have "$m.gguf" || skip+=(--deselect "tests/gpu/test_decode_graph.py::test_a_second_request_with_states_replays_the_graph[$m.gguf]")
     done

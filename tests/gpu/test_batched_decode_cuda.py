@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from expertpack.packtools.build import BuildOptions, build_pack
 from expertpack.packtools.synth.writer import SynthOptions, write_synth
 from expertpack.packtools.layout import Manifest
 from expertpack.worker.engine.engine import Engine
@@ -76,13 +77,14 @@ def test_a_prompt_beside_running_sequences_on_cuda(model: str, synth: Path) -> N
 
 
 @pytest.mark.parametrize("share", [1.0, 0.5], ids=["every-expert", "half"])
-def test_batched_steps_over_the_expert_cache_replay_graphs_on_cuda(fixture_packs, tmp_path: Path, share: float) -> None:
+def test_batched_steps_over_the_expert_cache_replay_graphs_on_cuda(tmp_path: Path, share: float) -> None:
     """expert-worker's case, through expertd: into a cache that holds every expert the batched
     steps replay graphs that look their experts up in the device table (TableDecode); into one of
     half the experts they replay graphs split at the MoE layers (SegmentedDecode), the host
     fetching a layer's misses for every row at once. Each sequence's tokens are its own run's
     with every expert resident."""
-    pack = fixture_packs["qwen3moe-a.Q4_K_M"][1]
+    pack = tmp_path / "pack"
+    build_pack(FIXTURES / MODELS["qwen3moe"], pack, BuildOptions(progress=False, safety_margin_bytes=0))
     scenario = SCENARIOS["torch"]
     resident = Engine.load(pack, "cuda", resident_experts=True)
     want = {name: alone(resident, name, steps) for name, (_, steps) in scenario.items()}
