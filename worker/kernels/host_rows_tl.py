@@ -35,6 +35,7 @@ def host_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     n, row_bytes = ids.numel(), table.shape[1]
     out = torch.empty(n, row_bytes, dtype=torch.uint8, device=ids.device)
     if n:
-        _host_rows_kernel[(n, triton.cdiv(row_bytes, BLOCK))](out, ids.reshape(-1), table.data_ptr() - out.data_ptr(),
-                                                              table.shape[0], row_bytes, BLOCK=BLOCK, num_warps=4)
+        grid = (n, triton.cdiv(row_bytes, BLOCK))
+        _host_rows_kernel[grid](out, ids.reshape(-1).contiguous(), table.data_ptr() - out.data_ptr(), table.shape[0],
+                                row_bytes, BLOCK=BLOCK, num_warps=4)
     return out

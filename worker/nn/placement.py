@@ -267,15 +267,16 @@ def _moved(value: Any, device: torch.device) -> Any:
 
 def plan(files: ModelFiles, devices: Sequence[torch.device]) -> Placement:
     """The placement of a model over `devices`: layer ranges balanced by split_layers on the bytes
-    each layer holds and reads per token, the embedding counted on the first device, the head and
-    output norm on the last."""
+    each layer holds and reads per token, the embedding counted on the first device where it is
+    held there (not on GPUs: Placement.weights), the head and output norm on the last."""
     if len(devices) == 1:
         return Placement.single(devices[0])
     n_layer = int(files.metadata[f"{files.arch}.block_count"])
     top_k = int(files.metadata[f"{files.arch}.expert_used_count"])
     reads = {layer: top_k * files.experts.layout(layer).payload_bytes for layer in expert_layers(files)}
     costs = layer_costs(files.trunk, n_layer, reads)
-    embd = sum(t.raw.numel() for name, t in files.trunk.items() if name.startswith("token_embd."))
+    embd = 0 if devices[0].type == "cuda" else sum(t.raw.numel() for name, t in files.trunk.items()
+                                                    if name.startswith("token_embd."))
     head = sum(t.raw.numel() for name, t in files.trunk.items()
                if tensor_layer(name) is None and not name.startswith("token_embd."))
     return Placement.over(devices, split_layers([c.total for c in costs], len(devices), embd, head))
