@@ -221,7 +221,7 @@ def test_expert_lookup_records_ids_and_offsets_and_gathers_kept_blocks(t: int, k
             assert torch.equal(want_pool[want[p]:want[p] + nbytes], tier_bytes[(e % 16) * slot:][:nbytes])
 
 
-@pytest.mark.parametrize("most", [8, 3])
+@pytest.mark.parametrize("most", [8, 3, 0])
 def test_blocks_copied_ahead_are_read_from_their_ahead_slots(device: torch.device, most: int) -> None:
     """engine.TableDecode's copies ahead: expert_ahead copies the guessed experts' kept blocks
     (not resident or absent ones), the first `most` of them in the guess's order, into their ahead
