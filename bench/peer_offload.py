@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     one_layer = m.model.n_expert_used * max(layer.payload_bytes for layer in m.layers) / GIB
     if cache_gib < one_layer:
         print(f"peer_offload: {args.vram_gib:g} GiB of VRAM leaves expertpack a cache of {cache_gib:.2f} GiB after the "
-              f"trunk (less its embedding) and a {OUR_VRAM_MARGIN_GIB:g} GiB margin, less than one layer's top-k ({one_layer:.2f} GiB)",
+              f"trunk (less its embedding) and a {OUR_VRAM_MARGIN_GIB:g} GiB margin, less than one layer's top-k "
+              f"({one_layer:.2f} GiB)",
               file=sys.stderr)
         return 2
     llama = [(s, llama_run(args.bin, gguf, s, args)) for s in candidates]

@@ -231,8 +231,8 @@ def inputs_of(args: argparse.Namespace) -> Inputs:
         slots, why = ram_slot_count(None, ram_slot_bytes, staging, lockable_bytes()[0], n_blocks)
         ram, sources["ram"] = slots * ram_slot_bytes, f"as expertd would size it on this host: {why}"
     # the worker keeps the token embedding in pinned host memory and reads a step's rows in place
-    return Inputs(str(args.pack), n_moe, m.model.n_expert, k, blocks, payload, pack_slot_bytes(m), trunk - embedding, vram,
-                  int(args.reserve_gib * GIB), ram, ram_slot_bytes, moe, disk, args.pcie_gbps or DEFAULT_PCIE_GBPS,
+    return Inputs(str(args.pack), n_moe, m.model.n_expert, k, blocks, payload, pack_slot_bytes(m), trunk - embedding,
+                  vram, int(args.reserve_gib * GIB), ram, ram_slot_bytes, moe, disk, args.pcie_gbps or DEFAULT_PCIE_GBPS,
                   compute, (DEFAULT_MISS_HOST_MS if args.miss_host_ms is None else args.miss_host_ms) / 1e3,
                   args.prompt_tokens, prefill, sources)
 

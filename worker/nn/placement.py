@@ -1,10 +1,11 @@
 """Where a model runs when a worker spans several devices: a pipeline over contiguous layer ranges,
-one range per device, the token embedding read by the first device (from pinned host memory on GPUs)
-and the output norm and head on the last. `parse_devices` reads `--device` (`cuda`, `cuda:0,cuda:1`, `cpu`, and for tests `cpu,cpu`);
-`split_layers` is the pure balance (trunk bytes a layer holds plus the expert bytes it reads per
-token); a `Placement` puts each trunk tensor on its layer's device and moves a step's state (the
-hidden state and whatever else the layers carry: positions' cos/sin, hyper-connection streams,
-banked residuals, token ids) across a boundary once per step. It never sees experts' bytes, slots
+one range per device, the token embedding read by the first device (from pinned host memory on
+GPUs) and the output norm and head on the last. `parse_devices` reads `--device` (`cuda`,
+`cuda:0,cuda:1`, `cpu`, and for tests `cpu,cpu`); `split_layers` is the pure balance (trunk bytes
+a layer holds plus the expert bytes it reads per token); a `Placement` puts each trunk tensor on
+its layer's device and moves a step's state (the hidden state and whatever else the layers carry:
+positions' cos/sin, hyper-connection streams, banked residuals, token ids) across a boundary once
+per step. It never sees experts' bytes, slots
 or sockets; on one device every call here is a no-op."""
 
 from __future__ import annotations
