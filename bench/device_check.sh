@@ -20,7 +20,9 @@
 # `bash bench/device_check.sh streaming` (needs .whl and set a) runs the expert cache's GPU tests, then
 # bench/profile_streaming.py and decode_streaming.py with a RAM tier on the 12-layer Qwen3-30B-A3B.
 # `bash bench/device_check.sh tier` (needs .whl and set a) runs the device table's GPU tests, then
-# decode_streaming.py over a warm RAM tier (a pass to warm it, then the measured one; CACHE_GIB, TIER_GIB).
+# decode_streaming.py over a warm RAM tier (a pass to warm it, then the measured one; TIER_GIB), copies
+# ahead off and on, with a 1 GiB cache (the warm tier's row in BENCHMARKS.md) and with the cache
+# peer_offload.py gives the 4 / 8 GiB split (2.451 GiB; CACHE_GIB overrides both). About 7 minutes.
 # `bash bench/device_check.sh prefill` (needs .whl only) sweeps which kernels a prompt of 32 and of 512
 # tokens takes (attention, trunk matvec rows, expert paths) on the 12-layer Qwen3-30B-A3B.
 # `bash bench/device_check.sh kernels PRESET LAYERS` (needs .whl only) shows where that preset's resident
@@ -119,8 +121,12 @@ tier)  # the table's GPU tests, then decode over a warm RAM tier (kept blocks re
     out=${OUT:-/tmp}
     timeout 250 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_segmented_graphs.py tests/gpu/test_expert_cache_cuda.py \
         tests/kernels/test_decode_kernels.py -k "table or expert_lookup or cache" 2>&1 | tail -3
-    timeout 300 python3 bench/decode_streaming.py --layers 12 --cache-gib "${CACHE_GIB:-1}" --ram-cache-gib "${TIER_GIB:-4}" \
-        --prompt 32 --decode 64 --passes 2 --prefetch on 2>&1 | grep -v Warn | tee "$out/decode_tier.txt" | tail -9
+    for cache in ${CACHE_GIB:-1 2.451}; do
+        echo "== cache $cache GiB"
+        timeout 200 python3 bench/decode_streaming.py --layers 12 --cache-gib "$cache" --ram-cache-gib "${TIER_GIB:-4}" \
+            --prompt 32 --decode 64 --passes 2 --prefetch both --skip-resident 2>&1 | grep -v Warn \
+            | tee "$out/decode_tier_$cache.txt" | grep -E "^(streaming|PCIe|copied|argmax)"
+    done
     ;;
 prefill)  # the paths a prompt's shape takes, swept on the resident step (bench/decode_settings.py --prefill)
     install
