@@ -218,7 +218,8 @@ def expert_lookup(ids: torch.Tensor, row: torch.Tensor, rec_ids: torch.Tensor, r
     _expert_lookup_kernel[(1,)](ids.reshape(-1), row, rec_ids, rec_offsets, offsets,
                                 offsets if ahead is None else ahead.guess, offsets if ahead is None else ahead.counts,
                                 n, row.shape[0], resident_bytes, slot_bytes, 0 if ahead is None else ahead.base,
-                                0 if ahead is None else ahead.most, BN=max(16, triton.next_power_of_2(n)), AHEAD=ahead is not None, num_warps=1)
+                                0 if ahead is None else ahead.most, BN=max(16, triton.next_power_of_2(n)),
+                                AHEAD=ahead is not None, num_warps=1)
     programs = 1 if pool.device.type == "cpu" else min(GATHER_PROGRAMS, triton.cdiv(nbytes, GATHER_BLOCK))
     _gather_kept_kernel[(programs, n)](pool, rec_offsets, offsets, nbytes, resident_bytes, slot_bytes,
                                        BLOCK=GATHER_BLOCK, num_warps=4)

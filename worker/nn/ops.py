@@ -187,10 +187,9 @@ class TorchOps:
         """The guessed experts ahead.guess [k] of the next layer (its router on this layer's router
         input, lookahead.guess) that the cache keeps in the RAM tier (`row`, as expert_lookup reads
         it), the likeliest ahead.most of them: each block into its ahead slot (guess g's at
-        ahead.base + g * slot_bytes). On the GPU
-        this runs on a side stream while the layer computes, so the next layer's lookup finds the
-        right guesses in VRAM; a wrong guess costs PCIe time only: what a layer reads is what its
-        own routing picks."""
+        ahead.base + g * slot_bytes). On the GPU this runs on a side stream while the layer
+        computes, so the next layer's lookup finds the right guesses in VRAM; a wrong guess costs
+        PCIe time only: what a layer reads is what its own routing picks."""
         guess, copied = _kept_guesses(row, ahead, resident_bytes)
         for g in copied.nonzero().reshape(-1).tolist():
             _read_kept(pool, int(row[guess[g]]), ahead.base + g * slot_bytes, nbytes)
