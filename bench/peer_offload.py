@@ -10,12 +10,14 @@ from the pack's sizes, plus LLAMA_VRAM_MARGIN_GIB for its KV cache and buffers);
 every split that fits and the best decode counts. expertpack gets the same budget: the trunk (less
 its token embedding, which the worker, like llama.cpp, keeps in host memory), a cache of the rest
 less OUR_VRAM_MARGIN_GIB, and expertd's RAM tier of the RAM budget less
-HOST_RESERVE_GIB (the worker's own host memory: CUDA's context, the trunk on its way in). Prints
-a table and, last, one JSON line. Needs root (the cgroup) and a llama.cpp build
+HOST_RESERVE_GIB (the worker's own host memory: CUDA's context, the trunk on its way in). With
+--rounds N both sides run N times, alternately, and the table shows each one's median: one
+llama-bench run of the split moved by 6% and more between runs on one machine (BENCHMARKS.md).
+Prints a table and, last, one JSON line. Needs root (the cgroup) and a llama.cpp build
 (bench/peer_llamacpp.py build).
 
   sudo python3 bench/peer_offload.py --bin /tmp/llama-build/bin --preset qwen3-30b-a3b --layers 12 \\
-      --vram-gib 4 --ram-gib 8 [--ncmoe 4 8 12] [--pp 32] [--tg 32] [--reps 2] [--dir bench-out]
+      --vram-gib 4 --ram-gib 8 [--ncmoe 4 8 12] [--pp 32] [--tg 32] [--reps 2] [--rounds 3] [--dir bench-out]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -61,6 +64,26 @@ def splits(gpu_trunk_bytes: int, expert_bytes_by_layer: dict[int, int], n_layer:
 def fitting(all_splits: list[Split], vram_bytes: int) -> list[Split]:
     """The splits whose weights and margin fit the VRAM budget."""
     return [s for s in all_splits if s.vram_bytes + LLAMA_VRAM_MARGIN_GIB * GIB <= vram_bytes]
+
+
+def median_of_rounds(results: list[dict]) -> dict:
+    """One side's runs (llama_run's or our_run's results) as one: each rate's median over the runs
+    that measured it (a run that failed measured none), the largest memory peak, the OOM kills
+    summed, the errors and the lowest hit rate kept, and every run's rates under "rounds"."""
+    rates: dict[str, list[float]] = {}
+    for r in results:
+        for key, value in r["rates"].items():
+            rates.setdefault(key, []).append(value)
+    merged = {**results[-1], "rates": {k: statistics.median(v) for k, v in rates.items()},
+              "peak_bytes": max(r["peak_bytes"] or 0 for r in results),
+              "oom_kills": sum(r["oom_kills"] for r in results), "rounds": [r["rates"] for r in results]}
+    merged.pop("error", None)
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        merged["error"] = "; ".join(dict.fromkeys(errors))
+    if any("hit_rate" in r for r in results):
+        merged["hit_rate"] = min(r["hit_rate"] for r in results if "hit_rate" in r)
+    return merged
 
 
 def llama_run(bin_dir: Path, gguf: Path, split: Split, args: argparse.Namespace) -> dict:
@@ -111,9 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ncmoe", type=int, nargs="+", help="the splits to try (default: every one that fits the VRAM)")
     p.add_argument("--pp", type=int, default=32)
     p.add_argument("--tg", type=int, default=32)
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2, help="llama-bench's repetitions of each test")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run llama.cpp's splits and expertpack this many times, alternately; report the medians")
     p.add_argument("--timeout-s", type=float, default=300, help="per process")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
 
     from expertpack.bench.decode_streaming import prepare_pack
     from expertpack.packtools.gguf_source import open_source
@@ -139,9 +166,17 @@ def main(argv: list[str] | None = None) -> int:
               f"({one_layer:.2f} GiB)",
               file=sys.stderr)
         return 2
-    llama = [(s, llama_run(args.bin, gguf, s, args)) for s in candidates]
     ram_tier_gib = max(0.0, args.ram_gib - HOST_RESERVE_GIB)
-    ours = our_run(args, cache_gib, ram_tier_gib)
+    llama_rounds: list[list[dict]] = [[] for _ in candidates]
+    our_rounds: list[dict] = []
+    for n in range(args.rounds):
+        if args.rounds > 1:
+            print(f"peer_offload: round {n + 1} of {args.rounds}", file=sys.stderr, flush=True)
+        for runs, s in zip(llama_rounds, candidates):
+            runs.append(llama_run(args.bin, gguf, s, args))
+        our_rounds.append(our_run(args, cache_gib, ram_tier_gib))
+    llama = [(s, median_of_rounds(runs)) for s, runs in zip(candidates, llama_rounds)]
+    ours = median_of_rounds(our_rounds)
 
     tg, pp = f"tg{args.tg}", f"pp{args.pp}"
     print(f"model {stem}: trunk {m.trunk.size_bytes / GIB:.2f} GiB, experts {sum(by_layer.values()) / GIB:.2f} GiB; "
@@ -157,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     best = max(llama, key=lambda sr: sr[1]["rates"].get(tg, 0))
     ratio = ours["rates"].get(tg, 0) / best[1]["rates"][tg] if best[1]["rates"].get(tg) else None
     print(f"decode: expertpack / llama.cpp's best split (-ncmoe {best[0].ncmoe}) = "
-          + (f"{ratio:.2f}x" if ratio is not None else "-"))
+          + (f"{ratio:.2f}x" if ratio is not None else "-")
+          + (f" (medians of {args.rounds} rounds)" if args.rounds > 1 else ""))
+    round_ratios = [o.get(tg, 0) / b[tg] if b.get(tg) else None for o, b in zip(ours["rounds"], best[1]["rounds"])]
+    if args.rounds > 1:
+        print("decode ratio by round: " + ", ".join(f"{r:.2f}x" if r is not None else "-" for r in round_ratios))
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(json.dumps({"bench": "peer_offload", "date": date.today().isoformat(), "commit": commit, "model": stem,
@@ -165,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                       "vram_gib": args.vram_gib, "vram_budget": "arithmetic: the splits and the cache sized to it",
                       "ram_gib": args.ram_gib, "ram_budget": "a memory cgroup per process tree",
                       "start": "cold: page cache dropped before each process", "pp": args.pp, "tg": args.tg,
+                      "rounds": args.rounds, "round_ratios": round_ratios,
                       "llama": [{"ncmoe": s.ncmoe, "gpu_weight_bytes": s.vram_bytes, **r} for s, r in llama],
                       "expertpack": {"cache_gib": cache_gib, "ram_tier_gib": ram_tier_gib, **ours},
                       "best_ncmoe": best[0].ncmoe, "decode_ratio": ratio}))
