@@ -23,11 +23,13 @@ if TYPE_CHECKING:
     from ..models import Model
 
 # Kept blocks a table step copies ahead for the next layer: the router's likeliest guesses only,
-# as many as PCIe moves while this layer computes (~0.1 ms, ~5 MB at 50 GB/s: two Q4_K experts of
-# Qwen3-30B-A3B). Copying all k guesses made the next layer wait for them and spent 13% more PCIe
-# on the wrong ones (the traces of decode_streaming --trace). On the H100 (BENCHMARKS.md), Q3-12L
-# over a warm RAM tier: 2 blocks 1.12x of none; 1 block 1.05x, 3 (at 32 programs a block) 1.10x.
-AHEAD_BLOCKS = 2
+# about as many as PCIe moves while this layer computes (~0.1-0.15 ms, 5-7.5 MB at 50 GB/s: two or
+# three Q4_K experts of Qwen3-30B-A3B). Copying all k guesses made the next layer wait for them and
+# spent 13% more PCIe on the wrong ones (the traces of decode_streaming --trace). On the H100
+# (BENCHMARKS.md), Q3-12L: over a warm RAM tier (1 GiB cache) 2 blocks 1.12x of none, 1 block
+# 1.05x, 3 (at 32 programs a block) 1.10x; at the 4 / 8 GiB split's cache (2.451 GiB) 3 blocks
+# 1.03x of 2, 4 blocks 0.97x.
+AHEAD_BLOCKS = 3
 
 
 class StaticInputs:
