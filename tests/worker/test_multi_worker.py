@@ -104,7 +104,7 @@ def test_two_workers_share_one_expertd(tiny_pack: Path, tmp_path: Path) -> None:
     assert b["keys"] > 0 and b["ram_hits"] == b["keys"] == b["ready"] and b["ram_misses"] == 0 and b["read_bytes"] == 0
     assert a["ram_hits"] > a_alone["ram_hits"]
     # No key failed but the lookahead's cancels of stale prefetches, which timing decides (a loaded
-    # 2-core host once cancelled one); they count among FAILs, and apart daemon-wide.
+    # 2-core host once cancelled one). They count among FAILs; the daemon-wide counters also count them alone.
     assert stats["counters"]["failed"] == stats["counters"]["cancelled"] and stats["counters"]["io_errors"] == 0
     for name, c in ((names[0], a), (names[1], b)):
         assert c["served_bytes"] > 0 and c["demand_latency_us"]["count"] > 0, (name, c)

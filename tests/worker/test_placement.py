@@ -123,15 +123,34 @@ def test_split_refuses_what_cannot_be_split(n_layer: int, n_parts: int, needle: 
     assert needle in str(err.value)
 
 
-def test_layer_costs_count_block_tensors_and_expert_reads() -> None:
-    def q(name: str, nbytes: int) -> QTensor:
-        return QTensor(name, T.F32, (nbytes // 4,), torch.zeros(nbytes, dtype=torch.uint8))
+def q(name: str, nbytes: int) -> QTensor:
+    """A trunk tensor of `nbytes` (float32 zeros)."""
+    return QTensor(name, T.F32, (nbytes // 4,), torch.zeros(nbytes, dtype=torch.uint8))
 
+
+def test_layer_costs_count_block_tensors_and_expert_reads() -> None:
     trunk = {t.name: t for t in [q("token_embd.weight", 400), q("blk.0.attn_q.weight", 40), q("blk.0.ffn_norm.weight", 8),
                                  q("blk.1.attn_q.weight", 40), q("blk.10.attn_q.weight", 4), q("output.weight", 400)]}
     assert tensor_layer("blk.10.attn_q.weight") == 10 and tensor_layer("output.weight") is None
     costs = layer_costs(trunk, 2, {1: 3 * 4096})
     assert costs == [LayerCost(48, 0), LayerCost(40, 3 * 4096)]
+
+
+def test_plan_counts_the_embedding_on_the_first_device_only_where_it_is_held_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On GPUs the token embedding stays in pinned host memory (Placement.weights), so it weighs
+    nothing on the first GPU and the layers split evenly; on CPUs it is the first device's, and its
+    bytes move the cut forward."""
+    from expertpack.worker.nn import placement
+    from expertpack.worker.weights.model_files import ModelFiles
+
+    trunk = {t.name: t for t in [q("token_embd.weight", 4000), q("output.weight", 100),
+                                 *(q(f"blk.{i}.attn_q.weight", 100) for i in range(6))]}
+    files = ModelFiles("qwen3moe", {"qwen3moe.block_count": 6, "qwen3moe.expert_used_count": 1}, trunk, None, None)
+    monkeypatch.setattr(placement, "expert_layers", lambda files: {})  # no routed experts: the trunk alone
+    gpus = placement.plan(files, [torch.device("cuda", 0), torch.device("cuda", 1)])
+    cpus = placement.plan(files, [torch.device("cpu"), torch.device("cpu")])
+    assert gpus.starts == (0, 3) and cpus.starts == (0, 1)
 
 
 # ---- the placement ---------------------------------------------------------------------------------

@@ -5,8 +5,7 @@ GPUs) and the output norm and head on the last. `parse_devices` reads `--device`
 a layer holds plus the expert bytes it reads per token); a `Placement` puts each trunk tensor on
 its layer's device and moves a step's state (the hidden state and whatever else the layers carry:
 positions' cos/sin, hyper-connection streams, banked residuals, token ids) across a boundary once
-per step. It never sees experts' bytes, slots
-or sockets; on one device every call here is a no-op."""
+per step. It never sees experts' bytes, slots or sockets; on one device every call here is a no-op."""
 
 from __future__ import annotations
 
@@ -225,7 +224,7 @@ class Placement:
 
     def embedding_on_host(self, name: str) -> bool:
         """Whether tensor `name` is the token embedding, kept in pinned host memory (`weights`)."""
-        return name.startswith("token_embd.") and self.first.type == "cuda"
+        return _embedding_on_host(name, self.first)
 
     def on_layer(self, layer: int, t: QTensor) -> QTensor:
         """`t` where layer `layer` runs: for a tensor read by the layer before its own (the next
@@ -266,6 +265,12 @@ def _moved(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _embedding_on_host(name: str, first: torch.device) -> bool:
+    """The token embedding stays in pinned host memory where the first device is a GPU
+    (Placement.weights)."""
+    return name.startswith("token_embd.") and first.type == "cuda"
+
+
 def plan(files: ModelFiles, devices: Sequence[torch.device]) -> Placement:
     """The placement of a model over `devices`: layer ranges balanced by split_layers on the bytes
     each layer holds and reads per token, the embedding counted on the first device where it is
@@ -276,8 +281,8 @@ def plan(files: ModelFiles, devices: Sequence[torch.device]) -> Placement:
     top_k = int(files.metadata[f"{files.arch}.expert_used_count"])
     reads = {layer: top_k * files.experts.layout(layer).payload_bytes for layer in expert_layers(files)}
     costs = layer_costs(files.trunk, n_layer, reads)
-    embd = 0 if devices[0].type == "cuda" else sum(t.raw.numel() for name, t in files.trunk.items()
-                                                    if name.startswith("token_embd."))
+    embd = sum(t.raw.numel() for name, t in files.trunk.items()
+               if name.startswith("token_embd.") and not _embedding_on_host(name, devices[0]))
     head = sum(t.raw.numel() for name, t in files.trunk.items()
                if tensor_layer(name) is None and not name.startswith("token_embd."))
     return Placement.over(devices, split_layers([c.total for c in costs], len(devices), embd, head))
