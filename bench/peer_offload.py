@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode: expertpack / llama.cpp's best split (-ncmoe {best[0].ncmoe}) = "
           + (f"{ratio:.2f}x" if ratio is not None else "-")
           + (f" (medians of {args.rounds} rounds)" if args.rounds > 1 else ""))
-    round_ratios = [o.get(tg, 0) / b[tg] if b.get(tg) else None for o, b in zip(ours["rounds"], best[1]["rounds"])]
+    round_ratios = [o[tg] / b[tg] if o.get(tg) and b.get(tg) else None  # a failed run's round has none
+                    for o, b in zip(ours["rounds"], best[1]["rounds"])]
     if args.rounds > 1:
         print("decode ratio by round: " + ", ".join(f"{r:.2f}x" if r is not None else "-" for r in round_ratios))
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 # three Q4_K experts of Qwen3-30B-A3B). Copying all k guesses made the next layer wait for them and
 # spent 13% more PCIe on the wrong ones (the traces of decode_streaming --trace). On the H100
 # (BENCHMARKS.md), Q3-12L: over a warm RAM tier (1 GiB cache) 2 blocks 1.12x of none, 1 block
-# 1.05x, 3 (at 32 programs a block) 1.10x; at the 4 / 8 GiB split's cache (2.451 GiB) 3 blocks
-# 1.03x of 2, 4 blocks 0.97x.
+# 1.05x, 3 (at 32 programs a block) 1.10x, and 3 at 16 programs 1.00x of 2 (2026-12-08); at the
+# 4 / 8 GiB split's cache (2.451 GiB) 3 blocks 1.03x of 2, 4 blocks 0.97x.
 AHEAD_BLOCKS = 3
 
 
